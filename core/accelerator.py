@@ -1,0 +1,389 @@
+"""The accelerator contract: one class per backend, defaults in the base.
+
+Every plugin's accelerator derives from :class:`Accelerator` and overrides only what
+its hardware does differently. Defaults delegate to torch's device-generic APIs
+(``torch.get_device_module(device_type)``), so a backend that torch already knows
+needs very little code.
+
+Rules for growing this class (see DESIGN.md "The contract is versioned"): new methods
+always get a default implementation — never add an abstract method — and optional
+features are declared through :meth:`Accelerator.capabilities`. A feature that is not
+claimed raises :class:`polyaccel.Unsupported`; nothing here is a silent no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .errors import PolyaccelError, Unsupported
+from .version import API_VERSION
+
+#: Capability names the core knows about. Plugins may claim extra, free-form names.
+KNOWN_CAPABILITIES = (
+    "streams",  # Stream/Event objects with real ordering semantics
+    "events",
+    "graphs",  # create/capture/replay of device graphs
+    "host_register",  # register an existing host buffer for DMA without copying
+    "pinned",  # page-locked host allocations through pin_memory()
+    "async_p2p",  # isend/irecv that never block on device tensors
+    "memory_stats",  # allocated/reserved/peak counters
+    "rng",  # seed + get/set generator state
+    "fp64",
+    "bf16",
+    "fp16",
+    "fp8",
+    "triton",
+)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What :meth:`Accelerator.probe` found: usable or not, and why, in words a user can act on."""
+
+    available: bool
+    reason: str = ""
+    device_count: int = 0
+    emulated: bool = False
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class _HostRegistration:
+    __slots__ = ("ptr", "nbytes", "count", "tensor", "leaked")
+
+    def __init__(self, ptr: int, nbytes: int, tensor: torch.Tensor):
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.count = 1
+        self.tensor = tensor
+        self.leaked = False
+
+
+class Accelerator:
+    """Base class of every backend's accelerator.
+
+    Identity is class-level so that the registry can read it without instantiating
+    (instantiation must stay cheap anyway: it must not initialise a device runtime).
+    """
+
+    #: plugin name, unique among installed plugins ("cuda", "rocm", "cpu", ...)
+    name: ClassVar[str] = ""
+    #: torch's device type for tensors of this backend ("cuda" for rocm too)
+    device_type: ClassVar[str] = "cpu"
+    #: contract version the plugin was written against; major must match polyaccel's
+    api_version: ClassVar[str] = API_VERSION
+    #: auto-selection order; device plugins above cpu (0). Negative: only by name.
+    priority: ClassVar[int] = 0
+    #: torch.distributed backend name
+    communication_backend: ClassVar[str] = "gloo"
+
+    # ----------------------------------------------------------------- identity
+    def __init__(self) -> None:
+        self._host_regs: dict[int, _HostRegistration] = {}
+        self._host_lock = threading.Lock()
+
+    def probe(self) -> ProbeResult:
+        """Ask the runtime whether this backend can be used here. Must be cheap."""
+        mod = self._device_module(required=False)
+        if mod is None or not hasattr(mod, "is_available"):
+            return ProbeResult(False, f"torch has no '{self.device_type}' device module")
+        if not mod.is_available():
+            return ProbeResult(False, f"torch.{self.device_type}.is_available() is False")
+        return ProbeResult(True, "", int(mod.device_count()))
+
+    def capabilities(self) -> frozenset[str]:
+        """The features this plugin claims; each must pass its conformance test."""
+        return frozenset()
+
+    def has(self, capability: str) -> bool:
+        return capability in self.capabilities()
+
+    def require(self, capability: str, hint: str = "") -> None:
+        if capability not in self.capabilities():
+            raise Unsupported(self.name, capability, hint)
+
+    def is_emulated(self) -> bool:
+        """True when the runtime behind this accelerator is a CPU emulation (tests only)."""
+        return False
+
+    def describe(self) -> str:
+        return f"{self.name} (torch device type {self.device_type!r})"
+
+    def _device_module(self, required: bool = True):
+        try:
+            return torch.get_device_module(self.device_type)
+        except Exception:
+            mod = getattr(torch, self.device_type, None)
+            if mod is None and required:
+                raise Unsupported(self.name, f"torch.{self.device_type}") from None
+            return mod
+
+    # ------------------------------------------------------------------- device
+    def device(self, index: int | None = None) -> torch.device:
+        if index is None:
+            index = self.current_device()
+        return torch.device(self.device_type, index)
+
+    def device_count(self) -> int:
+        return int(self._device_module().device_count())
+
+    def current_device(self) -> int:
+        return int(self._device_module().current_device())
+
+    def set_device(self, index: int) -> None:
+        self._device_module().set_device(index)
+
+    def synchronize(self, index: int | None = None) -> None:
+        self._device_module().synchronize(index)
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == self.device_type
+
+    # ------------------------------------------------------ execution model
+    def is_synchronized_device(self) -> bool:
+        """Device work runs in host order; no side streams are needed."""
+        return False
+
+    def use_host_timers(self) -> bool:
+        return self.is_synchronized_device()
+
+    def resolves_data_dependency(self) -> bool:
+        """The runtime orders cross-stream data dependencies by itself."""
+        return False
+
+    def handles_memory_backpressure(self) -> bool:
+        return False
+
+    # ---------------------------------------------------------- streams/events
+    def Stream(self, *args, **kwargs):
+        self.require("streams")
+        return self._device_module().Stream(*args, **kwargs)
+
+    def Event(self, *args, **kwargs):
+        self.require("events")
+        return self._device_module().Event(*args, **kwargs)
+
+    def current_stream(self, index: int | None = None):
+        self.require("streams")
+        return self._device_module().current_stream(index)
+
+    def default_stream(self, index: int | None = None):
+        self.require("streams")
+        return self._device_module().default_stream(index)
+
+    def stream(self, stream):
+        """Context manager making ``stream`` current. ``None`` is an explicit no-op."""
+        if stream is None:
+            return contextlib.nullcontext()
+        self.require("streams")
+        return self._device_module().stream(stream)
+
+    # --------------------------------------------------------------------- RNG
+    def manual_seed(self, seed: int) -> None:
+        self._device_module().manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        self._device_module().manual_seed_all(seed)
+
+    def initial_seed(self) -> int:
+        return int(self._device_module().initial_seed())
+
+    def get_rng_state(self, index: int | None = None) -> torch.Tensor:
+        mod = self._device_module()
+        return mod.get_rng_state() if index is None else mod.get_rng_state(index)
+
+    def set_rng_state(self, state: torch.Tensor, index: int | None = None) -> None:
+        mod = self._device_module()
+        if index is None:
+            mod.set_rng_state(state)
+        else:
+            mod.set_rng_state(state, index)
+
+    # ------------------------------------------------------------------ memory
+    def _memory_call(self, fn: str, index: int | None):
+        self.require("memory_stats")
+        return getattr(self._device_module(), fn)(index)
+
+    def memory_allocated(self, index: int | None = None) -> int:
+        return int(self._memory_call("memory_allocated", index))
+
+    def max_memory_allocated(self, index: int | None = None) -> int:
+        return int(self._memory_call("max_memory_allocated", index))
+
+    def memory_reserved(self, index: int | None = None) -> int:
+        return int(self._memory_call("memory_reserved", index))
+
+    def reset_peak_memory_stats(self, index: int | None = None) -> None:
+        self._memory_call("reset_peak_memory_stats", index)
+
+    def memory_stats(self, index: int | None = None) -> dict[str, Any]:
+        return dict(self._memory_call("memory_stats", index))
+
+    def empty_cache(self) -> None:
+        mod = self._device_module(required=False)
+        if mod is not None and hasattr(mod, "empty_cache"):
+            mod.empty_cache()
+
+    def total_memory(self, index: int | None = None) -> int:
+        self.require("memory_stats")
+        free, total = self._device_module().mem_get_info(index)
+        return int(total)
+
+    def available_memory(self, index: int | None = None) -> int:
+        self.require("memory_stats")
+        free, total = self._device_module().mem_get_info(index)
+        return int(free)
+
+    # ------------------------------------------------------------------ dtypes
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        caps = self.capabilities()
+        dtypes = [torch.float32]
+        for cap, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp64", torch.float64)):
+            if cap in caps:
+                dtypes.append(dt)
+        return tuple(dtypes)
+
+    def is_bf16_supported(self) -> bool:
+        return "bf16" in self.capabilities()
+
+    def is_fp16_supported(self) -> bool:
+        return "fp16" in self.capabilities()
+
+    def is_fp64_supported(self) -> bool:
+        return "fp64" in self.capabilities()
+
+    def fp8_dtypes(self) -> tuple[torch.dtype, ...]:
+        """fp8 formats this device computes in natively (e4m3 first)."""
+        return ()
+
+    # ------------------------------------------------------------ pinned memory
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Return a page-locked copy of a host tensor (or the tensor if already pinned)."""
+        self.require("pinned")
+        if self.is_pinned(tensor):
+            return tensor
+        return tensor.pin_memory(self.device())
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        if tensor.device.type != "cpu":
+            return False
+        if tensor.data_ptr() in self._host_regs:
+            return True
+        if "pinned" not in self.capabilities():
+            return False
+        return tensor.is_pinned(self.device())
+
+    def empty_pinned(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Allocate a host buffer suitable for fast DMA: pinned, else registered, else plain."""
+        buf = torch.empty(shape, dtype=dtype)
+        if "pinned" in self.capabilities():
+            return self.pin_memory(buf)
+        return buf
+
+    def pin_memory_alignment(self) -> int:
+        """Byte alignment host registration needs; the registered range is rounded to it."""
+        return 1
+
+    def _host_register(self, ptr: int, nbytes: int) -> None:
+        """Backend hook: register [ptr, ptr+nbytes) with the device runtime; raise on failure."""
+        raise Unsupported(self.name, "host_register")
+
+    def _host_unregister(self, ptr: int) -> None:
+        """Backend hook: undo :meth:`_host_register`; raise on failure."""
+        raise Unsupported(self.name, "host_register")
+
+    def host_register_range(self, tensor: torch.Tensor) -> tuple[int, int]:
+        """The (address, length) actually registered for ``tensor``: rounded to the alignment."""
+        align = self.pin_memory_alignment()
+        start = tensor.data_ptr()
+        end = start + tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
+        end = max(end, start + tensor.numel() * tensor.element_size())
+        lo = start - start % align
+        hi = -(-end // align) * align
+        return lo, hi - lo
+
+    def register_host_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Register an existing host buffer for DMA in place (no copy); refcounted.
+
+        Registering the same buffer twice only counts; the runtime sees one
+        registration until the last :meth:`unregister_host_memory`.
+        """
+        self.require("host_register")
+        if tensor.device.type != "cpu":
+            raise PolyaccelError(
+                f"register_host_memory needs a host (cpu) tensor, got one on {tensor.device}"
+            )
+        if not tensor.is_contiguous():
+            raise PolyaccelError("register_host_memory needs a contiguous tensor; call .contiguous() first")
+        if tensor.numel() == 0:
+            return tensor
+        with self._host_lock:
+            key = tensor.data_ptr()
+            reg = self._host_regs.get(key)
+            if reg is not None:
+                reg.count += 1
+                return tensor
+            ptr, nbytes = self.host_register_range(tensor)
+            self._host_register(ptr, nbytes)
+            self._host_regs[key] = _HostRegistration(ptr, nbytes, tensor)
+        return tensor
+
+    def unregister_host_memory(self, tensor: torch.Tensor) -> bool:
+        """Drop one reference; unregister on the last. Returns True when the runtime was told.
+
+        If the runtime refuses to unregister, the buffer is kept alive forever (leaked)
+        rather than freed: the device may still DMA into it.
+        """
+        self.require("host_register")
+        if tensor.numel() == 0:
+            return False
+        with self._host_lock:
+            reg = self._host_regs.get(tensor.data_ptr())
+            if reg is None:
+                raise PolyaccelError(
+                    f"unregister_host_memory: buffer at {tensor.data_ptr():#x} was not registered "
+                    f"with {self.name!r}"
+                )
+            reg.count -= 1
+            if reg.count > 0:
+                return False
+            del self._host_regs[tensor.data_ptr()]
+            try:
+                self._host_unregister(reg.ptr)
+            except Exception:
+                reg.leaked = True
+                _LEAKED_HOST_BUFFERS.append(reg)
+                raise
+        return True
+
+    def host_registrations(self) -> dict[int, int]:
+        """Registered buffers: data pointer -> reference count."""
+        return {k: r.count for k, r in self._host_regs.items()}
+
+    # ------------------------------------------------------------------- graphs
+    def create_graph(self):
+        self.require("graphs", "use eager execution; this backend has no device graphs")
+        return self._device_module().CUDAGraph()
+
+    def capture_to_graph(self, graph, pool=None, stream=None):
+        self.require("graphs", "use eager execution; this backend has no device graphs")
+        return self._device_module().graph(graph, pool=pool, stream=stream)
+
+    def replay_graph(self, graph) -> None:
+        self.require("graphs", "use eager execution; this backend has no device graphs")
+        graph.replay()
+
+    # --------------------------------------------------------------- triton
+    def is_triton_supported(self) -> bool:
+        return "triton" in self.capabilities()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} device_type={self.device_type!r}>"
+
+
+#: Buffers whose unregistration failed: kept referenced so the memory is never freed.
+_LEAKED_HOST_BUFFERS: list[_HostRegistration] = []

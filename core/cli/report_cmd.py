@@ -1,0 +1,70 @@
+"""Show what polyaccel found on this machine.
+
+Lists versions, every plugin discovered through the `polyaccel.plugins` entry points
+with its status (selected / available / unavailable / failed / blocked /
+incompatible / duplicate) and the reason, the selected accelerator's capabilities,
+and for every op the builder chosen for that device and why.
+
+Environment: POLYACCEL_ACCELERATOR, POLYACCEL_PLUGINS, POLYACCEL_DISABLE_PLUGINS,
+POLYACCEL_DISABLE_PLUGIN_AUTOLOAD, POLYACCEL_OP_OVERRIDES (see the README).
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON (schema in docs/report.md)")
+
+
+def run(args) -> int:
+    from ..report import build_report
+
+    rep = build_report()
+    if args.json:
+        print(json.dumps(rep, indent=2, sort_keys=True, default=str))
+        return 0 if rep["selected"] else 1
+    _print_rich(rep)
+    return 0 if rep["selected"] else 1
+
+
+def _print_rich(rep) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    v = rep["versions"]
+    con.print("[bold]polyaccel report[/bold]  " + "  ".join(f"{k} {v[k] or '-'}" for k in v))
+    t = Table(title="plugins", show_lines=False)
+    for col in ("name", "status", "prio", "device", "api", "reason / source"):
+        t.add_column(col)
+    style = {"selected": "bold green", "available": "green", "unavailable": "yellow"}
+    for p in rep["plugins"]:
+        st = p["status"] + (" (emulated)" if p["emulated"] else "")
+        t.add_row(p["name"], f"[{style.get(p['status'], 'red')}]{st}[/]",
+                  str(p["priority"] if p["priority"] is not None else "-"), str(p["device_type"] or "-"),
+                  str(p["api_version"] or "-"), p["reason"] or p["source"])
+    con.print(t)
+    sel = rep["selected"]
+    if sel is None:
+        con.print(f"[bold red]no accelerator selected[/]: {rep['selection_error']}")
+        return
+    con.print(f"selected: [bold]{sel['name']}[/] (device type {sel['device_type']}, "
+              f"comm {sel['communication_backend']}{', emulated' if sel['emulated'] else ''})")
+    con.print("capabilities: " + (", ".join(sel["capabilities"]) or "none"))
+    ot = Table(title=f"ops on {sel['device_type']}")
+    for col in ("op", "builder", "plugin", "kind", "why"):
+        ot.add_column(col)
+    for op, info in sorted(rep["ops"].items()):
+        if "error" in info:
+            ot.add_row(op, "-", "-", "-", f"[red]{info['error']}[/]")
+            continue
+        chosen = next((c for c in info["candidates"] if c["chosen"]), None)
+        others = "; ".join(f"{c['builder']}: {c['reason']}" for c in info["candidates"] if not c["chosen"])
+        if chosen:
+            ot.add_row(op, chosen["builder"], chosen["plugin"], chosen["kind"],
+                       chosen["reason"] + (f" (others: {others})" if others else ""))
+    con.print(ot)
+    for name, extra in rep["extra"].items():
+        con.print(f"[bold]{name}[/]: {extra}")

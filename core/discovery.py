@@ -1,0 +1,260 @@
+"""Find plugins through entry points, isolate broken ones, and remember why.
+
+Core holds no list of backend names: the in-tree plugins are found exactly like a
+third party's, through the ``polyaccel.plugins`` entry-point group.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .accelerator import Accelerator, ProbeResult
+from .version import API_VERSION, api_major
+
+ENTRY_POINT_GROUP = "polyaccel.plugins"
+
+# Plugin statuses, as shown by `polyaccel report`.
+SELECTED = "selected"
+AVAILABLE = "available"
+UNAVAILABLE = "unavailable"
+FAILED = "failed"
+BLOCKED = "blocked"
+INCOMPATIBLE = "incompatible"
+DUPLICATE = "duplicate"
+
+
+@dataclass
+class PluginRecord:
+    """One plugin (entry point) and, when it provides one, its accelerator."""
+
+    name: str
+    source: str  # "entry point pkg.mod:obj (dist 1.0)" or "registered"
+    status: str = AVAILABLE
+    reason: str = ""
+    api_version: str | None = None
+    accelerator_cls: type[Accelerator] | None = None
+    accelerator: Accelerator | None = None
+    probe: ProbeResult | None = None
+    plugin: Any = None
+    emulated: bool = False
+
+    @property
+    def priority(self) -> int:
+        return self.accelerator_cls.priority if self.accelerator_cls else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "status": self.status,
+            "reason": self.reason,
+            "source": self.source,
+            "api_version": self.api_version,
+            "priority": self.priority if self.accelerator_cls else None,
+            "device_type": self.accelerator_cls.device_type if self.accelerator_cls else None,
+            "device_count": self.probe.device_count if self.probe else None,
+            "emulated": self.emulated,
+        }
+
+
+def _env_list(var: str) -> list[str] | None:
+    raw = os.environ.get(var)
+    if raw is None or not raw.strip():
+        return None
+    return [x.strip() for x in raw.split(",") if x.strip()]
+
+
+def _short_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass
+class PluginSet:
+    """The outcome of discovery: a pluggy manager with the good plugins, and a record of all."""
+
+    pm: pluggy.PluginManager
+    records: dict[str, PluginRecord] = field(default_factory=dict)
+
+    def accelerators(self) -> list[PluginRecord]:
+        return [r for r in self.records.values() if r.accelerator_cls is not None]
+
+    def usable(self) -> list[PluginRecord]:
+        return [r for r in self.records.values() if r.status in (AVAILABLE, SELECTED)]
+
+    def summary(self) -> str:
+        if not self.records:
+            return "  (no plugins found in entry-point group 'polyaccel.plugins')"
+        lines = []
+        for r in self.records.values():
+            extra = f": {r.reason}" if r.reason else ""
+            emu = " [emulated]" if r.emulated else ""
+            lines.append(f"  - {r.name}: {r.status}{emu}{extra}")
+        return "\n".join(lines)
+
+
+def new_plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def _check_api_version(plugin: Any, rec: PluginRecord) -> bool:
+    version = getattr(plugin, "POLYACCEL_API_VERSION", None)
+    if version is None:
+        rec.status = INCOMPATIBLE
+        rec.reason = (
+            "plugin does not declare POLYACCEL_API_VERSION; set it to the contract version "
+            f"it was written for (this polyaccel: {API_VERSION})"
+        )
+        return False
+    rec.api_version = str(version)
+    try:
+        major = api_major(version)
+    except ValueError:
+        rec.status = INCOMPATIBLE
+        rec.reason = f"POLYACCEL_API_VERSION {version!r} is not 'MAJOR.MINOR'"
+        return False
+    if major != api_major(API_VERSION):
+        rec.status = INCOMPATIBLE
+        rec.reason = f"written for contract {version}, this polyaccel provides {API_VERSION}"
+        return False
+    return True
+
+
+def _accelerator_classes(pm: pluggy.PluginManager, plugin: Any) -> list[type[Accelerator]]:
+    impl = getattr(plugin, "polyaccel_accelerators", None)
+    if impl is None:
+        return []
+    out = impl()
+    if out is None:
+        return []
+    if isinstance(out, type):
+        out = [out]
+    classes = list(out)
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, Accelerator)):
+            raise TypeError(f"polyaccel_accelerators returned {cls!r}, not an Accelerator subclass")
+        if not cls.name:
+            raise TypeError(f"{cls.__name__} has no 'name'")
+    return classes
+
+
+def discover(extra_plugins: list[tuple[str, Any]] | None = None) -> PluginSet:
+    """Load entry-point plugins (subject to the env switches) plus explicitly registered ones.
+
+    Never raises because of a plugin: every failure is recorded on its record.
+    """
+    pm = new_plugin_manager()
+    result = PluginSet(pm)
+    allow = _env_list("POLYACCEL_PLUGINS")
+    block = set(_env_list("POLYACCEL_DISABLE_PLUGINS") or [])
+    autoload = os.environ.get("POLYACCEL_DISABLE_PLUGIN_AUTOLOAD", "").strip() not in ("1", "true", "yes")
+
+    candidates: list[tuple[str, str, Any]] = []  # (name, source, loader)
+    if autoload:
+        seen_eps: set[tuple[str, str]] = set()
+        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+            if (ep.name, ep.value) in seen_eps:
+                continue  # the same distribution visible twice on sys.path
+            seen_eps.add((ep.name, ep.value))
+            dist = getattr(ep, "dist", None)
+            where = f" ({dist.name} {dist.version})" if dist is not None else ""
+            candidates.append((ep.name, f"entry point {ep.value}{where}", ep.load))
+    for name, obj in extra_plugins or []:
+        candidates.append((name, "registered", lambda obj=obj: obj))
+
+    for name, source, loader in candidates:
+        if name in result.records:
+            first = result.records[name]
+            dup = PluginRecord(name=f"{name}#{len(result.records)}", source=source)
+            dup.status = DUPLICATE
+            dup.reason = f"plugin name {name!r} already provided by {first.source}; this one is ignored"
+            result.records[dup.name] = dup
+            continue
+        rec = PluginRecord(name=name, source=source)
+        result.records[name] = rec
+        if name in block or (allow is not None and name not in allow and source != "registered"):
+            rec.status = BLOCKED
+            rec.reason = (
+                "listed in POLYACCEL_DISABLE_PLUGINS" if name in block else "not in POLYACCEL_PLUGINS"
+            )
+            pm.set_blocked(name)
+            continue
+        try:
+            plugin = loader()
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a plugin must never break discovery
+            rec.status = FAILED
+            rec.reason = f"import failed: {_short_error(exc)}"
+            rec.plugin = traceback.format_exc()
+            continue
+        rec.plugin = plugin
+        if not _check_api_version(plugin, rec):
+            continue
+        try:
+            classes = _accelerator_classes(pm, plugin)
+        except Exception as exc:  # noqa: BLE001
+            rec.status = FAILED
+            rec.reason = f"polyaccel_accelerators raised {_short_error(exc)}"
+            continue
+        try:
+            pm.register(plugin, name=name)
+        except Exception as exc:  # noqa: BLE001
+            rec.status = FAILED
+            rec.reason = f"could not register hooks: {_short_error(exc)}"
+            continue
+        _attach_accelerators(result, rec, classes)
+    return result
+
+
+def _attach_accelerators(result: PluginSet, rec: PluginRecord, classes: list[type[Accelerator]]):
+    """The plugin's first accelerator lives on its record; further ones get records of their own."""
+    taken = {r.accelerator_cls.name: r for r in result.records.values() if r.accelerator_cls}
+    for i, cls in enumerate(classes):
+        target = rec
+        if i > 0:
+            target = PluginRecord(name=cls.name, source=rec.source, plugin=rec.plugin)
+            target.api_version = rec.api_version
+            if cls.name in result.records:
+                target.name = f"{cls.name}#{len(result.records)}"
+            result.records[target.name] = target
+        if cls.name in taken:
+            target.status = DUPLICATE
+            target.reason = f"accelerator name {cls.name!r} already provided by {taken[cls.name].source}"
+            continue
+        if api_major(cls.api_version) != api_major(API_VERSION):
+            target.status = INCOMPATIBLE
+            target.api_version = cls.api_version
+            target.reason = (
+                f"accelerator written for contract {cls.api_version}, this polyaccel provides {API_VERSION}"
+            )
+            continue
+        target.accelerator_cls = cls
+        taken[cls.name] = target
+
+
+def probe_all(result: PluginSet) -> None:
+    """Instantiate and probe every accelerator that is still in the running."""
+    for rec in result.accelerators():
+        if rec.status not in (AVAILABLE,):
+            continue
+        try:
+            acc = rec.accelerator_cls()
+            probe = acc.probe()
+            if not isinstance(probe, ProbeResult):
+                raise TypeError(f"probe() returned {type(probe).__name__}, expected ProbeResult")
+        except Exception as exc:  # noqa: BLE001
+            rec.status = FAILED
+            rec.reason = f"probe raised {_short_error(exc)}"
+            continue
+        rec.accelerator = acc
+        rec.probe = probe
+        rec.emulated = bool(probe.emulated)
+        if not probe.available:
+            rec.status = UNAVAILABLE
+            rec.reason = probe.reason or "probe() reported unavailable"

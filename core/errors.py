@@ -1,0 +1,37 @@
+"""Exceptions shared by every layer of polyaccel."""
+
+from __future__ import annotations
+
+
+class PolyaccelError(RuntimeError):
+    """Base class of every error polyaccel raises on purpose."""
+
+
+class Unsupported(PolyaccelError, NotImplementedError):
+    """A backend was asked for something it does not have.
+
+    Raised instead of silently doing nothing: ``plugin`` names the backend and
+    ``feature`` the missing piece, so callers (and the conformance suite) can
+    tell an honest "no" from a broken implementation.
+    """
+
+    def __init__(self, plugin: str, feature: str, hint: str = ""):
+        self.plugin = plugin
+        self.feature = feature
+        self.hint = hint
+        msg = f"accelerator plugin {plugin!r} does not support {feature}"
+        if hint:
+            msg += f": {hint}"
+        super().__init__(msg)
+
+
+class SelectionError(PolyaccelError):
+    """No accelerator could be selected as asked (unknown name, unavailable, tie)."""
+
+
+class OpError(PolyaccelError):
+    """An op could not be resolved or was called with bad arguments."""
+
+
+class ConfigError(PolyaccelError, ValueError):
+    """An invalid configuration value; the message names the key and the allowed values."""

@@ -1,0 +1,49 @@
+"""Grouped matmul for expert layers: rows sorted by expert, one weight per expert."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_grouped_mm_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Validate and return ``offsets`` as int64 on ``x``'s device.
+
+    ``x`` is [tokens, in], ``weight`` [experts, in, out], ``offsets`` the cumulative
+    end row of each expert (int32 or int64, non-decreasing, last <= tokens).
+    """
+    if x.dim() != 2 or weight.dim() != 3:
+        raise ValueError(f"grouped_mm: x must be 2-D and weight 3-D, got {x.dim()}-D and {weight.dim()}-D")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"grouped_mm: x has {x.shape[1]} features but weight expects {weight.shape[1]}")
+    if offsets.dim() != 1 or offsets.numel() != weight.shape[0]:
+        raise ValueError(
+            f"grouped_mm: offsets must be 1-D with one entry per expert ({weight.shape[0]}), "
+            f"got shape {tuple(offsets.shape)}"
+        )
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"grouped_mm: offsets must be int32 or int64, got {offsets.dtype}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"grouped_mm: x is {x.dtype} but weight is {weight.dtype}")
+    off = offsets.to(torch.int64)
+    if off.numel():
+        if bool((off[1:] < off[:-1]).any()) or int(off[0]) < 0:
+            raise ValueError("grouped_mm: offsets must be non-decreasing and non-negative")
+        if int(off[-1]) > x.shape[0]:
+            raise ValueError(f"grouped_mm: last offset {int(off[-1])} exceeds the {x.shape[0]} rows of x")
+    return off
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[rows of e] = x[rows of e] @ weight[e]``; rows past the last offset are zero."""
+    off = check_grouped_mm_args(x, weight, offsets).tolist()
+    outs = []
+    start = 0
+    for e, end in enumerate(off):
+        outs.append(x[start:end] @ weight[e])
+        start = end
+    tail = x.shape[0] - start
+    if tail:
+        outs.append(x.new_zeros(tail, weight.shape[2]))
+    if not outs:
+        return x.new_zeros(x.shape[0], weight.shape[2])
+    return torch.cat(outs, dim=0)

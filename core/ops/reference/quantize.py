@@ -1,0 +1,131 @@
+"""Group-wise quantization: int8, int4 (two per byte) and fp8 e4m3.
+
+The tensor is flattened and cut into consecutive groups of ``group_size`` elements;
+each group gets an fp32 scale (and, asymmetric, a uint8 zero point).
+
+* symmetric intB: ``scale = amax / (2**(B-1) - 1)``, ``q = clamp(round(x / scale))``;
+  int8 data is ``torch.int8``, int4 data two's-complement nibbles.
+* asymmetric intB: the range ``[min(x, 0), max(x, 0)]`` maps to ``[0, 2**B - 1]``,
+  ``zero_point = round(-lo / scale)``, ``q = clamp(round(x / scale) + zero_point)``,
+  data ``torch.uint8``.
+* int4 packs element ``2i`` in the low nibble and ``2i+1`` in the high nibble of byte ``i``.
+* fp8 (symmetric only): ``scale = amax / 448``, data ``torch.float8_e4m3fn``.
+
+A group whose values are all zero gets scale 1, so dequantization returns zeros.
+Dequantization is ``(q - zero_point) * scale`` (or ``q * scale``), cast to the original dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("int8", "int4", "fp8")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+FP8_MAX = 448.0
+
+
+@dataclass
+class QuantizedTensor:
+    data: torch.Tensor
+    scales: torch.Tensor
+    zero_points: torch.Tensor | None
+    mode: str
+    group_size: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero_points is None
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.numel()
+
+
+def qmax(mode: str, symmetric: bool) -> int:
+    bits = 8 if mode == "int8" else 4
+    return 2 ** (bits - 1) - 1 if symmetric else 2**bits - 1
+
+
+def check_quantize_args(x: torch.Tensor, mode: str, group_size: int, symmetric: bool) -> None:
+    if mode not in MODES:
+        raise ValueError(f"quantize: mode {mode!r} is not one of {MODES}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize: expected a tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"quantize: input dtype {x.dtype} is not a float type; use one of {FLOAT_DTYPES}")
+    if x.numel() == 0:
+        raise ValueError("quantize: the input is empty; there is nothing to quantize")
+    if not x.is_contiguous():
+        raise ValueError("quantize: the input is not contiguous; call .contiguous() first")
+    if not isinstance(group_size, int) or group_size <= 0:
+        raise ValueError(f"quantize: group_size must be a positive int, got {group_size!r}")
+    if x.numel() % group_size:
+        raise ValueError(
+            f"quantize: group_size {group_size} does not divide the {x.numel()} elements of the input; "
+            "pad the input or pick a divisor"
+        )
+    if mode == "int4" and group_size % 2:
+        raise ValueError(f"quantize: int4 packs two values per byte, so group_size must be even (got {group_size})")
+    if mode == "fp8" and not symmetric:
+        raise ValueError("quantize: fp8 is symmetric only; pass symmetric=True")
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack int values in [-8, 15] (flattened, even length) two per byte, low nibble first."""
+    q = q.to(torch.int16).reshape(-1, 2) & 0xF
+    return (q[:, 0] | (q[:, 1] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor, signed: bool) -> torch.Tensor:
+    p = packed.to(torch.int16)
+    lo, hi = p & 0xF, (p >> 4) & 0xF
+    out = torch.stack([lo, hi], dim=-1).reshape(-1)
+    if signed:
+        out = torch.where(out >= 8, out - 16, out)
+    return out
+
+
+def quantize(x: torch.Tensor, mode: str = "int8", group_size: int = 128, symmetric: bool = True) -> QuantizedTensor:
+    check_quantize_args(x, mode, group_size, symmetric)
+    g = x.reshape(-1, group_size).float()
+    if mode == "fp8":
+        amax = g.abs().amax(dim=1)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        data = (g / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(-1)
+        return QuantizedTensor(data, scale, None, mode, group_size, x.shape, x.dtype)
+    top = qmax(mode, symmetric)
+    if symmetric:
+        amax = g.abs().amax(dim=1)
+        scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+        q = torch.round(g / scale[:, None]).clamp(-top, top)
+        zp = None
+    else:
+        lo = g.amin(dim=1).clamp(max=0)
+        hi = g.amax(dim=1).clamp(min=0)
+        span = hi - lo
+        scale = torch.where(span > 0, span / top, torch.ones_like(span))
+        zp = torch.round(-lo / scale).clamp(0, top)
+        q = (torch.round(g / scale[:, None]) + zp[:, None]).clamp(0, top)
+        zp = zp.to(torch.uint8)
+    q = q.reshape(-1)
+    if mode == "int4":
+        data = pack_int4(q)
+    else:
+        data = q.to(torch.int8 if symmetric else torch.uint8)
+    return QuantizedTensor(data, scale, zp, mode, group_size, x.shape, x.dtype)
+
+
+def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    dtype = dtype or qt.dtype
+    if qt.mode == "int4":
+        q = unpack_int4(qt.data, signed=qt.symmetric).float()
+    else:
+        q = qt.data.float()
+    q = q.reshape(-1, qt.group_size)
+    if qt.zero_points is not None:
+        q = q - qt.zero_points.float()[:, None]
+    return (q * qt.scales[:, None]).reshape(qt.shape).to(dtype)

@@ -1,0 +1,55 @@
+"""SwiGLU: ``silu(gate) * up``, with the explicit backward builders must match."""
+
+from __future__ import annotations
+
+import torch
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g = gate.float()
+    return (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+
+
+def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """Return (d_gate, d_up) for ``out = silu(gate) * up``."""
+    g, u, go = gate.float(), up.float(), grad_out.float()
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    d_gate = go * u * sig * (1 + g * (1 - sig))
+    d_up = go * silu
+    return d_gate.to(gate.dtype), d_up.to(up.dtype)
+
+
+def check_swiglu_args(gate: torch.Tensor, up: torch.Tensor) -> None:
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+    if gate.dtype != up.dtype:
+        raise ValueError(f"swiglu: gate is {gate.dtype} but up is {up.dtype}; pass the same dtype")
+    if gate.device != up.device:
+        raise ValueError(f"swiglu: gate is on {gate.device} but up is on {up.device}")
+    if not gate.is_floating_point():
+        raise ValueError(f"swiglu: needs floating-point inputs, got {gate.dtype}")
+
+
+def make_swiglu(forward, backward):
+    """Build an autograd-aware swiglu from a forward and a backward kernel."""
+
+    class _SwiGLU(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, gate, up):
+            ctx.save_for_backward(gate, up)
+            return forward(gate, up)
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            gate, up = ctx.saved_tensors
+            return backward(grad_out.contiguous(), gate, up)
+
+    def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        check_swiglu_args(gate, up)
+        return _SwiGLU.apply(gate, up)
+
+    return swiglu
+
+
+swiglu = make_swiglu(swiglu_forward, swiglu_backward)

@@ -1,0 +1,134 @@
+"""``torch.optim.Optimizer`` front-ends for the fused optimizer ops.
+
+Each ``step()`` groups parameters by (device type, step count) and calls the op
+registry once per group, so a 200-tensor model is one op call per device type.
+State is kept per parameter (``step``, ``exp_avg`` [, ``exp_avg_sq``]) in fp32 for
+16-bit parameters, and round-trips through ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from . import ops
+
+
+def _state_dtype(p: torch.Tensor) -> torch.dtype:
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+
+
+class _FusedOptimizer(torch.optim.Optimizer):
+    _state_names: tuple[str, ...] = ()
+
+    def _check_common(self, lr, betas, weight_decay):
+        if not 0.0 <= lr:
+            raise ValueError(f"invalid learning rate {lr!r}: must be >= 0")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid betas {betas!r}: need two values in [0, 1)")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"invalid weight_decay {weight_decay!r}: must be >= 0")
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        st = self.state[p]
+        if not st:
+            st["step"] = torch.zeros((), dtype=torch.float32)
+            for name in self._state_names:
+                st[name] = torch.zeros_like(p, dtype=_state_dtype(p), memory_format=torch.preserve_format)
+        return st
+
+    def _groups(self, group):
+        """Yield (step, params, grads, *state lists) batches for one param group."""
+        batches = defaultdict(lambda: [[] for _ in range(2 + len(self._state_names))])
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            st = self._init_state(p)
+            st["step"] += 1
+            if p.numel() == 0:
+                continue
+            lists = batches[(p.device, int(st["step"].item()))]
+            lists[0].append(p)
+            lists[1].append(p.grad)
+            for i, name in enumerate(self._state_names):
+                lists[2 + i].append(st[name])
+        for (device, step), lists in batches.items():
+            yield step, lists
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for step, lists in self._groups(group):
+                self._apply(group, step, lists)
+        return loss
+
+    def _apply(self, group, step, lists):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class FusedAdam(_FusedOptimizer):
+    """Adam / AdamW (``adam_w_mode=True``, the default) through the ``fused_adam`` op."""
+
+    _state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 adam_w_mode=True, bias_correction=True):
+        self._check_common(lr, betas, weight_decay)
+        if not eps > 0:
+            raise ValueError(f"invalid eps {eps!r}: must be > 0")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      adam_w_mode=adam_w_mode, bias_correction=bias_correction))
+
+    def _apply(self, group, step, lists):
+        b1, b2 = group["betas"]
+        ops.fused_adam(*lists, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                       weight_decay=group["weight_decay"], step=step, adam_w_mode=group["adam_w_mode"],
+                       bias_correction=group["bias_correction"])
+
+
+class FusedLion(_FusedOptimizer):
+    """Lion (sign of an interpolated momentum) through the ``fused_lion`` op."""
+
+    _state_names = ("exp_avg",)
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        self._check_common(lr, betas, weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    def _apply(self, group, step, lists):
+        b1, b2 = group["betas"]
+        ops.fused_lion(*lists, lr=group["lr"], beta1=b1, beta2=b2, weight_decay=group["weight_decay"])
+
+
+class FusedLamb(_FusedOptimizer):
+    """LAMB (per-tensor trust ratio on the Adam direction) through the ``fused_lamb`` op."""
+
+    _state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0,
+                 bias_correction=True, max_coeff=10.0, min_coeff=0.01):
+        self._check_common(lr, betas, weight_decay)
+        if not eps > 0:
+            raise ValueError(f"invalid eps {eps!r}: must be > 0")
+        if not 0 < min_coeff <= max_coeff:
+            raise ValueError(f"invalid trust-ratio bounds min_coeff={min_coeff}, max_coeff={max_coeff}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      bias_correction=bias_correction, max_coeff=max_coeff,
+                                      min_coeff=min_coeff))
+
+    def _apply(self, group, step, lists):
+        b1, b2 = group["betas"]
+        ops.fused_lamb(*lists, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                       weight_decay=group["weight_decay"], step=step,
+                       bias_correction=group["bias_correction"], max_coeff=group["max_coeff"],
+                       min_coeff=group["min_coeff"])
+
+
+__all__ = ["FusedAdam", "FusedLamb", "FusedLion"]

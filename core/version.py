@@ -1,0 +1,7 @@
+"""The contract version. A plugin written for another major version is not used."""
+
+API_VERSION = "1.0"
+
+
+def api_major(version: str) -> int:
+    return int(str(version).split(".", 1)[0])

@@ -1,0 +1,1 @@
+"""Training engines built only on polyaccel's contracts (found through ``polyaccel.engines``)."""

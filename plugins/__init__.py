@@ -1,0 +1,1 @@
+"""The in-tree backend plugins. Each is found through the ``polyaccel.plugins`` entry points."""

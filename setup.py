@@ -1,0 +1,11 @@
+"""Package discovery for the three source roots (core/, plugins/, engines/) under one name."""
+
+from setuptools import find_packages, setup
+
+ROOTS = {"polyaccel": "core", "polyaccel.plugins": "plugins", "polyaccel.engines": "engines"}
+packages = []
+for pkg, root in ROOTS.items():
+    packages.append(pkg)
+    packages += [f"{pkg}.{sub}" for sub in find_packages(root)]
+
+setup(packages=packages, package_dir=ROOTS)
