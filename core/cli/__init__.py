@@ -1,15 +1,32 @@
-"""The ``polyaccel`` command. Subcommands live in their own modules and load lazily."""
+"""The ``polyaccel`` command.
+
+Core subcommands live in modules of this package (``SUBCOMMANDS``); engines and plugins add
+theirs through the entry-point group ``polyaccel.commands`` (name -> module). A subcommand
+module has a docstring (its ``--help`` text), ``HELP`` (one line), ``add_arguments(parser)``
+and ``run(args) -> int``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata as md
 import sys
 
-#: subcommand -> (module under polyaccel.cli, one-line help)
+COMMAND_GROUP = "polyaccel.commands"
+
+#: core subcommand -> (module under polyaccel.cli, one-line help)
 SUBCOMMANDS = {
     "report": ("report_cmd", "show versions, plugins and why each is (un)usable, capabilities and op choices"),
 }
+
+
+def _command_modules():
+    for name, (module, help_) in SUBCOMMANDS.items():
+        yield name, (lambda module=module: importlib.import_module(f"{__name__}.{module}")), help_
+    for ep in md.entry_points(group=COMMAND_GROUP):
+        if ep.name not in SUBCOMMANDS:
+            yield ep.name, ep.load, None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,13 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_) in SUBCOMMANDS.items():
-        mod = importlib.import_module(f"{__name__}.{module}")
+    for name, load, help_ in _command_modules():
+        try:
+            mod = load()
+        except Exception as exc:  # noqa: BLE001 - one broken command must not break the others
+            p = sub.add_parser(name, help=f"(unavailable: {type(exc).__name__}: {exc})")
+            p.set_defaults(_run=lambda args, exc=exc: _broken(name, exc))
+            continue
+        help_ = help_ or getattr(mod, "HELP", "")
         p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
+
+
+def _broken(name: str, exc: Exception) -> int:
+    print(f"polyaccel {name}: this command could not be loaded: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
