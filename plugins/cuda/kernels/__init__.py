@@ -1,0 +1,1 @@
+"""Triton kernels of the cuda plugin (also run by the rocm plugin), importable without a GPU."""
