@@ -93,7 +93,7 @@ def _select_by_priority(ps: PluginSet) -> Accelerator:
     best = usable[0]
     ties = [r for r in usable if r.priority == best.priority]
     if len(ties) > 1:
-        names = ", ".join(r.name for r in ties)
+        names = ", ".join(sorted(r.name for r in ties))
         raise SelectionError(
             f"several available accelerators share the top priority {best.priority}: {names}. "
             f"Choose one with POLYACCEL_ACCELERATOR=<name> or polyaccel.set_accelerator(name), "

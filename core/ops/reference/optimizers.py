@@ -17,6 +17,11 @@ import math
 import torch
 
 
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """Math dtype of the reference: fp32 for 16-bit tensors, the tensor's own dtype otherwise."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def _step_value(step) -> float:
     return float(step.item()) if isinstance(step, torch.Tensor) else float(step)
 
@@ -44,7 +49,7 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         if p.numel() == 0:
             continue
-        p32, g32, m32, v32 = p.float(), g.float(), m.float(), v.float()
+        p32, g32, m32, v32 = upcast(p), upcast(g), upcast(m), upcast(v)
         if weight_decay and not adam_w_mode:
             g32 = g32 + weight_decay * p32
         m32 = beta1 * m32 + (1 - beta1) * g32
@@ -63,7 +68,7 @@ def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
     for p, g, m in zip(params, grads, exp_avgs):
         if p.numel() == 0:
             continue
-        p32, g32, m32 = p.float(), g.float(), m.float()
+        p32, g32, m32 = upcast(p), upcast(g), upcast(m)
         update = torch.sign(beta1 * m32 + (1 - beta1) * g32)
         p32 = p32 * (1 - lr * weight_decay) - lr * update
         p.copy_(p32)
@@ -86,7 +91,7 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         if p.numel() == 0:
             continue
-        p32, g32, m32, v32 = p.float(), g.float(), m.float(), v.float()
+        p32, g32, m32, v32 = upcast(p), upcast(g), upcast(m), upcast(v)
         m32 = beta1 * m32 + (1 - beta1) * g32
         v32 = beta2 * v32 + (1 - beta2) * g32 * g32
         update = (m32 / bc1) / ((v32 / bc2).sqrt() + eps) + weight_decay * p32

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from .optimizers import upcast
+
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    g = gate.float()
-    return (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+    g = upcast(gate)
+    return (g * torch.sigmoid(g) * upcast(up)).to(gate.dtype)
 
 
 def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     """Return (d_gate, d_up) for ``out = silu(gate) * up``."""
-    g, u, go = gate.float(), up.float(), grad_out.float()
+    g, u, go = upcast(gate), upcast(up), upcast(grad_out)
     sig = torch.sigmoid(g)
     silu = g * sig
     d_gate = go * u * sig * (1 + g * (1 - sig))
