@@ -1,0 +1,229 @@
+"""Everything a ``polyaccel train`` run needs, checked before any rank is spawned.
+
+:func:`options_from_args` turns parsed CLI arguments into a frozen :class:`TrainOptions` or
+raises :class:`polyaccel.ConfigError` naming the bad flag and the fix. The ranks receive the
+options object as is (it pickles), so the parent and the ranks can never disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from polyaccel.errors import ConfigError
+
+from .model import ModelSpec
+
+DTYPES = ("fp32", "bf16", "fp16")
+STAGES = (1, 2, 3)
+#: file (in the save directory) that maps a checkpoint tag to the run that wrote it
+META_PREFIX = "train-meta-"
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    steps: int = 60
+    batch_size: int = 8
+    seq_len: int = 64
+    grad_accum: int = 1
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    stage: int = 2
+    offload: bool = False
+    dtype: str = "fp32"
+    seed: int = 1234
+    nproc: int = 2
+    threads: int = 1
+    accelerator: str | None = None
+    text: str | None = None
+    save: str | None = None
+    save_every: int = 0
+    resume: str | None = None
+    resume_tag: str | None = None
+    start_step: int = 0  # filled from the checkpoint on --resume
+    log_every: int = 10
+    metrics_out: str | None = None
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens consumed by one optimizer step over all ranks."""
+        return self.nproc * self.batch_size * self.seq_len * self.grad_accum
+
+    def engine_config(self) -> dict:
+        """The DeepSpeed-style config dict handed to ``polyaccel.initialize``."""
+        zero: dict = {"stage": self.stage}
+        if self.offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+            if self.stage == 3:
+                zero["offload_param"] = {"device": "cpu"}
+        cfg: dict = {
+            "zero_optimization": zero,
+            "gradient_accumulation_steps": self.grad_accum,
+            "gradient_clipping": self.grad_clip,
+            "optimizer": {"type": "AdamW", "params": {
+                "lr": self.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": self.weight_decay}},
+        }
+        if self.dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        elif self.dtype == "fp16":
+            cfg["fp16"] = {"enabled": True}
+        return cfg
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _positive(flag: str, value, minimum=1) -> None:
+    if value < minimum:
+        raise ConfigError(f"{flag} {value}: must be at least {minimum}")
+
+
+def read_checkpoint_meta(directory: str, tag: str | None) -> tuple[str, dict]:
+    """(tag, metadata) of the checkpoint ``tag`` (default: the one named by ``latest``) in ``directory``."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise ConfigError(f"--resume {directory}: no such directory; pass a directory written by --save")
+    if tag is None:
+        latest = d / "latest"
+        if not latest.is_file():
+            raise ConfigError(
+                f"--resume {directory}: no 'latest' file, so it holds no complete checkpoint; "
+                "pass a directory written by `polyaccel train --save`"
+            )
+        tag = latest.read_text().strip()
+    meta_file = d / f"{META_PREFIX}{tag}.json"
+    if not meta_file.is_file():
+        raise ConfigError(
+            f"--resume {directory}: checkpoint {tag!r} has no {meta_file.name}, so it was not written by "
+            "`polyaccel train --save` (or the save did not finish); pick another --resume-tag or directory"
+        )
+    return tag, json.loads(meta_file.read_text())
+
+
+def write_checkpoint_meta(directory: str, tag: str, meta: dict) -> Path:
+    """Write the run metadata for ``tag`` atomically (temporary name, then rename)."""
+    d = Path(directory)
+    final = d / f"{META_PREFIX}{tag}.json"
+    tmp = d / f".{final.name}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
+    os.replace(tmp, final)
+    return final
+
+
+def options_from_args(args, accelerator) -> TrainOptions:
+    """Validate parsed arguments against each other and the selected accelerator."""
+    spec = ModelSpec(name=args.model, hidden_size=args.hidden_size, num_layers=args.layers,
+                     num_heads=args.heads, max_positions=max(256, args.seq_len)).validate()
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
+                        ("--grad-accum", args.grad_accum)):
+        _positive(flag, value)
+    _positive("--seq-len", args.seq_len, 2)
+    if args.seq_len > 8192:
+        raise ConfigError(f"--seq-len {args.seq_len}: at most 8192 for this small model")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ConfigError(f"--lr {args.lr}: must be a positive finite number (e.g. 3e-3)")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise ConfigError(f"--weight-decay {args.weight_decay}: must be a finite number >= 0")
+    if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
+        raise ConfigError(f"--grad-clip {args.grad_clip}: must be >= 0 (0 turns clipping off)")
+    if args.stage not in STAGES:
+        raise ConfigError(f"--stage {args.stage}: choose one of {', '.join(map(str, STAGES))}")
+    if args.dtype not in DTYPES:
+        raise ConfigError(f"--dtype {args.dtype!r}: choose one of {', '.join(DTYPES)}")
+    if args.dtype == "bf16" and not accelerator.is_bf16_supported():
+        raise ConfigError(f"--dtype bf16: accelerator {accelerator.name!r} does not support bfloat16; use fp32")
+    if args.dtype == "fp16" and not accelerator.is_fp16_supported():
+        raise ConfigError(f"--dtype fp16: accelerator {accelerator.name!r} does not support float16; use fp32")
+    if args.save_every < 0:
+        raise ConfigError(f"--save-every {args.save_every}: must be >= 0 (0: save only at the end)")
+    if args.save_every and not args.save:
+        raise ConfigError("--save-every needs --save DIR (where to write the checkpoints)")
+    if args.resume_tag and not args.resume:
+        raise ConfigError("--resume-tag needs --resume DIR")
+
+    nproc = _nproc(args.nproc, accelerator)
+    if args.threads:
+        threads = args.threads
+    else:  # ranks on the host share its cores; a device rank needs only one host thread
+        threads = max(1, _cpu_count() // nproc) if accelerator.device_type == "cpu" else 1
+    _positive("--threads", threads)
+
+    from .data import ByteTokenizer, TokenSampler, load_text
+
+    tokens = ByteTokenizer().encode(load_text(args.text))
+    TokenSampler(tokens, args.seq_len, args.batch_size, args.seed)  # raises on a text too short
+
+    if args.save:
+        save = Path(args.save)
+        if save.exists() and not save.is_dir():
+            raise ConfigError(f"--save {args.save}: exists and is not a directory")
+        if not save.exists() and not save.parent.resolve().is_dir():
+            raise ConfigError(f"--save {args.save}: parent directory {save.parent} does not exist")
+
+    start_step = 0
+    if args.resume:
+        tag, meta = read_checkpoint_meta(args.resume, args.resume_tag)
+        saved_spec = ModelSpec(**meta["model"])
+        if saved_spec != spec:
+            diff = {k: (v, getattr(spec, k)) for k, v in saved_spec.as_dict().items() if getattr(spec, k) != v}
+            raise ConfigError(
+                f"--resume {args.resume}: checkpoint {tag!r} holds a different model "
+                f"({', '.join(f'{k}: saved {a}, asked {b}' for k, (a, b) in diff.items())}); "
+                "pass the same --model/--hidden-size/--layers/--heads/--seq-len as the saved run"
+            )
+        start_step = int(meta["step"])
+        if start_step >= args.steps:
+            raise ConfigError(
+                f"--steps {args.steps}: checkpoint {tag!r} in {args.resume} is already at step {start_step}; "
+                f"pass --steps greater than {start_step} to continue training"
+            )
+        resume_tag = tag
+    else:
+        resume_tag = None
+
+    if args.metrics_out:
+        parent = Path(args.metrics_out).resolve().parent
+        if not parent.is_dir():
+            raise ConfigError(f"--metrics-out {args.metrics_out}: directory {parent} does not exist")
+
+    log_every = args.log_every if args.log_every else max(1, args.steps // 10)
+    _positive("--log-every", log_every)
+    return TrainOptions(
+        model=spec, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
+        lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, stage=args.stage,
+        offload=args.offload, dtype=args.dtype, seed=args.seed, nproc=nproc, threads=threads,
+        accelerator=accelerator.name, text=args.text, save=args.save, save_every=args.save_every,
+        resume=args.resume, resume_tag=resume_tag, start_step=start_step, log_every=log_every,
+        metrics_out=args.metrics_out,
+    )
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _nproc(requested: int | None, accelerator) -> int:
+    if accelerator.device_type == "cpu":
+        n = 2 if requested is None else requested
+        _positive("--nproc", n)
+        return n
+    count = accelerator.device_count()
+    if requested is None:
+        if count < 1:
+            raise ConfigError(f"accelerator {accelerator.name!r} reports no devices; pass --accelerator cpu")
+        return count
+    _positive("--nproc", requested)
+    if requested > count:
+        raise ConfigError(
+            f"--nproc {requested}: accelerator {accelerator.name!r} has only {count} device(s); "
+            f"use --nproc {count} or less"
+        )
+    return requested

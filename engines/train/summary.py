@@ -1,0 +1,57 @@
+"""The end-of-run summary: who did the work (plugin, comm backend, op builders) and how it went."""
+
+from __future__ import annotations
+
+import statistics
+
+from rich.console import Console
+from rich.table import Table
+
+
+def mean_tokens_per_s(result: dict) -> float:
+    """Tokens/s over the run, leaving out the first step (warm-up) when there is more than one."""
+    times = result["step_times_s"]
+    if len(times) > 1:
+        times = times[1:]
+    return result["tokens_per_step"] / statistics.fmean(times) if times else 0.0
+
+
+def summary_rows(result: dict) -> list[tuple[str, str]]:
+    plugin = result["plugin"] + (" (emulated)" if result.get("emulated") else "")
+    offload = "off"
+    if result["offload"]:
+        offload = "optimizer + params -> cpu" if result["stage"] == 3 else "optimizer -> cpu"
+    losses = result["losses"]
+    builders = ", ".join(
+        f"{b['op']}: {b['builder']} ({b['kind']}, plugin {b['plugin'] or '-'}, on {b['device_type']})"
+        for b in result["op_builders"]
+    )
+    m = result["model"]
+    rows = [
+        ("accelerator plugin", f"{plugin}  [device {result['device']}]"),
+        ("comm backend", f"{result['comm_backend']}  ({result['world_size']} ranks, "
+                         f"{result['threads_per_rank']} thread(s) each)"),
+        ("op builders", builders),
+        ("model", f"{m['name']} {m['num_layers']} layers x {m['hidden_size']} hidden, "
+                  f"{result['parameters']:,} parameters"),
+        ("ZeRO", f"stage {result['stage']}, offload {offload}, dtype {result['dtype']}, "
+                 f"grad accum {result['grad_accum']}"),
+        ("steps", f"{result['start_step']} -> {result['steps']}"
+                  + (f"  (resumed from {result['resumed_from']})" if result.get("resumed_from") else "")),
+        ("loss", f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-"),
+        ("throughput", f"{mean_tokens_per_s(result):,.0f} tokens/s  ({result['tokens_per_step']:,} tokens/step, "
+                       f"{result['train_s']:.1f} s training)"),
+    ]
+    if result["checkpoints"]:
+        rows.append(("checkpoint", result["checkpoints"][-1]))
+    return rows
+
+
+def print_summary(result: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title="polyaccel train: summary", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in summary_rows(result):
+        table.add_row(key, value)
+    console.print(table)

@@ -1,0 +1,164 @@
+"""What each rank runs: set up the process, train, save, and (rank 0) report.
+
+Spawned by :mod:`polyaccel.engines.train.launcher` through torchrun's API, so the rendezvous
+environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``) is set.
+Hardware is reached only through the contracts: the selected accelerator, ``polyaccel.comm``
+and the engine returned by ``polyaccel.initialize``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from .options import TrainOptions, write_checkpoint_meta
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@record
+def rank_main(opts: TrainOptions) -> dict | None:
+    """Entry point of one rank; rank 0 returns the run's result dict, the others None."""
+    _quiet_libraries()
+    import polyaccel
+    import torch
+    from polyaccel import comm
+
+    polyaccel.set_accelerator(opts.accelerator)
+    acc = polyaccel.get_accelerator()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if acc.device_type != "cpu":
+        acc.set_device(local_rank)
+    torch.set_num_threads(opts.threads)
+    comm.init_distributed()
+    try:
+        result = train(opts, acc, acc.device(local_rank))
+        comm.barrier()
+        return result
+    finally:
+        comm.destroy()
+
+
+def _checkpoint_meta(opts: TrainOptions, step: int, world_size: int) -> dict:
+    return {"step": step, "model": opts.model.as_dict(), "seed": opts.seed, "stage": opts.stage,
+            "world_size": world_size, "dtype": opts.dtype}
+
+
+def save(engine, opts: TrainOptions, step: int, rank: int, world_size: int) -> str:
+    """Save a checkpoint tagged ``step<N>``; the run metadata goes first, the engine's ``latest`` last."""
+    from polyaccel import comm
+
+    tag = f"step{step}"
+    meta = _checkpoint_meta(opts, step, world_size)
+    if rank == 0:
+        Path(opts.save).mkdir(parents=True, exist_ok=True)
+        write_checkpoint_meta(opts.save, tag, meta)
+    comm.barrier()
+    engine.save_checkpoint(opts.save, tag=tag, client_state={"train": meta})
+    return tag
+
+
+def optimizer_builders(engine, acc, opts: TrainOptions) -> list[dict]:
+    """The op builders the engine's optimizer runs on, as the registry chose them."""
+    from polyaccel.ops import registry
+
+    device_type = "cpu" if opts.offload else acc.device_type
+    builder = getattr(engine, "optimizer_builder", None)
+    if builder is None:
+        builder = registry.chosen("fused_adam", device_type)
+    return [{"op": builder.op, "builder": builder.name, "plugin": builder.plugin, "kind": builder.kind,
+             "device_type": device_type}]
+
+
+def train(opts: TrainOptions, acc, device) -> dict | None:
+    import polyaccel
+    import torch
+    from polyaccel import comm
+
+    from .data import ByteTokenizer, TokenSampler, load_text
+    from .model import build_model, count_parameters
+    from .progress import TrainProgress
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    t_begin = time.perf_counter()
+    torch.manual_seed(opts.seed)
+    acc.manual_seed(opts.seed)
+    model = build_model(opts.model)
+    n_params = count_parameters(model)
+    engine = polyaccel.initialize(model.to(device), config=opts.engine_config())
+    try:
+        if opts.resume:
+            client_state = engine.load_checkpoint(opts.resume, tag=opts.resume_tag) or {}
+            saved = client_state.get("train", {}).get("step")
+            if saved != opts.start_step:
+                raise RuntimeError(
+                    f"checkpoint {opts.resume_tag!r} in {opts.resume} says step {saved}, "
+                    f"its metadata file says {opts.start_step}; the directory is inconsistent"
+                )
+        sampler = TokenSampler(ByteTokenizer().encode(load_text(opts.text)), opts.seq_len, opts.batch_size, opts.seed)
+        losses: list[float] = []
+        step_times: list[float] = []
+        saved_tags: list[str] = []
+        bar = TrainProgress(opts.steps, opts.start_step, opts.log_every, enabled=rank == 0)
+        t_train = time.perf_counter()
+        with bar:
+            for step in range(opts.start_step, opts.steps):
+                t0 = time.perf_counter()
+                loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+                for micro in range(opts.grad_accum):
+                    batch = sampler.batch(step, micro, rank, world)
+                    out = engine(input_ids=batch.input_ids.to(device), labels=batch.labels.to(device))
+                    engine.backward(out.loss)
+                    engine.step()
+                    loss_sum += out.loss.detach().to(torch.float64)
+                comm.all_reduce(loss_sum)  # the loss shown is the mean over ranks and micro-batches
+                loss = loss_sum.item() / (world * opts.grad_accum)
+                dt = time.perf_counter() - t0
+                losses.append(loss)
+                step_times.append(dt)
+                bar.update(step + 1, loss, opts.tokens_per_step / dt)
+                done = step + 1
+                if opts.save and opts.save_every and done % opts.save_every == 0 and done < opts.steps:
+                    saved_tags.append(save(engine, opts, done, rank, world))
+                    bar.note(f"saved checkpoint {saved_tags[-1]} in {opts.save}")
+        train_s = time.perf_counter() - t_train
+        if opts.save:
+            saved_tags.append(save(engine, opts, opts.steps, rank, world))
+        if rank != 0:
+            return None
+        return {
+            "plugin": acc.name,
+            "device_type": acc.device_type,
+            "device": str(device),
+            "emulated": bool(acc.is_emulated()),
+            "comm_backend": str(torch.distributed.get_backend()),
+            "world_size": world,
+            "threads_per_rank": opts.threads,
+            "model": opts.model.as_dict(),
+            "parameters": n_params,
+            "stage": opts.stage,
+            "offload": opts.offload,
+            "dtype": opts.dtype,
+            "grad_accum": opts.grad_accum,
+            "start_step": opts.start_step,
+            "steps": opts.steps,
+            "losses": losses,
+            "step_times_s": step_times,
+            "tokens_per_step": opts.tokens_per_step,
+            "train_s": train_s,
+            "wall_s": time.perf_counter() - t_begin,
+            "op_builders": optimizer_builders(engine, acc, opts),
+            "checkpoints": [str(Path(opts.save) / t) for t in saved_tags] if opts.save else [],
+            "resumed_from": f"{opts.resume}:{opts.resume_tag}" if opts.resume else None,
+        }
+    finally:
+        destroy = getattr(engine, "destroy", None)
+        if destroy is not None:
+            destroy()
