@@ -1,0 +1,235 @@
+"""Triton group-wise quantize / dequantize: int8, int4 (two per byte) and fp8 e4m3.
+
+The semantics are the core reference's (``polyaccel.ops.reference.quantize``), bit for bit:
+fp32 scales, ``amax / qmax`` (symmetric) or ``(max(x, 0) - min(x, 0)) / qmax`` with a uint8
+zero point (asymmetric), scale 1 for an all-zero group, round half to even, int4 element ``2i``
+in the low nibble of byte ``i``, fp8 e4m3 with ``scale = amax / 448``.
+
+One program handles ``ROWS`` consecutive groups as a ``[ROWS, GROUP_P2]`` tile (``GROUP_P2`` is
+the group size rounded up to a power of two; the extra columns are masked), so any group size
+works and a group never straddles two programs. Program ids and offsets are 64-bit.
+
+Rounding uses the fp32 "magic number" trick ``(v + 1.5 * 2**23) - 1.5 * 2**23``: exact
+round-half-to-even for ``|v| < 2**22`` (quantized values are at most 255 in magnitude), the
+same code on the GPU and under the CPU interpreter (which has no ``libdevice.rint``).
+
+fp8: Triton converts to and from e4m3 only on compute capability 8.9 and newer. On an older
+GPU ``quantize(..., mode="fp8")`` and the fp8 ``dequantize`` raise ``polyaccel.Unsupported``
+naming the cuda plugin (the hint says how to use the reference instead); int8 and int4 work
+on every GPU Triton supports.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from polyaccel.errors import Unsupported
+from polyaccel.ops.reference.quantize import FP8_MAX, QuantizedTensor, check_quantize_args, qmax
+
+MODE_INT8, MODE_INT4, MODE_FP8 = 0, 1, 2
+_MODE_IDS = {"int8": MODE_INT8, "int4": MODE_INT4, "fp8": MODE_FP8}
+#: elements one program handles (ROWS * GROUP_P2); a power of two
+BLOCK_ELEMS = 4096
+#: oldest compute capability with hardware e4m3 conversions in Triton
+FP8_MIN_CAPABILITY = (8, 9)
+_PLUGIN = "cuda"
+
+
+@triton.jit
+def _round_half_even(v):
+    # exact for |v| < 2**22; fp32 adds are not reassociated (no fast-math)
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """Round fp32 ``v`` (``|v| <= 448``) to the nearest e4m3 value, ties to even, staying in fp32.
+
+    The cast to e4m3 that follows is then exact. Triton's CPU interpreter rounds fp8 casts
+    wrongly (no carry into the exponent: 126.8 becomes 64), so the kernel does not rely on it;
+    on the GPU this is a few integer ops per element of a memory-bound kernel.
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    mag = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    exp = tl.maximum((((bits >> 23) & 0xFF).to(tl.int32) - 127), -6)  # e4m3 subnormals share 2**-6's step
+    step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: step 2**(exp-3)
+    r = _round_half_even(mag / step) * step
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zp_ptr, num_groups,
+                     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr,
+                     MODE: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    cols = tl.arange(0, GROUP_P2)
+    row_ok = rows < num_groups
+    mask = row_ok[:, None] & (cols[None, :] < GROUP)
+    x = tl.load(x_ptr + rows[:, None] * GROUP + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    if MODE == 2:  # fp8 e4m3, symmetric
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        v = _round_to_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0))
+        tl.store(data_ptr + rows[:, None] * GROUP + cols[None, :], v.to(tl.float8e4nv), mask=mask)
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+    else:
+        if SYMMETRIC:
+            amax = tl.max(tl.abs(x), axis=1)
+            scale = tl.where(amax > 0, amax / QMAX, 1.0)
+            q = _round_half_even(x / scale[:, None])
+            q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+        else:
+            # padding columns hold 0, which the clamps to min(x, 0) / max(x, 0) absorb
+            lo = tl.minimum(tl.min(x, axis=1), 0.0)
+            hi = tl.maximum(tl.max(x, axis=1), 0.0)
+            span = hi - lo
+            scale = tl.where(span > 0, span / QMAX, 1.0)
+            zp = _round_half_even(-lo / scale)
+            zp = tl.minimum(tl.maximum(zp, 0.0), QMAX)
+            q = _round_half_even(x / scale[:, None]) + zp[:, None]
+            q = tl.minimum(tl.maximum(q, 0.0), QMAX)
+            tl.store(zp_ptr + rows, zp.to(tl.uint8), mask=row_ok)
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+        if MODE == 0:
+            if SYMMETRIC:
+                qi = q.to(tl.int8)
+            else:
+                qi = q.to(tl.uint8)
+            tl.store(data_ptr + rows[:, None] * GROUP + cols[None, :], qi, mask=mask)
+        else:  # int4: element 2i -> low nibble, 2i+1 -> high nibble of byte i
+            qi = q.to(tl.int32)
+            lo_q, hi_q = tl.split(tl.reshape(qi, (ROWS, GROUP_P2 // 2, 2)))
+            packed = ((lo_q & 0xF) | ((hi_q & 0xF) << 4)).to(tl.uint8)
+            pairs = tl.arange(0, GROUP_P2 // 2)
+            pmask = row_ok[:, None] & (pairs[None, :] < GROUP // 2)
+            tl.store(data_ptr + rows[:, None] * (GROUP // 2) + pairs[None, :], packed, mask=pmask)
+
+
+@triton.jit
+def _dequantize_kernel(data_ptr, scale_ptr, zp_ptr, out_ptr, num_groups,
+                       GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr,
+                       MODE: tl.constexpr, SYMMETRIC: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    cols = tl.arange(0, GROUP_P2)
+    row_ok = rows < num_groups
+    mask = row_ok[:, None] & (cols[None, :] < GROUP)
+    scale = tl.load(scale_ptr + rows, mask=row_ok, other=1.0)
+    if MODE == 1:
+        pairs = tl.arange(0, GROUP_P2 // 2)
+        pmask = row_ok[:, None] & (pairs[None, :] < GROUP // 2)
+        p = tl.load(data_ptr + rows[:, None] * (GROUP // 2) + pairs[None, :], mask=pmask, other=0).to(tl.int32)
+        lo_q = p & 0xF
+        hi_q = (p >> 4) & 0xF
+        if SYMMETRIC:
+            lo_q = tl.where(lo_q >= 8, lo_q - 16, lo_q)
+            hi_q = tl.where(hi_q >= 8, hi_q - 16, hi_q)
+        q = tl.reshape(tl.join(lo_q, hi_q), (ROWS, GROUP_P2)).to(tl.float32)
+    else:
+        # masked lanes are never stored, so they need no fill value (fp8 has no integer 0 to cast)
+        q = tl.load(data_ptr + rows[:, None] * GROUP + cols[None, :], mask=mask).to(tl.float32)
+    if not SYMMETRIC:
+        zp = tl.load(zp_ptr + rows, mask=row_ok, other=0).to(tl.float32)
+        q = q - zp[:, None]
+    out = q * scale[:, None]
+    tl.store(out_ptr + rows[:, None] * GROUP + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tile(group_size: int) -> tuple[int, int]:
+    """(GROUP_P2, ROWS) for a group size: a power-of-two tile of about BLOCK_ELEMS elements."""
+    group_p2 = triton.next_power_of_2(group_size)
+    rows = max(1, BLOCK_ELEMS // group_p2)
+    return group_p2, rows
+
+
+def _num_warps(group_p2: int, rows: int) -> int:
+    return 8 if group_p2 * rows >= 4096 else 4
+
+
+def _require_fp8(device: torch.device, what: str) -> None:
+    if device.type != "cuda" or getattr(torch.version, "hip", None):
+        return
+    cap = tuple(torch.cuda.get_device_capability(device))
+    if cap < FP8_MIN_CAPABILITY:
+        raise Unsupported(
+            _PLUGIN, f"fp8 (e4m3) {what} on compute capability {cap[0]}.{cap[1]}",
+            f"Triton converts to e4m3 only on {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} and newer; "
+            "use mode='int8', or polyaccel.ops.override('quantize', 'reference') for the torch version",
+        )
+
+
+def quantize(x: torch.Tensor, mode: str = "int8", group_size: int = 128, symmetric: bool = True) -> QuantizedTensor:
+    """Quantize ``x`` group-wise; same arguments and result as the reference ``quantize``."""
+    check_quantize_args(x, mode, group_size, symmetric)
+    if mode == "fp8":
+        _require_fp8(x.device, "quantize")
+        symmetric = True
+    n = x.numel()
+    num_groups = n // group_size
+    if mode == "fp8":
+        data = torch.empty(n, dtype=torch.float8_e4m3fn, device=x.device)
+    elif mode == "int4":
+        data = torch.empty(n // 2, dtype=torch.uint8, device=x.device)
+    else:
+        data = torch.empty(n, dtype=torch.int8 if symmetric else torch.uint8, device=x.device)
+    scales = torch.empty(num_groups, dtype=torch.float32, device=x.device)
+    zero_points = None if symmetric else torch.empty(num_groups, dtype=torch.uint8, device=x.device)
+    group_p2, rows = _tile(group_size)
+    top = qmax(mode, symmetric) if mode != "fp8" else FP8_MAX
+    grid = (triton.cdiv(num_groups, rows),)
+    _quantize_kernel[grid](
+        x, data, scales, zero_points if zero_points is not None else scales, num_groups,
+        GROUP=group_size, GROUP_P2=group_p2, ROWS=rows, MODE=_MODE_IDS[mode], SYMMETRIC=symmetric,
+        QMAX=float(top), num_warps=_num_warps(group_p2, rows),
+    )
+    return QuantizedTensor(data, scales, zero_points, mode, group_size, x.shape, x.dtype)
+
+
+def _check_quantized(qt: QuantizedTensor) -> None:
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"dequantize: expected a QuantizedTensor, got {type(qt).__name__}")
+    if qt.mode not in _MODE_IDS:
+        raise ValueError(f"dequantize: mode {qt.mode!r} is not one of {tuple(_MODE_IDS)}")
+    n = 1
+    for s in qt.shape:
+        n *= int(s)
+    if n % qt.group_size:
+        raise ValueError(f"dequantize: group_size {qt.group_size} does not divide the {n} elements of shape "
+                         f"{tuple(qt.shape)}")
+    per_byte = 2 if qt.mode == "int4" else 1
+    if qt.data.numel() * per_byte != n or qt.scales.numel() != n // qt.group_size:
+        raise ValueError(
+            f"dequantize: data has {qt.data.numel()} entries and scales {qt.scales.numel()} for shape "
+            f"{tuple(qt.shape)} and group_size {qt.group_size}; the QuantizedTensor is inconsistent"
+        )
+    if qt.scales.dtype != torch.float32:
+        raise ValueError(f"dequantize: scales must be float32, got {qt.scales.dtype}")
+    for name in ("data", "scales", "zero_points"):
+        t = getattr(qt, name)
+        if t is not None and (t.device != qt.data.device or not t.is_contiguous()):
+            raise ValueError(f"dequantize: {name} must be contiguous and on {qt.data.device}")
+
+
+def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``(q - zero_point) * scale`` cast to ``dtype`` (default: the quantized tensor's dtype)."""
+    _check_quantized(qt)
+    dtype = dtype or qt.dtype
+    if qt.mode == "fp8":
+        _require_fp8(qt.data.device, "dequantize")
+    out = torch.empty(qt.shape, dtype=dtype, device=qt.data.device)
+    if out.numel() == 0:
+        return out
+    num_groups = qt.scales.numel()
+    group_p2, rows = _tile(qt.group_size)
+    grid = (triton.cdiv(num_groups, rows),)
+    zp = qt.zero_points if qt.zero_points is not None else qt.scales
+    _dequantize_kernel[grid](
+        qt.data, qt.scales, zp, out, num_groups,
+        GROUP=qt.group_size, GROUP_P2=group_p2, ROWS=rows, MODE=_MODE_IDS[qt.mode], SYMMETRIC=qt.symmetric,
+        num_warps=_num_warps(group_p2, rows),
+    )
+    return out
