@@ -25,9 +25,6 @@ import os
 
 import torch
 
-#: Oldest NVIDIA compute capability Triton 3.x generates code for.
-MIN_CUDA_CAPABILITY = (7, 5)
-
 
 def interpreting() -> bool:
     """True when ``TRITON_INTERPRET=1``: kernels run on the host through Triton's interpreter."""
@@ -56,7 +53,12 @@ def interpreter_available() -> tuple[bool, str]:
 
 
 def _device_check(accelerator) -> tuple[bool, str]:
-    """Whether the accelerator's own GPU is one Triton can compile for."""
+    """Whether the accelerator's own GPU is one Triton can compile for.
+
+    An accelerator may answer for itself with ``triton_device_support() -> (ok, reason)``
+    (the cuda plugin checks the compute capability, the rocm plugin the gfx architecture and
+    Triton's AMD backend); otherwise a usable ``torch.cuda`` device is enough.
+    """
     probe = accelerator.probe()
     if not probe.available:
         return False, f"{accelerator.name} is not usable here: {probe.reason}"
@@ -64,14 +66,11 @@ def _device_check(accelerator) -> tuple[bool, str]:
         return False, f"{accelerator.name} reports no devices"
     if accelerator.is_emulated():
         return False, f"{accelerator.name} runs on an emulated runtime; Triton needs a real GPU"
-    if getattr(torch.version, "hip", None):
-        return True, ""
+    own = getattr(accelerator, "triton_device_support", None)
+    if callable(own):
+        return own()
     if not torch.cuda.is_available():
         return False, "torch.cuda.is_available() is False"
-    cap = torch.cuda.get_device_capability(accelerator.current_device())
-    if tuple(cap) < MIN_CUDA_CAPABILITY:
-        return False, (f"compute capability {cap[0]}.{cap[1]} is older than "
-                       f"{MIN_CUDA_CAPABILITY[0]}.{MIN_CUDA_CAPABILITY[1]}, which Triton needs")
     return True, ""
 
 

@@ -1,0 +1,196 @@
+"""NVIDIA GPUs through ``torch.cuda``: the whole accelerator contract, honestly declared.
+
+What this backend adds to the base class:
+
+* probing that asks the runtime (and refuses ROCm and SUPA builds of torch, whose
+  ``torch.cuda`` is not NVIDIA's: the rocm and supa plugins serve those);
+* capabilities read off the device (bf16 on sm80+, fp8 on sm89+, Triton where it compiles);
+* host registration of existing buffers with ``cudaHostRegister`` through ``torch.cuda.cudart()``,
+  with return codes checked (the base class does the refcounting and never frees a buffer
+  whose unregistration failed);
+* real CUDA graphs (``torch.cuda.CUDAGraph`` / ``torch.cuda.graph``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from polyaccel.accelerator import Accelerator, ProbeResult
+from polyaccel.errors import PolyaccelError
+
+#: cudaHostRegister flags (cuda_runtime_api.h); Portable: every context sees the registration
+CUDA_HOST_REGISTER_DEFAULT = 0x00
+CUDA_HOST_REGISTER_PORTABLE = 0x01
+#: Oldest NVIDIA compute capability Triton 3.x generates code for.
+MIN_TRITON_CAPABILITY = (7, 5)
+
+
+def _foreign_cuda_reason() -> str:
+    """Why ``torch.cuda`` here is not NVIDIA's CUDA ("" when it is)."""
+    hip = getattr(torch.version, "hip", None)
+    if hip:
+        return f"this torch is a ROCm build (torch.version.hip={hip}); the rocm plugin serves it"
+    if hasattr(torch, "supa"):
+        return "torch_supa is loaded (its torch.cuda is Biren's SUPA runtime); the supa plugin serves it"
+    return ""
+
+
+class CudaAccelerator(Accelerator):
+    name = "cuda"
+    device_type = "cuda"
+    priority = 100
+    communication_backend = "nccl"
+    #: name of the collective library behind ``communication_backend`` (for reports)
+    collective_library = "nccl"
+    host_register_flags = CUDA_HOST_REGISTER_PORTABLE
+
+    # ------------------------------------------------------------------ probe
+    def _runtime_reason(self) -> str:
+        """Why this torch cannot drive this backend's runtime at all ("" when it can)."""
+        foreign = _foreign_cuda_reason()
+        if foreign:
+            return foreign
+        if not getattr(torch.version, "cuda", None):
+            return "this torch was built without CUDA (torch.version.cuda is None)"
+        return ""
+
+    def probe(self) -> ProbeResult:
+        reason = self._runtime_reason()
+        if reason:
+            return ProbeResult(False, reason)
+        try:
+            available = torch.cuda.is_available()
+            count = torch.cuda.device_count() if available else 0
+        except Exception as exc:  # noqa: BLE001 - a broken driver is "unavailable, because ..."
+            return ProbeResult(False, f"querying the CUDA driver failed: {type(exc).__name__}: {exc}")
+        if not available or count < 1:
+            return ProbeResult(False, "torch.cuda.is_available() is False: no usable GPU or driver")
+        return ProbeResult(True, "", count, details={"torch_cuda": torch.version.cuda})
+
+    # ---------------------------------------------------------- capabilities
+    def device_capability(self, index: int | None = None) -> tuple[int, int]:
+        return tuple(torch.cuda.get_device_capability(self.current_device() if index is None else index))
+
+    def _fp8_native(self) -> bool:
+        return self.device_capability() >= (8, 9)
+
+    def _bf16_native(self) -> bool:
+        return self.device_capability() >= (8, 0)
+
+    def triton_device_support(self) -> tuple[bool, str]:
+        """Whether Triton compiles for this GPU (asked by :func:`triton_support.triton_compatible`)."""
+        cap = self.device_capability()
+        if cap < MIN_TRITON_CAPABILITY:
+            return False, (f"compute capability {cap[0]}.{cap[1]} is older than "
+                           f"{MIN_TRITON_CAPABILITY[0]}.{MIN_TRITON_CAPABILITY[1]}, the oldest Triton supports")
+        return True, ""
+
+    def _triton_ok(self) -> bool:
+        from .triton_support import triton_compatible
+
+        return triton_compatible(self)[0]
+
+    @functools.cached_property
+    def _capabilities(self) -> frozenset[str]:
+        caps = {"streams", "events", "graphs", "host_register", "pinned", "async_p2p", "memory_stats", "rng",
+                "fp64", "fp16"}
+        if not self.probe().available:
+            return frozenset()
+        if self._bf16_native():
+            caps.add("bf16")
+        if self._fp8_native() and self.fp8_dtypes():
+            caps.add("fp8")
+        if self._triton_ok():
+            caps.add("triton")
+        return frozenset(caps)
+
+    def capabilities(self) -> frozenset[str]:
+        return self._capabilities
+
+    def fp8_dtypes(self) -> tuple[torch.dtype, ...]:
+        if not self._fp8_native():
+            return ()
+        return tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+    def describe(self) -> str:
+        try:
+            props = torch.cuda.get_device_properties(self.current_device())
+            major, minor = self.device_capability()
+            return f"{self.name}: {props.name} (sm_{major}{minor}, {props.total_memory / 2**30:.0f} GiB)"
+        except Exception:  # noqa: BLE001 - describe() must never fail
+            return super().describe()
+
+    # ------------------------------------------------------- execution model
+    def resolves_data_dependency(self) -> bool:
+        return False  # cross-stream dependencies need explicit events / wait_stream
+
+    def handles_memory_backpressure(self) -> bool:
+        return False
+
+    # --------------------------------------------------------- pinned memory
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.require("pinned")
+        if self.is_pinned(tensor):
+            return tensor
+        return tensor.pin_memory()
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        if tensor.device.type != "cpu":
+            return False
+        if tensor.data_ptr() in self._host_regs:
+            return True
+        return bool(tensor.is_pinned())
+
+    def pin_memory_alignment(self) -> int:
+        """cudaHostRegister takes any address and length (it pins the pages covering them), so
+        the exact range is registered: rounding out to pages would make neighbouring buffers that
+        share a page collide ("already registered")."""
+        return 1
+
+    def _cudart(self):
+        return torch.cuda.cudart()
+
+    def _error_string(self, cudart, rc) -> str:
+        try:
+            return str(cudart.cudaGetErrorString(rc))
+        except Exception:  # noqa: BLE001 - the code alone still identifies the error
+            return "unknown error"
+
+    def _host_register(self, ptr: int, nbytes: int) -> None:
+        cudart = self._cudart()
+        rc = cudart.cudaHostRegister(ptr, nbytes, self.host_register_flags)
+        if int(rc) != 0:
+            raise PolyaccelError(
+                f"{self.name}: cudaHostRegister({ptr:#x}, {nbytes}) failed with error {int(rc)} "
+                f"({self._error_string(cudart, rc)}); the buffer stays unregistered (use pin_memory() "
+                "for a pinned copy instead)"
+            )
+
+    def _host_unregister(self, ptr: int) -> None:
+        cudart = self._cudart()
+        rc = cudart.cudaHostUnregister(ptr)
+        if int(rc) != 0:
+            raise PolyaccelError(
+                f"{self.name}: cudaHostUnregister({ptr:#x}) failed with error {int(rc)} "
+                f"({self._error_string(cudart, rc)}); the buffer is kept alive (never freed) because "
+                "the device may still access it"
+            )
+
+    # ---------------------------------------------------------------- graphs
+    def create_graph(self):
+        self.require("graphs")
+        return torch.cuda.CUDAGraph()
+
+    def capture_to_graph(self, graph, pool=None, stream=None):
+        self.require("graphs")
+        return torch.cuda.graph(graph, pool=pool, stream=stream)
+
+    def replay_graph(self, graph) -> None:
+        self.require("graphs")
+        graph.replay()
+
+    def graph_pool_handle(self):
+        """A memory pool id to share between captures (``torch.cuda.graph_pool_handle()``)."""
+        self.require("graphs")
+        return torch.cuda.graph_pool_handle()

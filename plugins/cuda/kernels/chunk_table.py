@@ -1,0 +1,191 @@
+"""Chunk tables: how one multi-tensor kernel launch finds its work among many tensors.
+
+For operand lists ``(params, grads, *states)`` of N tensors, a table holds on the device:
+
+* ``addrs``  int64 [L*N]: the data address of tensor i of list l at ``l*N + i``;
+* ``numels`` int64 [N];
+* ``first_chunk`` int64 [N+1]: tensor i owns programs ``first_chunk[i] : first_chunk[i+1]``;
+* ``chunk_tensor`` / ``chunk_start`` int64 [C]: program c works on tensor ``chunk_tensor[c]``
+  from element ``chunk_start[c]`` (64-bit, so tensors above 2**31 elements work).
+
+Tensors are grouped by their dtype combination (one launch per group; normally one group).
+Empty tensors get no chunks. Building costs host work and one host-to-device copy, so tables
+are cached by the operands' addresses, sizes and dtypes: an optimizer that steps the same
+parameters reuses its table, and a CUDA graph captured after one warm-up step replays with
+no host work at all.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from polyaccel.ops.reference.optimizers import check_lists
+
+from ..triton_support import interpreting
+
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+_CACHE_SIZE = 32
+
+#: (BLOCK elements per inner step, ITERS inner steps per program, num_warps)
+_GPU_CONFIG = (1024, 4, 4)
+#: the CPU interpreter runs every program in numpy: small chunks keep tests fast and multi-chunk
+_INTERPRETER_CONFIG = (32, 2, 1)
+_config_override: tuple[int, int, int] | None = None
+
+
+def launch_config() -> tuple[int, int, int]:
+    """(BLOCK, ITERS, num_warps) for the elementwise optimizer kernels."""
+    if _config_override is not None:
+        return _config_override
+    return _INTERPRETER_CONFIG if interpreting() else _GPU_CONFIG
+
+
+def set_launch_config(block: int | None, iters: int | None = None, num_warps: int | None = None) -> None:
+    """Force a launch configuration (benchmarks sweep it; tests shrink it). ``None`` restores the default."""
+    global _config_override
+    if block is None:
+        _config_override = None
+        return
+    if block & (block - 1) or block < 16:
+        raise ValueError(f"BLOCK must be a power of two >= 16, got {block}")
+    _config_override = (int(block), int(iters or 1), int(num_warps or 4))
+    clear_cache()
+
+
+def chunk_elements() -> int:
+    block, iters, _ = launch_config()
+    return block * iters
+
+
+@dataclass(eq=False)
+class ChunkGroup:
+    """One launch's worth: tensors sharing a dtype combination."""
+
+    indices: list[int]
+    dtypes: tuple[torch.dtype, ...]
+    n_tensors: int
+    n_chunks: int
+    aligned: bool
+    addrs: torch.Tensor
+    numels: torch.Tensor
+    first_chunk: torch.Tensor
+    chunk_start: torch.Tensor
+    chunk_tensor: torch.Tensor
+    _staging: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def tl_dtypes(self):
+        from .optimizers import _TL_DTYPES
+
+        return tuple(_TL_DTYPES[d] for d in self.dtypes)
+
+
+@dataclass(eq=False)
+class ChunkTable:
+    device: torch.device
+    groups: list[ChunkGroup]
+
+
+_cache: OrderedDict[tuple, ChunkTable] = OrderedDict()
+_lock = threading.Lock()
+
+
+def clear_cache() -> None:
+    with _lock:
+        _cache.clear()
+
+
+def cache_size() -> int:
+    return len(_cache)
+
+
+def _check(op: str, lists) -> torch.device:
+    names = ("params", "grads", "exp_avgs", "exp_avg_sqs")
+    check_lists(op, *lists)
+    device = lists[0][0].device
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        raise ValueError(f"{op}: the Triton kernel needs CUDA tensors, got tensors on {device} "
+                         "(on CPU it runs only under TRITON_INTERPRET=1, for tests)")
+    for li, lst in enumerate(lists):
+        for i, t in enumerate(lst):
+            if t.device != device:
+                raise ValueError(f"{op}: {names[li]}[{i}] is on {t.device}, {names[0]}[0] on {device}; "
+                                 "one call takes tensors of one device")
+            if t.dtype not in _SUPPORTED:
+                raise TypeError(f"{op}: {names[li]}[{i}] has dtype {t.dtype}; the Triton kernel takes "
+                                "float32, bfloat16 or float16")
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: {names[li]}[{i}] is not contiguous; pass contiguous tensors "
+                                 "(e.g. .contiguous(), or keep optimizer state contiguous)")
+    return device
+
+
+def _build_group(lists, indices, dtypes, device, chunk) -> ChunkGroup:
+    n = len(indices)
+    addr_rows = [[lst[i].data_ptr() for i in indices] for lst in lists]
+    numels = torch.tensor([lists[0][i].numel() for i in indices], dtype=torch.int64)
+    per = (numels + chunk - 1) // chunk
+    first = torch.zeros(n + 1, dtype=torch.int64)
+    torch.cumsum(per, 0, out=first[1:])
+    n_chunks = int(first[-1])
+    chunk_tensor = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), per)
+    chunk_start = (torch.arange(n_chunks, dtype=torch.int64) - first[chunk_tensor]) * chunk
+    addrs = torch.tensor(addr_rows, dtype=torch.int64).reshape(-1)
+    aligned = all(a % 16 == 0 for row in addr_rows for a in row)
+    host = torch.cat([addrs, numels, first, chunk_start, chunk_tensor])
+    staging = None
+    if device.type == "cuda":
+        staging = host.pin_memory()
+        dev = staging.to(device, non_blocking=True)
+    else:
+        dev = host
+    parts = torch.split(dev, [len(addrs), n, n + 1, n_chunks, n_chunks])
+    return ChunkGroup(indices=list(indices), dtypes=dtypes, n_tensors=n, n_chunks=n_chunks, aligned=aligned,
+                      addrs=parts[0], numels=parts[1], first_chunk=parts[2], chunk_start=parts[3],
+                      chunk_tensor=parts[4], _staging=staging)
+
+
+def table_for(op: str, lists) -> ChunkTable | None:
+    """The (cached) chunk table of ``lists``; None when there is nothing to do (no elements)."""
+    if not lists[0]:
+        check_lists(op, *lists)
+        return None
+    chunk = chunk_elements()
+    key = (len(lists), chunk,
+           tuple((t.data_ptr(), t.numel(), t.dtype) for lst in lists for t in lst))
+    with _lock:
+        table = _cache.get(key)
+        if table is not None:
+            _cache.move_to_end(key)
+            return table if table.groups else None
+    device = _check(op, lists)
+    by_dtype: dict[tuple, list[int]] = {}
+    for i in range(len(lists[0])):
+        if lists[0][i].numel() == 0:
+            continue
+        by_dtype.setdefault(tuple(lst[i].dtype for lst in lists), []).append(i)
+    groups = [_build_group(lists, idx, dts, device, chunk) for dts, idx in by_dtype.items()]
+    table = ChunkTable(device=device, groups=groups)
+    with _lock:
+        _cache[key] = table
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return table if groups else None
+
+
+def _env_config() -> None:
+    """POLYACCEL_TRITON_OPTIM_CONFIG=BLOCK,ITERS,WARPS (for tuning runs without code changes)."""
+    raw = os.environ.get("POLYACCEL_TRITON_OPTIM_CONFIG")
+    if raw:
+        try:
+            b, i, w = (int(x) for x in raw.split(","))
+        except ValueError:
+            raise ValueError(f"POLYACCEL_TRITON_OPTIM_CONFIG={raw!r} is not 'BLOCK,ITERS,WARPS'") from None
+        set_launch_config(b, i, w)
+
+
+_env_config()
