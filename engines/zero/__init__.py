@@ -1,0 +1,61 @@
+"""ZeRO data-parallel training engine (stages 1-3, CPU offload, mixed precision, sharded checkpoints).
+
+The engine talks to hardware only through polyaccel's contracts: the selected accelerator
+(device, streams when it claims ``streams``, ``is_synchronized_device``, host buffers through
+``empty_pinned`` / ``register_host_memory``), the op registry for the optimizer step
+(``fused_adam`` / ``fused_lion`` / ``fused_lamb`` for the device type where the fp32 partition
+lives: ``cpu`` when offloaded), and ``polyaccel.comm`` for every collective. So it runs
+unchanged on any installed plugin.
+
+Contract (entry point ``zero`` in the ``polyaccel.engines`` group)
+------------------------------------------------------------------
+``polyaccel.initialize(model, config=dict) -> engine``. Initialises ``polyaccel.comm`` when no
+process group exists (from torchrun's environment, else as a world of one) and moves the
+model to the accelerator (cast to bf16/fp16 when enabled). The engine has:
+
+- ``engine(*args, **kw)`` / ``engine.forward(*args, **kw)``: the wrapped module's forward
+  (stage 3 gathers parameters around each submodule's forward and backward).
+- ``engine.backward(loss)``: backward of ``loss / gradient_accumulation_steps`` (times the
+  fp16 loss scale); stage 2/3 reduce-scatter gradients during it.
+- ``engine.step() -> bool``: counts a micro-step; at an accumulation boundary it reduces
+  (stage 1), unscales, checks fp16 overflow (a skipped step returns False and lowers the
+  scale), clips to ``gradient_clipping``, applies the optimizer, republishes parameters and
+  zeroes gradients. Returns True when the optimizer was applied.
+- ``engine.zero_grad()``.
+- ``engine.save_checkpoint(dir, tag=None, client_state=None) -> tag`` (collective; default tag
+  ``global_step{N}``; ``client_state`` must be JSON-serialisable) and
+  ``engine.load_checkpoint(dir, tag=None) -> client_state`` (tag None: the one in ``latest``;
+  any world size and stage can load any checkpoint).
+- ``engine.module``, ``engine.global_steps`` (optimizer boundaries, skipped ones included),
+  ``engine.micro_steps``, ``engine.skipped_steps``, ``engine.loss_scale`` (1.0 without fp16),
+  ``engine.optimizer_builder`` (name of the op builder the registry chose),
+  ``engine.last_grad_norm``, ``engine.get_lr()`` / ``engine.set_lr(lr)``,
+  ``engine.full_state_dict()`` (gathered parameters; collective in stage 3),
+  ``engine.optimizer_state_elements()``, ``engine.destroy()``.
+
+Config (DeepSpeed's key names; unknown keys are rejected, the caller's dict is never modified):
+``train_batch_size``, ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
+``gradient_clipping``, ``bf16.enabled``, ``fp16.{enabled, loss_scale, initial_scale_power,
+loss_scale_window, hysteresis, min_loss_scale}``, ``optimizer.{type: adam|adamw|lion|lamb,
+params: {lr, betas, eps, weight_decay, adam_w_mode, bias_correction, max_coeff, min_coeff}}``,
+``zero_optimization.{stage: 1|2|3, reduce_bucket_size, overlap_comm, contiguous_gradients,
+stage3_prefetch_bucket_size, stage3_param_persistence_threshold, offload_optimizer: {device:
+none|cpu, pin_memory}, offload_param: {device: none|cpu, pin_memory} (stage 3)}``.
+As in DeepSpeed, optimizer type ``adam`` uses decoupled weight decay unless ``adam_w_mode`` is false.
+
+Without bf16/fp16 the model keeps its dtype; a float64 model trains with float64 master
+weights (used by the tests to check exactness).
+"""
+
+from __future__ import annotations
+
+from .config import ZeroConfig, parse_config
+from .engine import ZeroEngine
+
+
+def initialize(model, config=None, **kwargs) -> ZeroEngine:
+    """Wrap ``model`` in a :class:`ZeroEngine` configured by ``config`` (a DeepSpeed-style dict)."""
+    return ZeroEngine(model, config, **kwargs)
+
+
+__all__ = ["ZeroConfig", "ZeroEngine", "initialize", "parse_config"]

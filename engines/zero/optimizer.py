@@ -1,0 +1,94 @@
+"""The optimizer step on a rank's flat fp32 partition, through the op registry.
+
+The step runs on the device where the partition lives (the accelerator, or ``cpu`` when the
+optimizer is offloaded) with the op builder the registry picks for that device type:
+``fused_adam`` (adam, adamw), ``fused_lion`` and ``fused_lamb``.
+
+LAMB needs one thing a partition-local op cannot know: its trust ratio is per *parameter*,
+and a parameter's elements are spread over several ranks. So the engine asks ``fused_lamb``
+for the moment update and the Adam direction only (applied to a zero scratch tensor with
+``lr=1`` and the trust ratio pinned to 1, which yields ``-m_hat/(sqrt(v_hat)+eps)``
+exactly), then all-reduces per-parameter squared norms of the weights and the update and
+applies ``-lr * trust * update`` itself. The result equals single-process LAMB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from polyaccel import ops
+from polyaccel.ops.reference.optimizers import lamb_trust_ratio
+
+from .config import OptimizerConfig
+
+_OP_FOR = {"adam": "fused_adam", "adamw": "fused_adam", "lion": "fused_lion", "lamb": "fused_lamb"}
+STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"), "lion": ("exp_avg",),
+               "lamb": ("exp_avg", "exp_avg_sq")}
+
+
+class PartitionOptimizer:
+    """Optimizer state and step for one flat partition (``master``) of ``P`` elements."""
+
+    def __init__(self, cfg: OptimizerConfig, master: torch.Tensor, alloc: Callable[[int, torch.dtype], torch.Tensor],
+                 segment_ids: torch.Tensor | None = None, num_segments: int = 0,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.cfg = cfg
+        self.lr = cfg.lr
+        self.master = master
+        self.op = _OP_FOR[cfg.type]
+        self.state: dict[str, torch.Tensor] = {}
+        for name in STATE_NAMES[cfg.type]:
+            buf = alloc(master.numel(), master.dtype)
+            buf.zero_()
+            self.state[name] = buf
+        self.step_count = 0
+        self._segments = segment_ids.to(master.device) if segment_ids is not None else None
+        self._num_segments = num_segments
+        self._all_reduce = all_reduce
+        if cfg.type == "lamb" and (segment_ids is None or all_reduce is None):
+            raise ValueError("lamb needs segment ids and an all-reduce for its per-parameter trust ratio")
+
+    @property
+    def builder_name(self) -> str:
+        """Name of the op builder the registry chose for this partition's device type."""
+        device_type = self.master.device.type
+        ops.resolve(self.op, device_type)
+        return ops.registry.chosen(self.op, device_type).name
+
+    def state_elements(self) -> int:
+        return sum(t.numel() for t in self.state.values())
+
+    @torch.no_grad()
+    def step(self, grad: torch.Tensor) -> None:
+        self.step_count += 1
+        c = self.cfg
+        m = self.master
+        if c.type in ("adam", "adamw"):
+            ops.fused_adam([m], [grad], [self.state["exp_avg"]], [self.state["exp_avg_sq"]], lr=self.lr,
+                           beta1=c.betas[0], beta2=c.betas[1], eps=c.eps, weight_decay=c.weight_decay,
+                           step=self.step_count, adam_w_mode=c.adam_w_mode, bias_correction=c.bias_correction)
+        elif c.type == "lion":
+            ops.fused_lion([m], [grad], [self.state["exp_avg"]], lr=self.lr, beta1=c.betas[0], beta2=c.betas[1],
+                           weight_decay=c.weight_decay)
+        else:
+            self._lamb_step(grad)
+
+    def _lamb_step(self, grad: torch.Tensor) -> None:
+        c = self.cfg
+        m = self.master
+        direction = torch.zeros_like(m)
+        ops.fused_lamb([direction], [grad], [self.state["exp_avg"]], [self.state["exp_avg_sq"]], lr=1.0,
+                       beta1=c.betas[0], beta2=c.betas[1], eps=c.eps, weight_decay=0.0, step=self.step_count,
+                       bias_correction=c.bias_correction, max_coeff=1.0, min_coeff=1.0)
+        update = direction.neg_()
+        if c.weight_decay:
+            update.add_(m, alpha=c.weight_decay)
+        n = self._num_segments
+        sq = torch.zeros(2, n + 1, dtype=torch.float64, device=m.device)
+        sq[0].index_add_(0, self._segments, m.double().square())
+        sq[1].index_add_(0, self._segments, update.double().square())
+        sq = self._all_reduce(sq)
+        trust = lamb_trust_ratio(sq[0, :n].sqrt(), sq[1, :n].sqrt(), c.min_coeff, c.max_coeff)
+        trust = torch.cat([trust, trust.new_ones(1)]).to(m.dtype)
+        m.add_(update * trust[self._segments], alpha=-self.lr)

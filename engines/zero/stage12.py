@@ -1,0 +1,156 @@
+"""Stages 1 and 2: replicated 16-bit parameters in one flat buffer, partitioned fp32 master and state.
+
+Gradients are reduce-scattered bucket by bucket (see :class:`~.partition.FlatLayout` for
+why a bucket's reduce-scatter lands exactly in each rank's partition). Stage 2 does it from
+per-parameter post-accumulate hooks during every backward and drops each gradient once it
+is copied into its bucket; stage 1 keeps full gradients in ``param.grad`` until the
+accumulation boundary and reduces them there. After the optimizer step each rank writes its
+updated slice into the flat buffer and one ``all_gather_into_tensor`` per bucket rebuilds
+the parameters in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .partition import FlatLayout
+
+
+class FlatPartitioner:
+    def __init__(self, entries: list[tuple[str, torch.nn.Parameter]], *, stage: int, coll, device: torch.device,
+                 compute_dtype: torch.dtype, master_dtype: torch.dtype, bucket_size: int, overlap_comm: bool,
+                 alloc_master, reduction_stream=None, accelerator=None):
+        self.stage = stage
+        self.coll = coll
+        self.world, self.rank = coll.world, coll.rank
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.overlap = overlap_comm
+        self.stream = reduction_stream
+        self.accelerator = accelerator
+        ordered = list(reversed(entries))  # roughly backward order, so buckets fill one after another
+        self.params = [p for _, p in ordered]
+        self.layout = FlatLayout([n for n, _ in ordered], [tuple(p.shape) for p in self.params], self.world,
+                                 bucket_size)
+        lay = self.layout
+        self.flat = torch.zeros(lay.padded_total, dtype=compute_dtype, device=device)
+        with torch.no_grad():
+            for p, off, n in zip(self.params, lay.offsets, lay.numels, strict=True):
+                self.flat[off:off + n].copy_(p.detach().reshape(-1))
+                p.data = self.flat[off:off + n].view(p.shape)
+        self.master = alloc_master(lay.partition_size, master_dtype)
+        self.master.copy_(lay.partition_of(self.flat, self.rank).to(self.master.device, master_dtype))
+        self.grad = alloc_master(lay.partition_size, master_dtype)
+        self.grad.zero_()
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._remaining = list(lay.bucket_fill)
+        self._reduced: set[int] = set()
+        self._pending: list = []
+        self._hooks = []
+        if stage == 2:
+            for i, p in enumerate(self.params):
+                if p.numel():
+                    self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p)))
+
+    # ----------------------------------------------------------- reduction
+    def _buffer(self, k: int) -> torch.Tensor:
+        buf = self._buffers.get(k)
+        if buf is None:
+            buf = torch.zeros(self.layout.buckets[k].length, dtype=self.compute_dtype, device=self.device)
+            self._buffers[k] = buf
+        return buf
+
+    def _on_grad(self, i: int, p: torch.nn.Parameter) -> None:
+        g = p.grad.detach().reshape(-1)
+        for k in self.layout.param_buckets[i]:
+            po, bo, n = self.layout.overlap(i, k)
+            self._buffer(k)[bo:bo + n].add_(g[po:po + n])
+            if k not in self._reduced:
+                self._remaining[k] -= n
+                if self._remaining[k] == 0:
+                    self._reduce(k)
+        p.grad = None
+
+    def _reduce(self, k: int) -> None:
+        buf = self._buffers.pop(k)
+        self._reduced.add(k)
+        b = self.layout.buckets[k]
+        out = torch.empty(b.chunk(self.world), dtype=self.compute_dtype, device=self.device)
+        if self.stream is not None:
+            cur = self.accelerator.current_stream()
+            self.stream.wait_stream(cur)
+            with self.accelerator.stream(self.stream):
+                buf.div_(self.world)
+                work = self.coll.reduce_scatter(out, buf, async_op=False)
+        else:
+            buf.div_(self.world)
+            work = self.coll.reduce_scatter(out, buf, async_op=self.overlap)
+        self._pending.append((k, work, out, buf))
+
+    def _finish(self) -> None:
+        if self.stream is not None:
+            self.accelerator.current_stream().wait_stream(self.stream)
+        for k, work, out, _buf in self._pending:
+            if work is not None:
+                work.wait()
+            b = self.layout.buckets[k]
+            self.grad[b.part_offset:b.part_offset + out.numel()].add_(out.to(self.grad.device, self.grad.dtype))
+        self._pending.clear()
+
+    def end_backward(self) -> None:
+        """After each backward (stage 2): reduce what the hooks left (unused params, leftovers)."""
+        if self.stage != 2:
+            return
+        leftovers = sorted(set(range(len(self.layout.buckets))) - self._reduced) + sorted(self._buffers)
+        for k in leftovers:
+            self._buffer(k)
+            self._reduce(k)
+        self._finish()
+        self._remaining = list(self.layout.bucket_fill)
+        self._reduced.clear()
+
+    def reduce_at_boundary(self) -> None:
+        """At the accumulation boundary (stage 1): reduce the full gradients bucket by bucket."""
+        if self.stage != 1:
+            return
+        for k in range(len(self.layout.buckets)):
+            buf = self._buffer(k)
+            for i, p in enumerate(self.params):
+                if p.grad is None or k not in self.layout.param_buckets[i]:
+                    continue
+                po, bo, n = self.layout.overlap(i, k)
+                buf[bo:bo + n].copy_(p.grad.detach().reshape(-1)[po:po + n])
+            self._reduce(k)
+        self._finish()
+        self._reduced.clear()
+        for p in self.params:
+            p.grad = None
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+        for p in self.params:
+            p.grad = None
+
+    # ------------------------------------------------------------ write-back
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Copy the updated master partition into the flat buffer and all-gather every bucket in place."""
+        works = []
+        for b in self.layout.buckets:
+            c = b.chunk(self.world)
+            src = self.master[b.part_offset:b.part_offset + c].to(self.device, self.compute_dtype, copy=True)
+            works.append((self.coll.all_gather(self.flat[b.start:b.start + b.length], src, async_op=True), src))
+        for work, _src in works:  # the source stays referenced until its gather is done
+            if work is not None:
+                work.wait()
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return self.layout.unflatten(self.flat)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def device_param_elements(self) -> int:
+        return self.flat.numel()
