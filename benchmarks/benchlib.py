@@ -14,8 +14,8 @@ import functools
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 
@@ -81,25 +81,23 @@ def time_host_s(fn: Callable[[], object], repeats: int = 3) -> float:
     return sorted(out)[len(out) // 2]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second / 1e9): the memory ceiling."""
     n = nbytes // 4
-    src = torch.randn(n, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
-    del src, dst
+    bufs = [torch.randn(n, device="cuda"), torch.empty(n, device="cuda")]
+    ms = time_ms(lambda: bufs[1].copy_(bufs[0]))
+    bufs.clear()
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def matmul_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
     """Dense matmul rate on random data: the arithmetic ceiling."""
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
-    ms = time_ms(lambda: a @ b)
-    del a, b
+    ab = [torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2)]
+    ms = time_ms(lambda: ab[0] @ ab[1])
+    ab.clear()
     torch.cuda.empty_cache()
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
