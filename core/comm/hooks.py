@@ -1,0 +1,103 @@
+"""The comm-hooks contract: what a backend tells ``polyaccel.comm`` about its collectives.
+
+A plugin answers the ``polyaccel_comm_hooks(accelerator)`` hook with a :class:`CommHooks`
+for its own accelerator; the first non-None answer wins. With no answer the defaults are
+built from ``accelerator.communication_backend``: device tensors go to the backend as they
+are, nothing is staged and nothing is emulated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError
+
+#: collectives polyaccel.comm can emulate from others, with the emulation used
+EMULATIONS = {
+    "reduce_scatter_tensor": "all_reduce on a copy of the input, then this rank's slice",
+    "all_gather_into_tensor": "all_gather into views of the output",
+    "all_to_all_single": "batched isend/irecv of the splits",
+}
+
+
+@dataclass(frozen=True)
+class CommHooks:
+    """How one backend communicates. Frozen: swap the whole object, never mutate it.
+
+    - ``backend``: the ``torch.distributed`` backend name (``"nccl"``, ``"hccl"``, ``"gloo"`` ...).
+    - ``pass_device_id``: give ``init_process_group`` the local device as ``device_id`` (and
+      make it current first); lets NCCL-like backends bind eagerly.
+    - ``supports_device_tensors``: False for a backend that can only read host memory (gloo
+      with mps tensors); such tensors are staged through host buffers from the accelerator.
+    - ``stage_host_tensors``: stage tensors that already live on the host too. Never needed
+      in production; it lets the staging path be tested with CPU tensors.
+    - ``emulated_collectives``: collectives the backend lacks, built from others (see
+      :data:`EMULATIONS`) and shown as emulated in ``polyaccel report``.
+    """
+
+    backend: str
+    pass_device_id: bool = False
+    supports_device_tensors: bool = True
+    stage_host_tensors: bool = False
+    emulated_collectives: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError(f"CommHooks.backend must be a torch.distributed backend name, got {self.backend!r}")
+        emulated = frozenset(self.emulated_collectives)
+        unknown = sorted(emulated - EMULATIONS.keys())
+        if unknown:
+            raise ConfigError(
+                f"CommHooks.emulated_collectives: cannot emulate {unknown}; emulations exist for {sorted(EMULATIONS)}"
+            )
+        object.__setattr__(self, "emulated_collectives", emulated)
+        if self.stage_host_tensors and self.supports_device_tensors:
+            raise ConfigError("CommHooks.stage_host_tensors=True needs supports_device_tensors=False")
+
+    @property
+    def stages(self) -> bool:
+        """Whether any tensor can need host staging under these hooks."""
+        return not self.supports_device_tensors
+
+    def needs_staging(self, tensor: torch.Tensor) -> bool:
+        if self.supports_device_tensors:
+            return False
+        return self.stage_host_tensors or tensor.device.type != "cpu"
+
+    @classmethod
+    def defaults_for(cls, accelerator) -> CommHooks:
+        return cls(backend=accelerator.communication_backend)
+
+    def as_dict(self) -> dict:
+        return {
+            "backend": self.backend,
+            "pass_device_id": self.pass_device_id,
+            "supports_device_tensors": self.supports_device_tensors,
+            "stage_host_tensors": self.stage_host_tensors,
+            "emulated_collectives": {name: EMULATIONS[name] for name in sorted(self.emulated_collectives)},
+        }
+
+
+def resolve_hooks(accelerator, plugin_set=None) -> CommHooks:
+    """The comm hooks for ``accelerator``: the first plugin answer, else the defaults."""
+    if plugin_set is None:
+        from .. import selection
+
+        plugin_set = selection.plugins()
+    try:
+        answer = plugin_set.pm.hook.polyaccel_comm_hooks(accelerator=accelerator)
+    except Exception as exc:
+        raise ConfigError(
+            f"a plugin's polyaccel_comm_hooks raised for accelerator {accelerator.name!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if answer is None:
+        return CommHooks.defaults_for(accelerator)
+    if not isinstance(answer, CommHooks):
+        raise ConfigError(
+            f"polyaccel_comm_hooks for accelerator {accelerator.name!r} returned {type(answer).__name__}; "
+            "return a polyaccel.comm.CommHooks (or None for the defaults)"
+        )
+    return answer
