@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.abc
+import importlib.machinery
 import os
 import sys
 import threading
@@ -434,15 +435,23 @@ class MemoryCounters:
 
 
 # ------------------------------------------------------------------------ patcher
-class _FailingImport(importlib.abc.MetaPathFinder):
+class _FailingImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds the package (it is "installed") but fails while executing it, like a missing .so."""
+
     def __init__(self, name: str, error: BaseException):
         self.name = name
         self.error = error
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname == self.name or fullname.startswith(self.name + "."):
-            raise self.error
+            return importlib.machinery.ModuleSpec(fullname, self)
         return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise self.error
 
 
 class Patcher:

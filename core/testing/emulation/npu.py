@@ -1,0 +1,349 @@
+"""Emulated Ascend runtime: a CPU-backed ``torch_npu`` and ``torch.npu``.
+
+What it reproduces (from torch_npu's public API and CANN's documented behaviour):
+
+* ``import torch_npu`` installs ``torch.npu``; with CANN missing the import fails with
+  ``ImportError: libhccl.so: cannot open shared object file ...`` (fault ``library_missing``)
+  and ``torch`` has no ``npu`` attribute.
+* ``torch.npu.npurt()`` returns one runtime-API object (the same one every call) with
+  ``npuHostRegister(ptr, size, flags) -> int`` and ``npuHostUnregister(ptr) -> int``
+  returning ACL codes: 0 on success, ``ACL_ERROR_INVALID_PARAM`` (100000) for a null pointer,
+  ``ACL_ERROR_RT_PARAM_INVALID`` (107000) for a bad size/flag/alignment. ``ACL_HOST_REG_MAPPED``
+  (0x2) needs a 4096-byte aligned address and length; ``ACL_HOST_REG_PINNED`` (0x10000000)
+  does not.
+* ``torch.npu.NPUGraph`` / ``torch.npu.graph(g, pool=None, stream=None)``: capture records
+  the work, ``replay()`` re-runs it (see :class:`~.base.GraphRecorder`).
+* streams, events (asynchronous completion), RNG per device, memory statistics.
+* ``torch_npu.npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True)``:
+  ``round(input / scales) + zero_points`` (``input * scales`` without div_mode), saturated
+  to ``dtype``; scales broadcast along ``axis`` (last dimension only, as documented).
+
+Tensors stay on the CPU. ``emulate(**faults)`` is the entry point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import types
+from typing import Any
+
+import torch
+
+from .base import (
+    EMULATED_MARKER,
+    EmulatedEvent,
+    EmulatedRuntime,
+    EmulatedStream,
+    GraphRecorder,
+    HostMemoryTable,
+    Patcher,
+    missing_library_error,
+)
+
+ACL_SUCCESS = 0
+ACL_ERROR_INVALID_PARAM = 100000
+ACL_ERROR_RT_PARAM_INVALID = 107000
+ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
+ACL_HOST_REG_MAPPED = 0x2
+ACL_HOST_REG_PINNED = 0x10000000
+PAGE = 4096
+
+EMULATED_VERSION = "2.13.0+emulated"
+
+
+class _Npurt:
+    """``torch.npu.npurt()``: the runtime-API binding (host registration, streams)."""
+
+    def __init__(self, runtime: NpuRuntime):
+        self._rt = runtime
+        self._table = HostMemoryTable(alignment=1, ok=ACL_SUCCESS, invalid_value=ACL_ERROR_RT_PARAM_INVALID,
+                                      already_registered=ACL_ERROR_RT_PARAM_INVALID,
+                                      not_registered=ACL_ERROR_RT_PARAM_INVALID)
+        setattr(self, EMULATED_MARKER, True)
+
+    @property
+    def registered(self) -> dict[int, tuple[int, int]]:
+        """Registered ranges: address -> (length, flags)."""
+        return dict(self._table.ranges)
+
+    def npuHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - runtime's name
+        rt = self._rt
+        code = self._register(int(ptr), int(size), int(flags))
+        rt.record("npuHostRegister", ptr, size, flags, result=code)
+        return code
+
+    def _register(self, ptr: int, size: int, flags: int) -> int:
+        if ptr == 0:
+            return ACL_ERROR_INVALID_PARAM
+        refused = self._rt.faults.registration_refused
+        if refused:
+            return int(refused) if not isinstance(refused, bool) else ACL_ERROR_RT_PARAM_INVALID
+        if size <= 0 or flags & ~(ACL_HOST_REG_MAPPED | ACL_HOST_REG_PINNED) or not flags:
+            return ACL_ERROR_RT_PARAM_INVALID
+        if flags & ACL_HOST_REG_MAPPED and (ptr % PAGE or size % PAGE):
+            return ACL_ERROR_RT_PARAM_INVALID
+        return self._table.register(ptr, size, flags, allowed_flags=(flags,))
+
+    def npuHostUnregister(self, ptr: int) -> int:  # noqa: N802 - runtime's name
+        ptr = int(ptr)
+        if ptr == 0:
+            code = ACL_ERROR_INVALID_PARAM
+        elif self._rt.faults.unregister_fails:
+            fail = self._rt.faults.unregister_fails
+            code = int(fail) if not isinstance(fail, bool) else ACL_ERROR_RT_PARAM_INVALID
+        else:
+            code = self._table.unregister(ptr)
+        self._rt.record("npuHostUnregister", ptr, result=code)
+        return code
+
+    def npuStreamCreate(self, ptr: int) -> int:  # noqa: N802
+        code = ACL_ERROR_INVALID_PARAM if not ptr else ACL_SUCCESS
+        self._rt.record("npuStreamCreate", ptr, result=code)
+        return code
+
+    def npuStreamDestroy(self, stream: int) -> int:  # noqa: N802
+        code = ACL_ERROR_INVALID_PARAM if not stream else ACL_SUCCESS
+        self._rt.record("npuStreamDestroy", stream, result=code)
+        return code
+
+
+class NPUGraph:
+    """``torch.npu.NPUGraph``: capture_begin/capture_end/replay/reset/pool."""
+
+    def __init__(self, runtime: NpuRuntime):
+        self._rt = runtime
+        self._rec = GraphRecorder()
+        setattr(self, EMULATED_MARKER, True)
+
+    def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
+        self._rt.record("NPUGraph.capture_begin")
+        self._rec.begin()
+
+    def capture_end(self) -> None:
+        self._rec.end()
+        self._rt.record("NPUGraph.capture_end", len(self._rec.ops))
+
+    def replay(self) -> None:
+        self._rt.record("NPUGraph.replay")
+        self._rec.replay()
+
+    def reset(self) -> None:
+        self._rec.reset()
+
+    def pool(self) -> tuple[int, int]:
+        return (id(self), 0)
+
+    @property
+    def replays(self) -> int:
+        return self._rec.replays
+
+
+def _device_index(device: Any) -> int | None:
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        return int(device.split(":")[1]) if ":" in device else None
+    return getattr(device, "index", None)
+
+
+class NpuRuntime(EmulatedRuntime):
+    """The emulated Ascend runtime; ``runtime.npurt`` is the host-registration binding."""
+
+    name = "npu"
+    FAULTS = {
+        "library_missing": "torch_npu is installed but CANN is not: `import torch_npu` raises "
+                           "ImportError(libhccl.so ...)",
+        "no_device": "torch_npu imports but no NPU is visible (is_available() False, device_count() 0)",
+        "no_npurt": "torch.npu has no npurt() (a torch_npu build without the runtime-API binding)",
+        "npurt_init_fails": "torch.npu.npurt() raises RuntimeError (the runtime cannot initialise)",
+        "registration_refused": "npuHostRegister returns an ACL error code (True: 107000, or the int given)",
+        "unregister_fails": "npuHostUnregister returns an ACL error code (True: 107000, or the int given)",
+        "no_graphs": "torch.npu has no NPUGraph/graph (an older torch_npu)",
+        "no_fused_adam": "torch's fused Adam has no npu kernel in this torch_npu",
+    }
+
+    def __init__(self, device_count: int = 1, **faults: Any):
+        super().__init__(**faults)
+        self.device_count = 0 if self.faults.no_device else device_count
+        self.current = 0
+        self.npurt = _Npurt(self)
+        self.generators = [torch.Generator().manual_seed(0) for _ in range(max(self.device_count, 1))]
+        self.graphs: list[NPUGraph] = []
+
+    # ------------------------------------------------------------ modules
+    def _build_npu_module(self) -> types.ModuleType:
+        rt = self
+        m = types.ModuleType("torch_npu.npu")
+        setattr(m, EMULATED_MARKER, True)
+
+        def is_available() -> bool:
+            rt.record("is_available")
+            return rt.device_count > 0
+
+        def device_count() -> int:
+            return rt.device_count
+
+        def current_device() -> int:
+            return rt.current
+
+        def set_device(device) -> None:
+            idx = _device_index(device)
+            if idx is None or not 0 <= idx < rt.device_count:
+                raise RuntimeError(f"Invalid device id {device!r}: {rt.device_count} NPU(s) visible")
+            rt.record("set_device", idx)
+            rt.current = idx
+
+        def synchronize(device=None) -> None:
+            rt.record("synchronize", _device_index(device))
+            rt.synchronize_all()
+
+        def npurt():
+            if rt.faults.npurt_init_fails:
+                raise RuntimeError("npurt: aclInit failed with error code 100000 (emulated fault)")
+            rt.record("npurt")
+            return rt.npurt
+
+        def _gen(device=None):
+            idx = _device_index(device)
+            return rt.generators[rt.current if idx is None else idx]
+
+        def manual_seed(seed: int) -> None:
+            _gen().manual_seed(int(seed))
+
+        def manual_seed_all(seed: int) -> None:
+            for g in rt.generators:
+                g.manual_seed(int(seed))
+
+        def initial_seed() -> int:
+            return _gen().initial_seed()
+
+        def get_rng_state(device="npu") -> torch.Tensor:
+            return _gen(device if device != "npu" else None).get_state()
+
+        def set_rng_state(new_state: torch.Tensor, device="npu") -> None:
+            _gen(device if device != "npu" else None).set_state(new_state)
+
+        def memory_allocated(device=None) -> int:
+            return rt.memory.allocated
+
+        def max_memory_allocated(device=None) -> int:
+            return rt.memory.peak
+
+        def memory_reserved(device=None) -> int:
+            return rt.memory.reserved
+
+        def reset_peak_memory_stats(device=None) -> None:
+            rt.memory.reset_peak()
+
+        def memory_stats(device=None) -> dict:
+            return rt.memory.stats()
+
+        def empty_cache() -> None:
+            rt.record("empty_cache")
+            rt.memory.empty_cache()
+
+        def mem_get_info(device=None) -> tuple[int, int]:
+            total = 64 * 2**30
+            return total - rt.memory.reserved, total
+
+        def get_device_name(device=None) -> str:
+            return "Ascend910B (emulated)"
+
+        def Stream(device=None, priority: int = 0, **kwargs) -> EmulatedStream:  # noqa: N802
+            return EmulatedStream(rt, device, priority)
+
+        def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):  # noqa: N802
+            return EmulatedEvent(rt, enable_timing, blocking, interprocess)
+
+        def current_stream(device=None) -> EmulatedStream:
+            return rt.current_stream()
+
+        def default_stream(device=None) -> EmulatedStream:
+            return rt.default_stream()
+
+        def stream(s):
+            return rt.use_stream(s)
+
+        for fn in (is_available, device_count, current_device, set_device, synchronize, manual_seed,
+                   manual_seed_all, initial_seed, get_rng_state, set_rng_state, memory_allocated,
+                   max_memory_allocated, memory_reserved, reset_peak_memory_stats, memory_stats, empty_cache,
+                   mem_get_info, get_device_name, Stream, Event, current_stream, default_stream, stream):
+            setattr(m, fn.__name__, fn)
+        m.is_bf16_supported = lambda: True
+        if not rt.faults.no_npurt:
+            m.npurt = npurt
+        if not rt.faults.no_graphs:
+
+            def make_graph() -> NPUGraph:
+                g = NPUGraph(rt)
+                rt.graphs.append(g)
+                return g
+
+            @contextlib.contextmanager
+            def graph(npu_graph: NPUGraph, pool=None, stream=None, capture_error_mode: str = "global"):
+                rt.record("graph", pool=pool, stream=stream)
+                with rt.use_stream(stream):
+                    npu_graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+                    try:
+                        yield npu_graph
+                    finally:
+                        npu_graph.capture_end()
+
+            m.NPUGraph = make_graph
+            m.graph = graph
+            m.graph_pool_handle = lambda: (id(rt), 1)
+        return m
+
+    def _build_torch_npu(self, npu_mod: types.ModuleType) -> types.ModuleType:
+        rt = self
+        m = types.ModuleType("torch_npu")
+        m.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+        m.__version__ = EMULATED_VERSION
+        m.npu = npu_mod
+        setattr(m, EMULATED_MARKER, True)
+
+        def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):  # noqa: A002 - API name
+            rt.record("npu_quantize", tuple(input.shape), dtype, axis, div_mode)
+            if axis not in (-1, input.dim() - 1):
+                raise RuntimeError(f"npu_quantize: axis only supports the last dimension, got axis={axis}")
+            x = input.float()
+            y = torch.round(x / scales.float() if div_mode else x * scales.float())
+            if zero_points is not None:
+                y = y + zero_points.float()
+            bounds = {torch.qint8: (-128, 127), torch.quint8: (0, 255), torch.int32: (-(2**31), 2**31 - 1)}
+            if dtype not in bounds:
+                raise RuntimeError(f"npu_quantize: dtype {dtype} is not one of {list(bounds)}")
+            lo, hi = bounds[dtype]
+            out = {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.int32: torch.int32}[dtype]
+            return y.clamp(lo, hi).to(out)
+
+        m.npu_quantize = npu_quantize
+        return m
+
+    def install(self, patcher: Patcher) -> None:
+        patcher.setenv("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+        if self.faults.library_missing:
+            patcher.delattr(torch, "npu")
+            patcher.fail_import("torch_npu", missing_library_error("libhccl.so", "torch_npu"))
+            return
+        npu_mod = self._build_npu_module()
+        torch_npu = self._build_torch_npu(npu_mod)
+        patcher.set_module("torch_npu", torch_npu)
+        patcher.set_module("torch_npu.npu", npu_mod)
+        patcher.setattr(torch, "npu", npu_mod)
+        if not self.faults.no_fused_adam:
+            # torch_npu renames the PrivateUse1 backend to "npu", which puts "npu" among the
+            # devices torch's fused optimizers accept; reproduce that answer (not the rename,
+            # which torch cannot undo).
+            from torch.utils import _foreach_utils
+
+            real = _foreach_utils._get_fused_kernels_supported_devices
+            patcher.setattr(_foreach_utils, "_get_fused_kernels_supported_devices", lambda: [*real(), "npu"])
+
+
+def emulate(device_count: int = 1, **faults: Any):
+    """Install the emulated Ascend runtime for the duration of a ``with`` block; yields it."""
+    return NpuRuntime(device_count=device_count, **faults).activate()

@@ -1,0 +1,384 @@
+"""Emulated Biren runtime: a CPU-backed ``torch_supa`` (+ ``torch.supa``) and ``torch_supa_ext``.
+
+What it reproduces (from torch_supa's public API and what DeepSpeed's supa backend relies on):
+
+* ``import torch_supa`` installs ``torch.supa`` and, like the real extension, presents parts of
+  itself as ``torch.cuda``: while active, ``torch.cuda.is_available()`` is True and
+  ``torch.cuda.device_count()`` is the SUPA device count (option ``cuda_face``). A CUDA plugin
+  that trusts ``torch.cuda`` alone would claim this machine.
+* ``torch.supa.supart()`` is the runtime-API binding with ``supaHostRegister(ptr, size, flags)``
+  and ``supaHostUnregister(ptr)`` returning runtime error codes (CUDA-compatible numbering:
+  0 success, 1 invalid value, 712 already registered, 713 not registered);
+  ``torch.supa.check_error(code)`` raises on a non-zero code.
+* ``torch.supa.SUPAGraph`` / ``torch.supa.graph(g, pool=None, stream=None)``: capture records the
+  work and ``replay()`` re-runs it.
+* ``torch_supa_ext.deepspeed`` registers ``torch.ops.deepspeed.multi_tensor_adam``,
+  ``multi_tensor_lion`` and ``lamb`` with DeepSpeed's argument order and math (fault
+  ``ext_missing`` leaves them out).
+* streams, events with asynchronous completion, RNG per device, memory statistics.
+
+Tensors stay on the CPU. ``emulate(**faults)`` is the entry point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import math
+import types
+from typing import Any
+
+import torch
+
+from .base import (
+    EMULATED_MARKER,
+    EmulatedEvent,
+    EmulatedRuntime,
+    EmulatedStream,
+    GraphRecorder,
+    HostMemoryTable,
+    Patcher,
+    missing_library_error,
+)
+
+SUPA_SUCCESS = 0
+SUPA_ERROR_INVALID_VALUE = 1
+SUPA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+SUPA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
+SUPA_HOST_REGISTER_DEFAULT = 0x0
+SUPA_HOST_REGISTER_PORTABLE = 0x1
+SUPA_HOST_REGISTER_MAPPED = 0x2
+
+EMULATED_VERSION = "2.13.0+emulated"
+
+
+class _Supart:
+    """``torch.supa.supart()``: the runtime-API binding."""
+
+    def __init__(self, runtime: SupaRuntime):
+        self._rt = runtime
+        self._table = HostMemoryTable(
+            alignment=1, ok=SUPA_SUCCESS, invalid_value=SUPA_ERROR_INVALID_VALUE,
+            already_registered=SUPA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+            not_registered=SUPA_ERROR_HOST_MEMORY_NOT_REGISTERED)
+        setattr(self, EMULATED_MARKER, True)
+
+    @property
+    def registered(self) -> dict[int, tuple[int, int]]:
+        return dict(self._table.ranges)
+
+    def supaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - runtime's name
+        refused = self._rt.faults.registration_refused
+        if refused:
+            code = int(refused) if not isinstance(refused, bool) else SUPA_ERROR_INVALID_VALUE
+        else:
+            code = self._table.register(int(ptr), int(size), int(flags), allowed_flags=(0, 1, 2, 3))
+        self._rt.record("supaHostRegister", ptr, size, flags, result=code)
+        return code
+
+    def supaHostUnregister(self, ptr: int) -> int:  # noqa: N802 - runtime's name
+        fail = self._rt.faults.unregister_fails
+        if fail:
+            code = int(fail) if not isinstance(fail, bool) else SUPA_ERROR_HOST_MEMORY_NOT_REGISTERED
+        else:
+            code = self._table.unregister(int(ptr))
+        self._rt.record("supaHostUnregister", ptr, result=code)
+        return code
+
+    def supaGetErrorString(self, code: int) -> str:  # noqa: N802
+        return {
+            SUPA_SUCCESS: "no error",
+            SUPA_ERROR_INVALID_VALUE: "invalid argument",
+            SUPA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: "part or all of the requested memory range is already mapped",
+            SUPA_ERROR_HOST_MEMORY_NOT_REGISTERED: "pointer does not correspond to a registered memory region",
+        }.get(int(code), f"unknown error {code}")
+
+
+class SUPAGraph:
+    """``torch.supa.SUPAGraph``."""
+
+    def __init__(self, runtime: SupaRuntime):
+        self._rt = runtime
+        self._rec = GraphRecorder()
+        setattr(self, EMULATED_MARKER, True)
+
+    def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
+        self._rt.record("SUPAGraph.capture_begin")
+        self._rec.begin()
+
+    def capture_end(self) -> None:
+        self._rec.end()
+        self._rt.record("SUPAGraph.capture_end", len(self._rec.ops))
+
+    def replay(self) -> None:
+        self._rt.record("SUPAGraph.replay")
+        self._rec.replay()
+
+    def reset(self) -> None:
+        self._rec.reset()
+
+    def pool(self) -> tuple[int, int]:
+        return (id(self), 0)
+
+    @property
+    def replays(self) -> int:
+        return self._rec.replays
+
+
+# -------------------------------------------------- torch_supa_ext.deepspeed kernels (DeepSpeed's math)
+def _ds_multi_tensor_adam(rt, chunk_size, noop_flag, grads, params, exp_avgs, exp_avg_sqs, lr, beta1, beta2,
+                          eps, step, mode, bias_correction, weight_decay):
+    rt.record("deepspeed.multi_tensor_adam", len(params), step=step, mode=mode, bias_correction=bias_correction)
+    if int(noop_flag.item()) == 1:
+        return
+    bc1 = 1 - beta1**step if bias_correction else 1.0
+    bc2 = 1 - beta2**step if bias_correction else 1.0
+    for g, p, m, v in zip(grads, params, exp_avgs, exp_avg_sqs, strict=True):
+        g32, p32, m32, v32 = g.float(), p.float(), m.float(), v.float()
+        if mode == 0 and weight_decay:
+            g32 = g32 + weight_decay * p32
+        m32 = beta1 * m32 + (1 - beta1) * g32
+        v32 = beta2 * v32 + (1 - beta2) * g32 * g32
+        denom = v32.sqrt() / math.sqrt(bc2) + eps
+        if mode == 1 and weight_decay:
+            p32 = p32 * (1 - lr * weight_decay)
+        p.copy_(p32 - (lr / bc1) * m32 / denom)
+        m.copy_(m32)
+        v.copy_(v32)
+
+
+def _ds_multi_tensor_lion(rt, chunk_size, noop_flag, grads, params, exp_avgs, lr, beta1, beta2, step,
+                          weight_decay):
+    rt.record("deepspeed.multi_tensor_lion", len(params))
+    if int(noop_flag.item()) == 1:
+        return
+    for g, p, m in zip(grads, params, exp_avgs, strict=True):
+        g32, p32, m32 = g.float(), p.float(), m.float()
+        update = torch.sign(beta1 * m32 + (1 - beta1) * g32)
+        p.copy_(p32 - lr * (update + weight_decay * p32))
+        m.copy_(beta2 * m32 + (1 - beta2) * g32)
+
+
+def _ds_lamb(rt, p, p_copy, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, max_coeff, min_coeff, eps,
+             combined_scale, step, eps_mode, bias_correction, weight_decay):
+    """DeepSpeed's LAMB: step size lr*sqrt(bc2)/bc1, eps added to sqrt(v) (eps_mode 1) or inside it (0)."""
+    rt.record("deepspeed.lamb", step=step, eps_mode=eps_mode, bias_correction=bias_correction)
+    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if bias_correction else lr
+    g = grad.float() / combined_scale
+    m = beta1 * exp_avg.float() + (1 - beta1) * g
+    v = beta2 * exp_avg_sq.float() + (1 - beta2) * g * g
+    denom = (v + eps).sqrt() if eps_mode == 0 else v.sqrt() + eps
+    update = m / denom + weight_decay * p.float()
+    p_norm, u_norm = p.float().norm(), update.norm()
+    coeff = (p_norm / u_norm).clamp(min_coeff, max_coeff) if p_norm > 0 and u_norm > 0 else torch.tensor(1.0)
+    p.copy_(p.float() - step_size * coeff * update)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    if p_copy.numel():
+        p_copy.copy_(p)
+    return coeff
+
+
+def _device_index(device: Any) -> int | None:
+    if device is None or isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        return int(device.split(":")[1]) if ":" in device else None
+    return getattr(device, "index", None)
+
+
+class SupaRuntime(EmulatedRuntime):
+    name = "supa"
+    FAULTS = {
+        "library_missing": "torch_supa is installed but the Biren driver/runtime libraries are not: "
+                           "`import torch_supa` raises ImportError(libsupa.so ...)",
+        "no_device": "torch_supa imports but no SUPA device is visible",
+        "no_supart": "torch.supa has no supart() binding (host registration unavailable)",
+        "registration_refused": "supaHostRegister returns an error code (True: 1, or the int given)",
+        "unregister_fails": "supaHostUnregister returns an error code (True: 713, or the int given)",
+        "no_graphs": "torch.supa has no SUPAGraph/graph",
+        "ext_missing": "torch_supa_ext is not installed: torch.ops.deepspeed.* kernels are not registered",
+    }
+
+    def __init__(self, device_count: int = 1, cuda_face: bool = True, **faults: Any):
+        super().__init__(**faults)
+        self.device_count = 0 if self.faults.no_device else device_count
+        self.cuda_face = cuda_face
+        self.current = 0
+        self.supart = _Supart(self)
+        self.generators = [torch.Generator().manual_seed(0) for _ in range(max(self.device_count, 1))]
+        self.graphs: list[SUPAGraph] = []
+
+    def _build_supa_module(self) -> types.ModuleType:
+        rt = self
+        m = types.ModuleType("torch_supa.supa")
+        setattr(m, EMULATED_MARKER, True)
+
+        def is_available() -> bool:
+            rt.record("is_available")
+            return rt.device_count > 0
+
+        def device_count() -> int:
+            return rt.device_count
+
+        def current_device() -> int:
+            return rt.current
+
+        def set_device(device) -> None:
+            idx = _device_index(device)
+            if idx is None or not 0 <= idx < rt.device_count:
+                raise RuntimeError(f"supa error: invalid device ordinal {device!r}")
+            rt.record("set_device", idx)
+            rt.current = idx
+
+        def synchronize(device=None) -> None:
+            rt.record("synchronize", _device_index(device))
+            rt.synchronize_all()
+
+        def supart():
+            rt.record("supart")
+            return rt.supart
+
+        def check_error(code: int) -> None:
+            if int(code) != SUPA_SUCCESS:
+                raise RuntimeError(f"SUPA error: {rt.supart.supaGetErrorString(code)} (code {int(code)})")
+
+        def _gen(device=None):
+            idx = _device_index(device)
+            return rt.generators[rt.current if idx is None else idx]
+
+        def manual_seed(seed: int) -> None:
+            _gen().manual_seed(int(seed))
+
+        def manual_seed_all(seed: int) -> None:
+            for g in rt.generators:
+                g.manual_seed(int(seed))
+
+        def initial_seed() -> int:
+            return _gen().initial_seed()
+
+        def get_rng_state(device="supa") -> torch.Tensor:
+            return _gen(None if device == "supa" else device).get_state()
+
+        def set_rng_state(new_state: torch.Tensor, device="supa") -> None:
+            _gen(None if device == "supa" else device).set_state(new_state)
+
+        def memory_allocated(device=None) -> int:
+            return rt.memory.allocated
+
+        def max_memory_allocated(device=None) -> int:
+            return rt.memory.peak
+
+        def memory_reserved(device=None) -> int:
+            return rt.memory.reserved
+
+        def reset_peak_memory_stats(device=None) -> None:
+            rt.memory.reset_peak()
+
+        def memory_stats(device=None) -> dict:
+            return rt.memory.stats()
+
+        def empty_cache() -> None:
+            rt.record("empty_cache")
+            rt.memory.empty_cache()
+
+        def mem_get_info(device=None) -> tuple[int, int]:
+            total = 64 * 2**30
+            return total - rt.memory.reserved, total
+
+        def get_device_name(device=None) -> str:
+            return "Biren BR166 (emulated)"
+
+        def Stream(device=None, priority: int = 0, **kwargs) -> EmulatedStream:  # noqa: N802
+            return EmulatedStream(rt, device, priority)
+
+        def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):  # noqa: N802
+            return EmulatedEvent(rt, enable_timing, blocking, interprocess)
+
+        def current_stream(device=None) -> EmulatedStream:
+            return rt.current_stream()
+
+        def default_stream(device=None) -> EmulatedStream:
+            return rt.default_stream()
+
+        def stream(s):
+            return rt.use_stream(s)
+
+        def _lazy_call(callback) -> None:
+            callback()
+
+        for fn in (is_available, device_count, current_device, set_device, synchronize, check_error, manual_seed,
+                   manual_seed_all, initial_seed, get_rng_state, set_rng_state, memory_allocated,
+                   max_memory_allocated, memory_reserved, reset_peak_memory_stats, memory_stats, empty_cache,
+                   mem_get_info, get_device_name, Stream, Event, current_stream, default_stream, stream, _lazy_call):
+            setattr(m, fn.__name__, fn)
+        if not rt.faults.no_supart:
+            m.supart = supart
+        if not rt.faults.no_graphs:
+
+            def make_graph() -> SUPAGraph:
+                g = SUPAGraph(rt)
+                rt.graphs.append(g)
+                return g
+
+            @contextlib.contextmanager
+            def graph(supa_graph: SUPAGraph, pool=None, stream=None, capture_error_mode: str = "global"):
+                rt.record("graph", pool=pool, stream=stream)
+                with rt.use_stream(stream):
+                    supa_graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+                    try:
+                        yield supa_graph
+                    finally:
+                        supa_graph.capture_end()
+
+            m.SUPAGraph = make_graph
+            m.graph = graph
+        return m
+
+    def _deepspeed_ops(self) -> types.SimpleNamespace:
+        rt = self
+        ns = types.SimpleNamespace(
+            multi_tensor_adam=lambda *a: _ds_multi_tensor_adam(rt, *a),
+            multi_tensor_lion=lambda *a: _ds_multi_tensor_lion(rt, *a),
+            lamb=lambda *a: _ds_lamb(rt, *a),
+        )
+        setattr(ns, EMULATED_MARKER, True)
+        return ns
+
+    def install(self, patcher: Patcher) -> None:
+        if self.faults.library_missing:
+            patcher.delattr(torch, "supa")
+            patcher.fail_import("torch_supa", missing_library_error("libsupa.so", "torch_supa"))
+            patcher.fail_import("torch_supa_ext", ModuleNotFoundError("No module named 'torch_supa_ext'"))
+            return
+        supa_mod = self._build_supa_module()
+        torch_supa = types.ModuleType("torch_supa")
+        torch_supa.__spec__ = importlib.machinery.ModuleSpec("torch_supa", None)
+        torch_supa.__version__ = EMULATED_VERSION
+        torch_supa.supa = supa_mod
+        setattr(torch_supa, EMULATED_MARKER, True)
+        patcher.set_module("torch_supa", torch_supa)
+        patcher.setattr(torch, "supa", supa_mod)
+        if self.cuda_face:
+            # torch_supa answers torch.cuda's availability questions for its own devices
+            patcher.setattr(torch.cuda, "is_available", lambda: self.device_count > 0)
+            patcher.setattr(torch.cuda, "device_count", lambda: self.device_count)
+        if self.faults.ext_missing:
+            patcher.fail_import("torch_supa_ext", ModuleNotFoundError("No module named 'torch_supa_ext'"))
+            patcher.setattr(torch.ops, "deepspeed", types.SimpleNamespace())
+            return
+        ext = types.ModuleType("torch_supa_ext")
+        ext.__spec__ = importlib.machinery.ModuleSpec("torch_supa_ext", None)
+        ext_ds = types.ModuleType("torch_supa_ext.deepspeed")
+        ext_ds.__spec__ = importlib.machinery.ModuleSpec("torch_supa_ext.deepspeed", None)
+        ext.deepspeed = ext_ds
+        setattr(ext, EMULATED_MARKER, True)
+        patcher.set_module("torch_supa_ext", ext)
+        patcher.set_module("torch_supa_ext.deepspeed", ext_ds)
+        # importing torch_supa_ext.deepspeed registers the kernels under torch.ops.deepspeed
+        patcher.setattr(torch.ops, "deepspeed", self._deepspeed_ops())
+
+
+def emulate(device_count: int = 1, cuda_face: bool = True, **faults: Any):
+    """Install the emulated Biren runtime for the duration of a ``with`` block; yields it."""
+    return SupaRuntime(device_count=device_count, cuda_face=cuda_face, **faults).activate()
