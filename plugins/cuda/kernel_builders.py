@@ -37,7 +37,10 @@ def fp8_compatible(accelerator) -> tuple[bool, str]:
     if not ok:
         return False, why
     if getattr(torch.version, "hip", None):
-        return False, "fp8 e4m3fn is the NVIDIA format; ROCm GPUs need their own fp8 variant"
+        dtypes = accelerator.fp8_dtypes() if hasattr(accelerator, "fp8_dtypes") else ()
+        if torch.float8_e4m3fn not in dtypes:
+            return False, f"the kernels write float8_e4m3fn; this GPU's fp8 formats are {list(map(str, dtypes))}"
+        return True, ""
     cap = _capability(accelerator)
     if cap < FP8_MIN_CAPABILITY:
         return False, (f"compute capability {cap[0]}.{cap[1]} has no e4m3 conversions "

@@ -15,8 +15,9 @@ same code on the GPU and under the CPU interpreter (which has no ``libdevice.rin
 
 fp8: Triton converts to and from e4m3 only on compute capability 8.9 and newer. On an older
 GPU ``quantize(..., mode="fp8")`` and the fp8 ``dequantize`` raise ``polyaccel.Unsupported``
-naming the cuda plugin (the hint says how to use the reference instead); int8 and int4 work
-on every GPU Triton supports.
+naming the cuda plugin (the hint says how to use the reference instead); on ROCm fp8 runs
+only where the accelerator lists ``float8_e4m3fn`` among its fp8 dtypes (not MI300's fnuz
+formats). int8 and int4 work on every GPU Triton supports.
 """
 
 from __future__ import annotations
@@ -151,7 +152,20 @@ def _num_warps(group_p2: int, rows: int) -> int:
 
 
 def _require_fp8(device: torch.device, what: str) -> None:
-    if device.type != "cuda" or getattr(torch.version, "hip", None):
+    """Raise ``Unsupported`` where the GPU has no e4m3fn conversions (CPU tensors: the interpreter, fine)."""
+    if device.type != "cuda":
+        return
+    if getattr(torch.version, "hip", None):
+        from polyaccel.selection import accelerator_for_device_type
+
+        acc = accelerator_for_device_type("cuda")
+        dtypes = acc.fp8_dtypes() if acc is not None and hasattr(acc, "fp8_dtypes") else ()
+        if torch.float8_e4m3fn not in dtypes:
+            raise Unsupported(
+                acc.name if acc is not None else "rocm", f"fp8 e4m3fn {what} on this GPU",
+                f"its fp8 formats are {[str(d) for d in dtypes] or 'none'}; use mode='int8', or "
+                "polyaccel.ops.override('quantize', 'reference') for the torch version",
+            )
         return
     cap = tuple(torch.cuda.get_device_capability(device))
     if cap < FP8_MIN_CAPABILITY:
