@@ -18,6 +18,7 @@ COMMAND_GROUP = "polyaccel.commands"
 #: core subcommand -> (module under polyaccel.cli, one-line help)
 SUBCOMMANDS = {
     "report": ("report_cmd", "show versions, plugins and why each is (un)usable, capabilities and op choices"),
+    "conformance": ("conformance_cmd", "run the conformance suite against an accelerator plugin"),
 }
 
 

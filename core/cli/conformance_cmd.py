@@ -1,0 +1,91 @@
+"""Certify an accelerator plugin: run the conformance suite and print one row per check.
+
+Rows are grouped by area (device, capability, op, comm). Each row is PASS, FAIL (with
+the reason), UNSUPPORTED (the plugin does not claim the capability and raises
+polyaccel.Unsupported, as it must) or SKIPPED (with the reason). Rows produced under an
+emulated runtime are labelled "emulated". Exit status: 0 when nothing failed, 1 when a
+check failed, 2 when the suite could not run (unknown accelerator, no emulated runtime,
+nothing matched -k).
+
+The accelerator is --accelerator NAME, else $POLYACCEL_ACCELERATOR, else the one polyaccel
+selects by itself. --emulate runs inside polyaccel.testing.emulation.<NAME>.emulate().
+The --json document is stable and documented in docs/conformance-json.md.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+HELP = "run the conformance suite against an accelerator plugin (PASS / FAIL / UNSUPPORTED / SKIPPED)"
+
+_STYLE = {"PASS": "green", "FAIL": "bold red", "UNSUPPORTED": "cyan", "SKIPPED": "yellow"}
+_LABEL = {"UNSUPPORTED": "UNSUPPORTED-verified"}
+_AREA_ORDER = ("suite", "device", "capability", "op", "comm")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--accelerator", metavar="NAME", default=None,
+                   help="plugin to certify (default: $POLYACCEL_ACCELERATOR, else the auto-selected one)")
+    p.add_argument("--emulate", action="store_true",
+                   help="run inside the plugin's emulated runtime (polyaccel.testing.emulation.<NAME>)")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the result document to FILE")
+    p.add_argument("--junitxml", metavar="FILE", default=None, help="also write JUnit XML to FILE")
+    p.add_argument("-k", dest="keyword", metavar="EXPR", default=None,
+                   help="only run checks matching the pytest keyword expression EXPR")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print pytest's own output")
+    p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="give up after S seconds (900)")
+
+
+def run(args) -> int:
+    from ..testing.conformance.runner import run_suite
+
+    try:
+        result = run_suite(args.accelerator, emulate=args.emulate, keyword=args.keyword, junitxml=args.junitxml,
+                           json_path=args.json, verbose=args.verbose, timeout=args.timeout)
+    except TimeoutError as exc:
+        print(f"polyaccel conformance: {exc}", file=sys.stderr)
+        return 2
+    if args.verbose:
+        print(result.output)
+    doc = result.document
+    error = result.error()
+    if doc is not None and doc["rows"]:
+        _print_table(doc)
+    if error:
+        print(f"polyaccel conformance: {error}", file=sys.stderr)
+        return 2
+    if not doc["rows"]:
+        print("polyaccel conformance: no check ran" + (f" (nothing matched -k {args.keyword!r})"
+                                                      if args.keyword else ""), file=sys.stderr)
+        return 2
+    return 0 if doc["ok"] else 1
+
+
+def _print_table(doc) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    con = Console(width=max(100, shutil.get_terminal_size((140, 24)).columns))
+    acc = doc["accelerator"] or {}
+    emulated = bool(acc.get("emulated"))
+    title = (f"conformance of {acc.get('name', '?')!r} (device type {acc.get('device_type', '?')}"
+             f"{', emulated' if emulated else ''}); claims: {', '.join(acc.get('capabilities') or []) or 'nothing'}")
+    rows = sorted(doc["rows"], key=lambda r: (_AREA_ORDER.index(r["area"]) if r["area"] in _AREA_ORDER else 99))
+    table = Table(title=title, show_lines=False)
+    for col in ("area", "subject", "check", "claimed", "result", "reason"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        status = _LABEL.get(r["status"], r["status"])
+        if r.get("emulated"):
+            status += " (emulated)"
+        claimed = "-" if r.get("claimed") is None else ("yes" if r["claimed"] else "no")
+        check = r["check"] + (f" [{r['variant']}]" if r.get("variant") else "")
+        table.add_row(escape(r["area"]), escape(r["subject"]), escape(check), claimed,
+                      f"[{_STYLE.get(r['status'], 'white')}]{status}[/]", escape(r.get("reason") or ""))
+    con.print(table)
+    counts = doc["counts"]
+    verdict = "[bold green]CONFORMS[/]" if doc["ok"] else "[bold red]DOES NOT CONFORM[/]"
+    con.print(f"{verdict}: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['UNSUPPORTED']} "
+              f"unsupported (verified), {counts['SKIPPED']} skipped in {doc['duration_s']:.1f} s")

@@ -1,0 +1,92 @@
+"""Run the suite in a fresh Python process and read its JSON document back.
+
+A separate process keeps the run honest: the accelerator is selected from scratch
+(exactly as an application would select it), an emulated runtime is installed before
+anything else, and nothing the caller has imported or patched leaks in.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from . import PYTEST_PLUGIN, SUITE_PACKAGE, results
+
+
+@dataclass
+class SuiteRun:
+    """What one run produced: the document (None if the suite could not even start)."""
+
+    document: dict[str, Any] | None
+    returncode: int
+    output: str
+    command: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.document and self.document["ok"]) and self.returncode == 0
+
+    def rows(self) -> list[dict[str, Any]]:
+        return list(self.document["rows"]) if self.document else []
+
+    def error(self) -> str | None:
+        if self.document and self.document.get("error"):
+            return self.document["error"]
+        if self.document is None:
+            tail = "\n".join(self.output.strip().splitlines()[-15:])
+            return f"the suite produced no result (pytest exit status {self.returncode}):\n{tail}"
+        return None
+
+
+def pytest_command(accelerator: str | None, *, emulate: bool = False, json_path: str | None = None,
+                   keyword: str | None = None, junitxml: str | None = None, verbose: bool = False,
+                   ini_path: str | None = None, extra_args: tuple[str, ...] = ()) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "-p", PYTEST_PLUGIN, "-p", "no:cacheprovider",
+           "--import-mode=importlib", "--pyargs", SUITE_PACKAGE, "-rfE", "-v" if verbose else "-q"]
+    if ini_path:
+        cmd += ["-c", ini_path]  # ignore whatever pytest configuration the caller's folder has
+    if accelerator:
+        cmd += ["--polyaccel-accelerator", accelerator]
+    if emulate:
+        cmd.append("--polyaccel-emulate")
+    if json_path:
+        cmd += ["--polyaccel-json", json_path]
+    if keyword:
+        cmd += ["-k", keyword]
+    if junitxml:
+        cmd += ["--junitxml", os.path.abspath(junitxml)]
+    return cmd + list(extra_args)
+
+
+def run_suite(accelerator: str | None = None, *, emulate: bool = False, keyword: str | None = None,
+              junitxml: str | None = None, json_path: str | None = None, verbose: bool = False,
+              env: dict[str, str] | None = None, timeout: float | None = 900.0,
+              extra_args: tuple[str, ...] = ()) -> SuiteRun:
+    """Run the conformance suite against ``accelerator`` (None: the normally selected one).
+
+    ``json_path`` keeps the document (else a temporary file is used); ``env`` replaces the
+    child's environment (default: this process's). Raises ``TimeoutError`` after ``timeout``
+    seconds, having killed the run.
+    """
+    with tempfile.TemporaryDirectory(prefix="polyaccel-conformance-") as tmp:
+        ini = os.path.join(tmp, "pytest.ini")
+        with open(ini, "w") as fh:
+            fh.write("[pytest]\n")
+        out_json = os.path.abspath(json_path) if json_path else os.path.join(tmp, "conformance.json")
+        if json_path and os.path.exists(out_json):
+            os.unlink(out_json)  # never report a previous run's document
+        cmd = pytest_command(accelerator, emulate=emulate, json_path=out_json, keyword=keyword, junitxml=junitxml,
+                             verbose=verbose, ini_path=ini, extra_args=extra_args)
+        child_env = dict(os.environ if env is None else env)
+        try:
+            proc = subprocess.run(cmd, cwd=tmp, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise TimeoutError(f"the conformance suite did not finish within {timeout} s "
+                               f"(command: {' '.join(cmd)})") from exc
+        document = results.load(out_json) if os.path.exists(out_json) else None
+        return SuiteRun(document=document, returncode=proc.returncode, output=proc.stdout, command=cmd)
