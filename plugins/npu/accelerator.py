@@ -49,12 +49,15 @@ class NpuAccelerator(Accelerator):
         npu = runtime.npu_module()
         if npu is None:
             return frozenset()
-        caps = {"streams", "events", "memory_stats", "rng", "fp16", "bf16"}
+        caps = {"streams", "events", "rng", "fp16", "bf16"}
         if hasattr(npu, "NPUGraph") and hasattr(npu, "graph"):
             caps.add("graphs")
         if self._host_register_binding()[0] is not None:
             caps.add("host_register")
         if not self.is_emulated():
+            # an emulated runtime keeps tensors in host memory: it can neither page-lock them nor
+            # count device memory, so these two are claimed on real hardware only
+            caps.add("memory_stats")
             # page-locked allocation through torch_npu's host allocator; CPU-only torch (emulation) has none
             caps.add("pinned")
         return frozenset(caps)

@@ -17,7 +17,8 @@ import sys
 import torch
 from polyaccel.ops import OpBuilder
 from polyaccel.ops.reference import optimizers as ref_optim
-from polyaccel.ops.reference import quantize as ref_quant
+from polyaccel.ops.reference.quantize import QuantizedTensor, check_quantize_args, pack_int4, qmax
+from polyaccel.ops.reference.quantize import quantize as reference_quantize
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -178,12 +179,12 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
 
 # --------------------------------------------------------------------- quantize
 def quantize(x, mode="int8", group_size=128, symmetric=True):
-    ref_quant.check_quantize_args(x, mode, group_size, symmetric)
+    check_quantize_args(x, mode, group_size, symmetric)
     if mode == "fp8":
-        return ref_quant.quantize(x, mode, group_size, symmetric)
+        return reference_quantize(x, mode, group_size, symmetric)
     torch_npu = sys.modules["torch_npu"]
     groups = x.reshape(-1, group_size).float()
-    top = ref_quant.qmax(mode, symmetric)
+    top = qmax(mode, symmetric)
     if symmetric:
         amax = groups.abs().amax(dim=1)
         scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
@@ -204,11 +205,11 @@ def quantize(x, mode="int8", group_size=128, symmetric=True):
     q = q.t().reshape(-1).to(torch.int16)
     q = q.clamp(-top, top) if symmetric else q.clamp(0, top)
     if mode == "int4":
-        data = ref_quant.pack_int4(q)
+        data = pack_int4(q)
     else:
         data = q.to(torch.int8 if symmetric else torch.uint8)
     zp = None if zero is None else zero.to(torch.uint8)
-    return ref_quant.QuantizedTensor(data, scale, zp, mode, group_size, x.shape, x.dtype)
+    return QuantizedTensor(data, scale, zp, mode, group_size, x.shape, x.dtype)
 
 
 def register(registry) -> None:

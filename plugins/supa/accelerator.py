@@ -44,12 +44,15 @@ class SupaAccelerator(Accelerator):
         supa = runtime.supa_module()
         if supa is None:
             return frozenset()
-        caps = {"streams", "events", "memory_stats", "rng", "fp16", "bf16"}
+        caps = {"streams", "events", "rng", "fp16", "bf16"}
         if hasattr(supa, "SUPAGraph") and hasattr(supa, "graph"):
             caps.add("graphs")
         if hasattr(supa, "supart"):
             caps.add("host_register")
         if not self.is_emulated():
+            # an emulated runtime keeps tensors in host memory: it can neither page-lock them nor
+            # count device memory, so these two are claimed on real hardware only
+            caps.add("memory_stats")
             caps.add("pinned")
         return frozenset(caps)
 

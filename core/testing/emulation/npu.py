@@ -170,7 +170,6 @@ class NpuRuntime(EmulatedRuntime):
         self.device_count = 0 if self.faults.no_device else device_count
         self.current = 0
         self.npurt = _Npurt(self)
-        self.generators = [torch.Generator().manual_seed(0) for _ in range(max(self.device_count, 1))]
         self.graphs: list[NPUGraph] = []
 
     # ------------------------------------------------------------ modules
@@ -206,25 +205,24 @@ class NpuRuntime(EmulatedRuntime):
             rt.record("npurt")
             return rt.npurt
 
-        def _gen(device=None):
-            idx = _device_index(device)
-            return rt.generators[rt.current if idx is None else idx]
-
+        # the emulated device *is* the host: random numbers for "device" tensors come from the CPU
+        # generator, so the device RNG functions act on torch.default_generator
         def manual_seed(seed: int) -> None:
-            _gen().manual_seed(int(seed))
+            rt.record("manual_seed", int(seed))
+            torch.manual_seed(int(seed))
 
         def manual_seed_all(seed: int) -> None:
-            for g in rt.generators:
-                g.manual_seed(int(seed))
+            rt.record("manual_seed_all", int(seed))
+            torch.manual_seed(int(seed))
 
         def initial_seed() -> int:
-            return _gen().initial_seed()
+            return torch.initial_seed()
 
         def get_rng_state(device="npu") -> torch.Tensor:
-            return _gen(device if device != "npu" else None).get_state()
+            return torch.get_rng_state()
 
         def set_rng_state(new_state: torch.Tensor, device="npu") -> None:
-            _gen(device if device != "npu" else None).set_state(new_state)
+            torch.set_rng_state(new_state)
 
         def memory_allocated(device=None) -> int:
             return rt.memory.allocated
@@ -324,7 +322,6 @@ class NpuRuntime(EmulatedRuntime):
         return m
 
     def install(self, patcher: Patcher) -> None:
-        patcher.setenv("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
         if self.faults.library_missing:
             patcher.delattr(torch, "npu")
             patcher.fail_import("torch_npu", missing_library_error("libhccl.so", "torch_npu"))

@@ -206,7 +206,6 @@ class SupaRuntime(EmulatedRuntime):
         self.cuda_face = cuda_face
         self.current = 0
         self.supart = _Supart(self)
-        self.generators = [torch.Generator().manual_seed(0) for _ in range(max(self.device_count, 1))]
         self.graphs: list[SUPAGraph] = []
 
     def _build_supa_module(self) -> types.ModuleType:
@@ -243,25 +242,24 @@ class SupaRuntime(EmulatedRuntime):
             if int(code) != SUPA_SUCCESS:
                 raise RuntimeError(f"SUPA error: {rt.supart.supaGetErrorString(code)} (code {int(code)})")
 
-        def _gen(device=None):
-            idx = _device_index(device)
-            return rt.generators[rt.current if idx is None else idx]
-
+        # the emulated device *is* the host: random numbers for "device" tensors come from the CPU
+        # generator, so the device RNG functions act on torch.default_generator
         def manual_seed(seed: int) -> None:
-            _gen().manual_seed(int(seed))
+            rt.record("manual_seed", int(seed))
+            torch.manual_seed(int(seed))
 
         def manual_seed_all(seed: int) -> None:
-            for g in rt.generators:
-                g.manual_seed(int(seed))
+            rt.record("manual_seed_all", int(seed))
+            torch.manual_seed(int(seed))
 
         def initial_seed() -> int:
-            return _gen().initial_seed()
+            return torch.initial_seed()
 
         def get_rng_state(device="supa") -> torch.Tensor:
-            return _gen(None if device == "supa" else device).get_state()
+            return torch.get_rng_state()
 
         def set_rng_state(new_state: torch.Tensor, device="supa") -> None:
-            _gen(None if device == "supa" else device).set_state(new_state)
+            torch.set_rng_state(new_state)
 
         def memory_allocated(device=None) -> int:
             return rt.memory.allocated
