@@ -90,30 +90,40 @@ def kernel_source(param_dtype: torch.dtype, state_dtype: torch.dtype) -> str:
 class MetalFusedAdam:
     """The op callable: compiles kernels lazily, dispatches one per tensor (chunked if huge).
 
-    Calls whose tensors have no kernel (another dtype pair, non-contiguous tensors) go to
-    ``fallback`` (torch's fused Adam) as a whole, so one call never mixes implementations.
+    Calls whose tensors have no kernel (another dtype pair, non-contiguous tensors, a source
+    the Metal compiler rejected) go to ``fallback`` (torch's fused Adam) as a whole, so one
+    call never mixes implementations.
     """
 
     def __init__(self, fallback):
         self._fallback = fallback
         self._libraries: dict[tuple[torch.dtype, torch.dtype], object] = {}
+        #: (param, state) dtype pairs whose source the Metal compiler rejected, with its message
+        self.compile_errors: dict[tuple[torch.dtype, torch.dtype], str] = {}
         self._lock = threading.Lock()
         self.dispatches = 0
         self.fallback_calls = 0
 
     def kernel(self, param_dtype: torch.dtype, state_dtype: torch.dtype):
+        """The compiled kernel for a dtype pair, or None if the Metal compiler rejected it (e.g. ``bfloat``
+        before macOS 14); the rejection is kept in :attr:`compile_errors` and that pair takes the fallback."""
         key = (param_dtype, state_dtype)
         with self._lock:
+            if key in self.compile_errors:
+                return None
             lib = self._libraries.get(key)
             if lib is None:
-                lib = torch.mps.compile_shader(kernel_source(param_dtype, state_dtype))
+                try:
+                    lib = torch.mps.compile_shader(kernel_source(param_dtype, state_dtype))
+                except RuntimeError as exc:
+                    self.compile_errors[key] = str(exc)
+                    return None
                 self._libraries[key] = lib
         return getattr(lib, kernel_name(param_dtype, state_dtype))
 
-    @staticmethod
-    def _has_kernel(p, g, m, v) -> bool:
+    def _has_kernel(self, p, g, m, v) -> bool:
         return ((p.dtype, m.dtype) in KERNEL_DTYPES and g.dtype == p.dtype and v.dtype == m.dtype
-                and all(t.is_contiguous() for t in (p, g, m, v)))
+                and all(t.is_contiguous() for t in (p, g, m, v)) and self.kernel(p.dtype, m.dtype) is not None)
 
     def __call__(self, params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
                  adam_w_mode=True, bias_correction=True):

@@ -2,12 +2,14 @@
 
 ``emulate(**faults)`` patches the real ``torch.xpu`` module in place (it is what
 ``torch.get_device_module("xpu")`` returns) so that ``torch.xpu.is_available()`` is true,
-and provides devices, streams and events on an asynchronous queue, per-device RNG,
-memory statistics, ``XPUGraph``/``graph`` (capture records aten ops, replay re-runs
-them), host pinning through ``Tensor.pin_memory(device="xpu")``, the xccl check of
-``torch.distributed``, optionally the oneCCL bindings, and optionally an installed
-intel-extension-for-pytorch of any version that behaves like the released ones: with a
-torch of another major.minor its import prints the refusal and calls ``os.exit(127)``.
+and provides devices, streams and events on an asynchronous queue, RNG (the host's
+generator, since emulated tensors are host tensors), memory statistics (counted from the
+storages ops create while it is active), ``XPUGraph``/``graph`` (capture records aten ops,
+replay re-runs them), host pinning through ``Tensor.pin_memory(device="xpu")``, the xccl
+check of ``torch.distributed``, optionally the oneCCL bindings, and optionally an
+installed intel-extension-for-pytorch of any version that behaves like the released ones:
+with a torch of another major.minor its import prints the refusal and calls
+``os.exit(127)``.
 Tensors stay on the CPU. Proves the plugin's logic, not the hardware.
 """
 
@@ -23,6 +25,8 @@ import weakref
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .base import EMULATED_MARKER, EmulatedEvent, EmulatedRuntime, EmulatedStream, GraphRecorder, Patcher
 
@@ -176,6 +180,42 @@ class _EmulatedGraphContext:
             self._stream_ctx.__exit__(*exc)
 
 
+# ------------------------------------------------------------- memory counters
+class AllocationTracker(TorchDispatchMode):
+    """Feeds the runtime's memory counters from the storages created while it is active.
+
+    Emulated device tensors are host tensors, so "device memory" is every storage an op
+    creates on this thread while the emulation runs; it is counted once per storage and
+    released when the storage is freed (a finalizer on the storage object).
+    """
+
+    def __init__(self, counters):
+        super().__init__()
+        self._counters = counters
+        self._live: dict[int, int] = {}
+
+    def _free(self, ptr: int) -> None:
+        nbytes = self._live.pop(ptr, None)
+        if nbytes is not None:
+            self._counters.free(nbytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if not ptr or ptr in inputs or ptr in self._live:
+                continue
+            self._live[ptr] = nbytes
+            self._counters.allocate(nbytes)
+            weakref.finalize(storage, self._free, ptr)
+        return out
+
+
 # ----------------------------------------------------------------------- runtime
 class XpuRuntime(EmulatedRuntime):
     name = "xpu"
@@ -193,14 +233,13 @@ class XpuRuntime(EmulatedRuntime):
                      "or 'sys.exit'",
     }
 
-    def __init__(self, device_count: int = 2, polls_to_complete: int = 1, **faults: Any):
+    def __init__(self, device_count: int = 2, polls_to_complete: int = 1, track_allocations: bool = True,
+                 **faults: Any):
         super().__init__(polls_to_complete=polls_to_complete, **faults)
         self.device_count = device_count
         self.current = 0
         self.capturing = 0
-        self.generators = [torch.Generator() for _ in range(device_count)]
-        for i, g in enumerate(self.generators):
-            g.manual_seed(1234 + i)
+        self.track_allocations = track_allocations
         self.pinned: dict[int, weakref.ref] = {}
 
     # ------------------------------------------------------------ torch.xpu API
@@ -210,7 +249,9 @@ class XpuRuntime(EmulatedRuntime):
         return index
 
     def _gen(self, device=None) -> torch.Generator:
-        return self.generators[self._check_index(_device_index(device, self.current))]
+        """Emulated devices keep their tensors on the host, so they draw from the host's generator."""
+        self._check_index(_device_index(device, self.current))
+        return torch.default_generator
 
     def _xpu_api(self) -> dict[str, Any]:
         rt = self
@@ -239,8 +280,7 @@ class XpuRuntime(EmulatedRuntime):
             rt._gen().manual_seed(int(seed))
 
         def manual_seed_all(seed) -> None:
-            for g in rt.generators:
-                g.manual_seed(int(seed))
+            torch.default_generator.manual_seed(int(seed))
 
         def seed() -> None:
             rt._gen().seed()
@@ -322,6 +362,10 @@ class XpuRuntime(EmulatedRuntime):
             patcher.setattr(xpu, "graph_pool_handle", lambda: object())
             patcher.setattr(xpu, "is_current_stream_capturing", lambda: self.capturing > 0)
         self._install_pinning(patcher)
+        if self.track_allocations:
+            tracker = AllocationTracker(self.memory)
+            tracker.__enter__()
+            patcher.on_exit(lambda: tracker.__exit__(None, None, None))
         self._install_comm(patcher)
         self._install_fused_kernels(patcher)
         if self.faults.ipex:
@@ -384,6 +428,7 @@ class XpuRuntime(EmulatedRuntime):
                                  if k == IPEX_MODULE or k.startswith(IPEX_MODULE + ".")])
 
 
-def emulate(device_count: int = 2, polls_to_complete: int = 1, **faults: Any):
+def emulate(device_count: int = 2, polls_to_complete: int = 1, track_allocations: bool = True, **faults: Any):
     """Install the emulated xpu runtime; yields the :class:`XpuRuntime` (``.calls``, ``.faults``)."""
-    return XpuRuntime(device_count=device_count, polls_to_complete=polls_to_complete, **faults).activate()
+    return XpuRuntime(device_count=device_count, polls_to_complete=polls_to_complete,
+                      track_allocations=track_allocations, **faults).activate()

@@ -1,0 +1,349 @@
+"""Emulated Apple GPU runtime: ``torch.mps`` and ``torch.backends.mps``, with Metal kernels run on the host.
+
+``emulate(**faults)`` patches the real modules in place: one device, the default MPS RNG,
+events on an asynchronous queue, torch.mps's memory counters, and
+``torch.mps.compile_shader``. The emulated ``compile_shader`` records the source and
+compiles it *for the host*: the Metal source text is compiled as C++ against a small
+shim (``device``/``constant`` address spaces, ``half``, ``bfloat``, ``metal::`` maths,
+``[[thread_position_in_grid]]``), and a kernel call checks its arguments against the
+kernel's declared parameters the way torch binds them (tensor -> ``device T*`` of the
+same dtype, Python float -> ``constant float&``, Python int -> ``constant long&``) and then
+runs the kernel once per grid index. So the numbers come from the very source that a
+real device would compile, run sequentially on the CPU.
+
+What that does not prove: that Metal's compiler accepts the source, the GPU's parallel
+execution and fast-math rounding, and performance. Supported subset: kernels written out
+as ``kernel void name(...)`` (no templates or macro-generated kernels) with a 1-D grid.
+Tensors stay on the CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import EMULATED_MARKER, EmulatedEvent, EmulatedRuntime, Patcher
+
+RECOMMENDED_MAX_MEMORY = 48 * 2**30
+
+#: Metal scalar types the host shim knows, with the torch dtype a buffer of them holds
+METAL_DTYPES = {
+    "float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16, "int": torch.int32,
+    "uint": torch.uint32, "long": torch.int64, "ulong": torch.uint64, "short": torch.int16,
+    "ushort": torch.uint16, "char": torch.int8, "uchar": torch.uint8, "bool": torch.bool,
+}
+
+_SHIM = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#define kernel
+#define device
+#define constant const
+#define thread
+#define threadgroup
+typedef unsigned int uint;
+typedef unsigned long ulong;
+typedef unsigned short ushort;
+typedef unsigned char uchar;
+typedef _Float16 half;
+struct bfloat {
+    uint16_t bits;
+    bfloat() : bits(0) {}
+    bfloat(float f) {
+        uint32_t u; std::memcpy(&u, &f, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) { bits = (uint16_t)((u >> 16) | 0x40u); return; }
+        u += 0x7fffu + ((u >> 16) & 1u);
+        bits = (uint16_t)(u >> 16);
+    }
+    operator float() const { uint32_t u = (uint32_t)bits << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+namespace metal {
+using std::sqrt; using std::abs; using std::fabs; using std::fma; using std::exp; using std::log; using std::pow;
+using std::max; using std::min; using std::floor; using std::ceil; using std::round; using std::tanh;
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+namespace precise { using std::sqrt; }
+namespace fast { using std::sqrt; }
+}
+"""
+
+_KERNEL_RE = re.compile(r"\bkernel\s+void\s+(\w+)\s*\(([^)]*)\)", re.S)
+_ATTR_RE = re.compile(r"\[\[([^\]]*)\]\]")
+
+
+@dataclass(frozen=True)
+class KernelParam:
+    name: str
+    kind: str  # "buffer", "scalar" or "index"
+    metal_type: str
+    const: bool = False
+
+
+def parse_kernels(source: str) -> dict[str, list[KernelParam]]:
+    """Kernel name -> its parameters, from ``kernel void name(...)`` declarations."""
+    kernels: dict[str, list[KernelParam]] = {}
+    for match in _KERNEL_RE.finditer(source):
+        params = []
+        for raw in (p.strip() for p in match.group(2).split(",")):
+            if not raw:
+                continue
+            attrs = _ATTR_RE.findall(raw)
+            decl = _ATTR_RE.sub("", raw).strip()
+            tokens = decl.replace("*", " * ").replace("&", " & ").split()
+            name = tokens[-1]
+            types = [t for t in tokens[:-1] if t in METAL_DTYPES]
+            if not types:
+                raise RuntimeError(f"emulated Metal: kernel {match.group(1)!r} parameter {raw!r} has a type the "
+                                   f"host shim does not know (known: {sorted(METAL_DTYPES)})")
+            if any("thread_position_in_grid" in a for a in attrs):
+                kind = "index"
+            elif "*" in tokens:
+                kind = "buffer"
+            elif "&" in tokens:
+                kind = "scalar"
+            else:
+                raise RuntimeError(f"emulated Metal: kernel {match.group(1)!r} parameter {raw!r} is neither a buffer, "
+                                   f"a constant reference nor [[thread_position_in_grid]]")
+            params.append(KernelParam(name, kind, types[0], const="const" in tokens))
+        if sum(p.kind == "index" for p in params) != 1:
+            raise RuntimeError(f"emulated Metal: kernel {match.group(1)!r} needs exactly one "
+                               f"[[thread_position_in_grid]] index (1-D grid)")
+        kernels[match.group(1)] = params
+    return kernels
+
+
+def _launcher(name: str, params: list[KernelParam]) -> str:
+    args, slot = [], 0
+    for p in params:
+        if p.kind == "index":
+            args.append(f"({p.metal_type})i")
+            continue
+        cast = f"({p.metal_type}*)a[{slot}]"
+        args.append(cast if p.kind == "buffer" else f"*{cast}")
+        slot += 1
+    return (f'extern "C" void polyaccel_launch_{name}(void** a, unsigned long long n) {{\n'
+            f"    for (unsigned long long i = 0; i < n; ++i) {name}({', '.join(args)});\n}}\n")
+
+
+class _HostBuild:
+    """Compiles translated sources once per process (keyed by their hash)."""
+
+    def __init__(self) -> None:
+        self._dir: str | None = None
+        self._libs: dict[str, ctypes.CDLL] = {}
+        self._lock = threading.Lock()
+
+    def compiler(self) -> str:
+        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+        if not cxx:
+            raise RuntimeError("emulated Metal needs a C++ compiler on the host (g++ or clang++, or set CXX)")
+        return cxx
+
+    def build(self, cpp: str) -> ctypes.CDLL:
+        key = hashlib.sha256(cpp.encode()).hexdigest()[:20]
+        with self._lock:
+            lib = self._libs.get(key)
+            if lib is not None:
+                return lib
+            if self._dir is None:
+                self._dir = tempfile.mkdtemp(prefix="polyaccel-metal-")
+            src = os.path.join(self._dir, f"{key}.cpp")
+            out = os.path.join(self._dir, f"{key}.so")
+            with open(src, "w") as f:
+                f.write(cpp)
+            proc = subprocess.run([self.compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes",
+                                   "-o", out, src], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"emulated Metal: the shader does not compile (as C++ for the host):\n"
+                                   f"{proc.stderr[-4000:]}")
+            lib = ctypes.CDLL(out)
+            self._libs[key] = lib
+            return lib
+
+
+_BUILD = _HostBuild()
+
+
+class EmulatedKernel:
+    """One kernel of an emulated shader library: checks the call like torch binds it, then runs it."""
+
+    def __init__(self, runtime: MpsRuntime, name: str, params: list[KernelParam], fn):
+        self._runtime = runtime
+        self.name = name
+        self.params = params
+        self._fn = fn
+        self.max_threads_per_threadgroup = 1024
+        self.thread_execution_width = 32
+        setattr(self, EMULATED_MARKER, True)
+
+    def _bind(self, args: tuple):
+        slots = [p for p in self.params if p.kind != "index"]
+        if len(args) != len(slots):
+            raise RuntimeError(f"kernel {self.name!r} takes {len(slots)} arguments "
+                               f"({', '.join(p.name for p in slots)}), got {len(args)}")
+        keep, ptrs, first_numel = [], [], None
+        for p, a in zip(slots, args, strict=True):
+            if p.kind == "buffer":
+                if not isinstance(a, torch.Tensor):
+                    raise TypeError(f"kernel {self.name!r}: argument {p.name!r} is a `device {p.metal_type}*` "
+                                    f"buffer; got {type(a).__name__}")
+                want = METAL_DTYPES[p.metal_type]
+                if a.dtype != want:
+                    raise TypeError(f"kernel {self.name!r}: buffer {p.name!r} is `{p.metal_type}*` ({want}) but the "
+                                    f"tensor is {a.dtype}")
+                first_numel = a.numel() if first_numel is None else first_numel
+                ptrs.append(a.data_ptr())
+                continue
+            if isinstance(a, torch.Tensor):
+                raise TypeError(f"kernel {self.name!r}: argument {p.name!r} is a `constant {p.metal_type}&`; got "
+                                f"a tensor")
+            if isinstance(a, float):
+                if p.metal_type != "float":
+                    raise TypeError(f"kernel {self.name!r}: a Python float binds as `float`, but {p.name!r} is "
+                                    f"`constant {p.metal_type}&`")
+                box = ctypes.c_float(a)
+            elif isinstance(a, int):
+                if p.metal_type not in ("long", "ulong"):
+                    raise TypeError(f"kernel {self.name!r}: a Python int binds as 64-bit `long`, but {p.name!r} is "
+                                    f"`constant {p.metal_type}&`")
+                box = ctypes.c_int64(a)
+            else:
+                raise TypeError(f"kernel {self.name!r}: unsupported argument type {type(a).__name__} for {p.name!r}")
+            keep.append(box)
+            ptrs.append(ctypes.addressof(box))
+        return keep, ptrs, first_numel
+
+    def __call__(self, *args, threads=None, group_size=None, arg_casts=None, error_buf_idx=None):
+        if arg_casts is not None or error_buf_idx is not None:
+            raise NotImplementedError("emulated Metal dispatch does not model arg_casts/error_buf_idx")
+        keep, ptrs, first_numel = self._bind(args)
+        if threads is None:
+            threads = first_numel
+        if isinstance(threads, (list, tuple)):
+            if len(threads) != 1:
+                raise NotImplementedError("emulated Metal dispatch runs 1-D grids only")
+            threads = threads[0]
+        if threads is None:
+            raise RuntimeError("Number of threads is undefined or has wrong dimension")
+        self._runtime.record("dispatch", self.name, threads=int(threads), group_size=group_size)
+        array = (ctypes.c_void_p * max(1, len(ptrs)))(*ptrs)
+        self._fn(array, ctypes.c_ulonglong(int(threads)))
+        del keep
+
+
+class EmulatedShaderLibrary:
+    """What the emulated ``torch.mps.compile_shader`` returns: kernels as attributes."""
+
+    def __init__(self, runtime: MpsRuntime, source: str):
+        self.source = source
+        kernels = parse_kernels(source)
+        translated = source.replace("#include <metal_stdlib>", "")
+        cpp = _SHIM + translated + "\n" + "".join(_launcher(n, p) for n, p in kernels.items())
+        lib = _BUILD.build(cpp)
+        self._kernels = {}
+        for name, params in kernels.items():
+            fn = getattr(lib, f"polyaccel_launch_{name}")
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+            self._kernels[name] = EmulatedKernel(runtime, name, params, fn)
+        setattr(self, EMULATED_MARKER, True)
+
+    def __getattr__(self, name: str) -> EmulatedKernel:
+        kernels = self.__dict__.get("_kernels", {})
+        if name in kernels:
+            return kernels[name]
+        raise AttributeError(f"shader library has no kernel {name!r} (has {sorted(kernels)})")
+
+    def __dir__(self):
+        return sorted(self._kernels)
+
+
+class MpsRuntime(EmulatedRuntime):
+    name = "mps"
+    FAULTS = {
+        "no_device": "torch.backends.mps.is_available() is False",
+        "not_built": "torch is built without MPS (torch.backends.mps.is_built() is False)",
+        "no_compile_shader": "this torch has no torch.mps.compile_shader",
+        "shader_compile_error": "compile_shader raises, as when the Metal compiler rejects a source",
+        "macos13": "macOS 13: no bfloat16 on MPS (is_macos_or_newer(14, 0) is False)",
+        "no_fused_adam": "torch has no fused Adam kernel for mps",
+    }
+
+    def __init__(self, polls_to_complete: int = 1, **faults: Any):
+        super().__init__(polls_to_complete=polls_to_complete, **faults)
+        self.generator = torch.Generator()
+        self.generator.manual_seed(4321)
+        self.libraries: list[EmulatedShaderLibrary] = []
+
+    def compile_shader(self, source: str) -> EmulatedShaderLibrary:
+        self.record("compile_shader", source)
+        if self.faults.shader_compile_error:
+            raise RuntimeError("Failed to create metal library, error: (emulated) program source failed to compile")
+        lib = EmulatedShaderLibrary(self, source)
+        self.libraries.append(lib)
+        return lib
+
+    def install(self, patcher: Patcher) -> None:
+        rt = self
+        mps, backend = torch.mps, torch.backends.mps
+        version = (13, 6) if self.faults.macos13 else (15, 1)
+
+        def synchronize() -> None:
+            rt.record("synchronize")
+            rt.synchronize_all()
+
+        def manual_seed(seed) -> None:
+            rt.generator.manual_seed(int(seed))
+
+        api = {
+            "is_available": lambda: not (rt.faults.no_device or rt.faults.not_built),
+            "device_count": lambda: 0 if (rt.faults.no_device or rt.faults.not_built) else 1,
+            "synchronize": synchronize,
+            "manual_seed": manual_seed,
+            "seed": lambda: rt.generator.seed(),
+            "get_rng_state": lambda device="mps": rt.generator.get_state(),
+            "set_rng_state": lambda new_state, device="mps": rt.generator.set_state(new_state),
+            "_get_default_mps_generator": lambda: rt.generator,
+            "empty_cache": lambda: rt.memory.empty_cache(),
+            "current_allocated_memory": lambda: rt.memory.allocated,
+            "driver_allocated_memory": lambda: rt.memory.reserved,
+            "recommended_max_memory": lambda: RECOMMENDED_MAX_MEMORY,
+            "set_per_process_memory_fraction": lambda fraction: rt.record("set_per_process_memory_fraction", fraction),
+            "Event": lambda enable_timing=False: EmulatedEvent(rt, enable_timing=enable_timing),
+        }
+        for name, fn in api.items():
+            patcher.setattr(mps, name, fn)
+        if self.faults.no_compile_shader:
+            patcher.delattr(mps, "compile_shader")
+        else:
+            patcher.setattr(mps, "compile_shader", self.compile_shader)
+        patcher.setattr(mps, EMULATED_MARKER, True)
+        patcher.setattr(backend, "is_built", lambda: not rt.faults.not_built)
+        patcher.setattr(backend, "is_available", lambda: not (rt.faults.no_device or rt.faults.not_built))
+        patcher.setattr(backend, "is_macos_or_newer", lambda major, minor: version >= (major, minor))
+
+        from torch.utils import _foreach_utils
+
+        real = _foreach_utils._get_fused_kernels_supported_devices
+
+        def supported() -> list[str]:
+            devices = [d for d in real() if d != "mps"]
+            return devices if rt.faults.no_fused_adam else devices + ["mps"]
+
+        patcher.setattr(_foreach_utils, "_get_fused_kernels_supported_devices", supported)
+
+
+def emulate(polls_to_complete: int = 1, **faults: Any):
+    """Install the emulated mps runtime; yields the :class:`MpsRuntime` (``.calls``, ``.faults``)."""
+    return MpsRuntime(polls_to_complete=polls_to_complete, **faults).activate()
