@@ -1,0 +1,356 @@
+"""Stage 3: parameters partitioned too, gathered around each submodule's forward and backward.
+
+Every parameter keeps only its shard (``ceil(numel/world)`` elements, see
+:class:`~.partition.ShardLayout`) on the device (or in host memory with ``offload_param``);
+``param.data`` is an empty tensor outside the module that uses it. Hooks on every module that
+owns parameters:
+
+- forward pre-hook: gather the module's parameters (one coalesced ``all_gather_into_tensor``
+  for those not already present) and, from the second iteration on, prefetch the next modules'
+  parameters in the recorded order, within ``stage3_prefetch_bucket_size`` elements;
+- forward post-hook: release them, and wrap the outputs in an identity autograd function whose
+  backward gathers them again before the module's own backward runs;
+- a post-accumulate-grad hook per trainable parameter: move its gradient into the reduce
+  bucket (reduce-scattered, ``reduce_bucket_size`` elements at a time, into each rank's fp32
+  gradient partition) and release the parameter.
+
+Parameters of at most ``stage3_param_persistence_threshold`` elements stay gathered all the
+time (their optimizer state is still partitioned; they are re-gathered after each step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .partition import ShardLayout
+
+
+class _Info:
+    __slots__ = ("name", "param", "shape", "numel", "shard_size", "shard", "persistent", "index", "active",
+                 "inflight")
+
+    def __init__(self, name, param, shard_size, shard, persistent, index):
+        self.name = name
+        self.param = param
+        self.shape = tuple(param.shape)
+        self.numel = param.numel()
+        self.shard_size = shard_size
+        self.shard = shard
+        self.persistent = persistent
+        self.index = index  # position in the optimizer partition layout, None for frozen params
+        self.active = 0
+        self.inflight = None
+
+
+class _Gather:
+    """One coalesced all-gather of several parameters; materialised on first use."""
+
+    def __init__(self, infos, out, work, inp):
+        self.infos, self.out, self.work, self.inp = infos, out, work, inp
+
+    def finish(self, world: int) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        total = sum(i.shard_size for i in self.infos)
+        rows = self.out.view(world, total)
+        col = 0
+        for info in self.infos:
+            s = info.shard_size
+            if len(self.infos) == 1:
+                full = self.out[:info.numel]
+            else:
+                full = rows[:, col:col + s].reshape(-1)[:info.numel]
+            info.param.data = full.view(info.shape)
+            info.inflight = None
+            col += s
+        self.inp = None
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, owner, module, *outputs):
+        ctx.owner, ctx.module = owner, module
+        return tuple(o.detach() for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.owner._fetch(ctx.module, backward=True)
+        return (None, None) + grads
+
+
+class ShardedParameters:
+    def __init__(self, model, trainable, frozen, *, coll, device, compute_dtype, master_dtype, config,
+                 alloc_master, host, reduction_stream=None, accelerator=None):
+        self.coll = coll
+        self.world, self.rank = coll.world, coll.rank
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.overlap = config.overlap_comm
+        self.bucket_size = config.reduce_bucket_size
+        self.prefetch_budget = config.stage3_prefetch_bucket_size
+        self.stream = reduction_stream
+        self.accelerator = accelerator
+        self.offload_param = config.offload_param.enabled
+        threshold = config.stage3_param_persistence_threshold
+        self.layout = ShardLayout([n for n, _ in trainable], [tuple(p.shape) for _, p in trainable], self.world)
+        self.infos: dict[int, _Info] = {}
+        world, rank = self.world, self.rank
+        for idx, (name, p) in enumerate(list(trainable) + list(frozen)):
+            n = p.numel()
+            s = -(-n // world)
+            if self.offload_param:
+                shard = host.empty(s, compute_dtype)
+            else:
+                shard = torch.empty(s, dtype=compute_dtype, device=device)
+            flat = F.pad(p.detach().reshape(-1), (0, s * world - n))
+            shard.copy_(flat[rank * s:(rank + 1) * s])
+            persistent = n <= threshold or n == 0
+            info = _Info(name, p, s, shard, persistent, idx if idx < len(trainable) else None)
+            self.infos[id(p)] = info
+            if not persistent:
+                p.data = torch.empty(0, dtype=compute_dtype, device=device)
+        self.master = alloc_master(self.layout.partition_size, master_dtype)
+        for info in self.infos.values():
+            if info.index is not None:
+                off = self.layout.part_offsets[info.index]
+                self.master[off:off + info.shard_size].copy_(info.shard)
+        self.grad = alloc_master(self.layout.partition_size, master_dtype)
+        self.grad.zero_()
+
+        self._module_params: dict[int, list[_Info]] = {}
+        self._hooks = []
+        for module in model.modules():
+            infos = [self.infos[id(p)] for p in module.parameters(recurse=False)]
+            if not infos:
+                continue
+            self._module_params[id(module)] = infos
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(module.register_forward_hook(self._post_forward))
+        for info in self.infos.values():
+            if info.index is not None and info.numel:
+                self._hooks.append(info.param.register_post_accumulate_grad_hook(
+                    lambda p, info=info: self._on_grad(info)))
+        # grad bucket: (info, full grad) in arrival order
+        self._bucket: list[tuple[_Info, torch.Tensor]] = []
+        self._bucket_elems = 0
+        self._pending = []
+        # module order trace for prefetching
+        self._trace: list[int] = []
+        self._trace_done = False
+        self._cursor = 0
+        self._modules: dict[int, torch.nn.Module] = {id(m): m for m in model.modules()}
+
+    # ------------------------------------------------------------------ gather
+    def _launch_gather(self, infos: list[_Info], async_op: bool) -> _Gather | None:
+        infos = [i for i in infos if i.inflight is None and i.param.numel() != i.numel]
+        if not infos:
+            return None
+        total = sum(i.shard_size for i in infos)
+        inp = torch.cat([i.shard.to(self.device, non_blocking=True) for i in infos])
+        out = torch.empty(total * self.world, dtype=self.compute_dtype, device=self.device)
+        work = self.coll.all_gather(out, inp, async_op=async_op)
+        g = _Gather(infos, out, work, inp)
+        for i in infos:
+            i.inflight = g
+        return g
+
+    def _materialise(self, infos: list[_Info]) -> None:
+        self._launch_gather(infos, async_op=False)
+        for info in infos:
+            if info.inflight is not None:
+                info.inflight.finish(self.world)
+
+    def _release(self, info: _Info) -> None:
+        if info.persistent or info.active > 0 or info.inflight is not None:
+            return
+        if info.param.numel():
+            info.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+
+    def _fetch(self, module, backward: bool = False) -> list[_Info]:
+        infos = self._module_params[id(module)]
+        self._record(module)
+        self._materialise(infos)
+        self._prefetch()
+        return infos
+
+    def _record(self, module) -> None:
+        key = id(module)
+        if not self._trace_done:
+            self._trace.append(key)
+            return
+        if self._cursor < len(self._trace) and self._trace[self._cursor] == key:
+            self._cursor += 1
+        else:  # the order changed (dynamic control flow): stop prefetching until re-recorded
+            self._cursor = len(self._trace) + 1
+
+    def _prefetch(self) -> None:
+        if not self._trace_done or self.prefetch_budget <= 0 or self._cursor > len(self._trace):
+            return
+        budget = self.prefetch_budget
+        for key in self._trace[self._cursor:]:
+            infos = [i for i in self._module_params[key] if i.inflight is None and i.param.numel() != i.numel]
+            need = sum(i.numel for i in infos)
+            if need > budget:
+                break
+            budget -= need
+            if infos:
+                self._launch_gather(infos, async_op=True)
+
+    def _pre_forward(self, module, args):
+        for info in self._fetch(module):
+            info.active += 1
+
+    def _post_forward(self, module, args, output):
+        for info in self._module_params[id(module)]:
+            info.active -= 1
+            self._release(info)
+        if not torch.is_grad_enabled():
+            return output
+        return self._wrap_outputs(module, output)
+
+    def _wrap_outputs(self, module, output):
+        tensors = []
+
+        def collect(x):
+            if isinstance(x, torch.Tensor):
+                if x.requires_grad:
+                    tensors.append(x)
+            elif isinstance(x, (list, tuple)):
+                for y in x:
+                    collect(y)
+            elif isinstance(x, dict):
+                for y in x.values():
+                    collect(y)
+
+        collect(output)
+        if not tensors:
+            return output
+        wrapped = dict(zip(map(id, tensors), _PreBackward.apply(self, module, *tensors), strict=True))
+
+        def rebuild(x):
+            if isinstance(x, torch.Tensor):
+                return wrapped.get(id(x), x)
+            if isinstance(x, tuple) and hasattr(x, "_fields"):
+                return type(x)(*(rebuild(y) for y in x))
+            if isinstance(x, (list, tuple)):
+                return type(x)(rebuild(y) for y in x)
+            if isinstance(x, dict):
+                for k in list(x.keys()):
+                    x[k] = rebuild(x[k])
+                return x
+            return x
+
+        return rebuild(output)
+
+    # --------------------------------------------------------------- gradients
+    def _on_grad(self, info: _Info) -> None:
+        p = info.param
+        self._bucket.append((info, p.grad.detach().reshape(-1)))
+        self._bucket_elems += info.shard_size * self.world
+        p.grad = None
+        self._release(info)
+        if self._bucket_elems >= self.bucket_size:
+            self._reduce_bucket()
+
+    def _reduce_bucket(self) -> None:
+        if not self._bucket:
+            return
+        entries, self._bucket, self._bucket_elems = self._bucket, [], 0
+        total = sum(i.shard_size for i, _ in entries)
+        inp = torch.empty(self.world, total, dtype=self.compute_dtype, device=self.device)
+        col = 0
+        for info, g in entries:
+            s = info.shard_size
+            inp[:, col:col + s].copy_(F.pad(g, (0, s * self.world - info.numel)).view(self.world, s))
+            col += s
+        out = torch.empty(total, dtype=self.compute_dtype, device=self.device)
+        if self.stream is not None:
+            self.stream.wait_stream(self.accelerator.current_stream())
+            with self.accelerator.stream(self.stream):
+                inp.div_(self.world)
+                work = self.coll.reduce_scatter(out, inp.view(-1), async_op=False)
+        else:
+            inp.div_(self.world)
+            work = self.coll.reduce_scatter(out, inp.view(-1), async_op=self.overlap)
+        self._pending.append((entries, work, out, inp))
+
+    def _finish_reductions(self) -> None:
+        if self.stream is not None:
+            self.accelerator.current_stream().wait_stream(self.stream)
+        for entries, work, out, _inp in self._pending:
+            if work is not None:
+                work.wait()
+            out = out.to(self.grad.device, self.grad.dtype)
+            col = 0
+            for info, _ in entries:
+                s = info.shard_size
+                off = self.layout.part_offsets[info.index]
+                self.grad[off:off + s].add_(out[col:col + s])
+                col += s
+        self._pending.clear()
+
+    def end_backward(self) -> None:
+        self._reduce_bucket()
+        self._finish_reductions()
+        for info in self.infos.values():  # frozen params, unused params and stale prefetches
+            if info.inflight is not None:
+                info.inflight.finish(self.world)
+            self._release(info)
+        if self._trace and not self._trace_done:
+            self._trace_done = True
+        self._cursor = 0
+
+    def reduce_at_boundary(self) -> None:
+        """Gradients were reduced during backward."""
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+        for info in self.infos.values():
+            info.param.grad = None
+
+    # ---------------------------------------------------------------- publish
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Copy the updated master shards into the parameter shards; re-gather persistent parameters."""
+        for info in self.infos.values():
+            if info.index is not None and info.shard_size:
+                off = self.layout.part_offsets[info.index]
+                info.shard.copy_(self.master[off:off + info.shard_size], non_blocking=True)
+        persistent = [i for i in self.infos.values() if i.persistent and i.index is not None and i.numel]
+        if persistent:
+            for i in persistent:
+                i.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+            self._materialise(persistent)
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered (a collective), as clones by name; released again afterwards."""
+        infos = list(self.infos.values())
+        self._materialise(infos)
+        out = {i.name: i.param.detach().clone() for i in infos}
+        for i in infos:
+            self._release(i)
+        return out
+
+    @torch.no_grad()
+    def load_full(self, param, full: torch.Tensor) -> None:
+        """Set a (frozen) parameter from its full value: keep this rank's shard of it."""
+        info = self.infos[id(param)]
+        s = info.shard_size
+        flat = F.pad(full.reshape(-1).to(self.compute_dtype), (0, s * self.world - info.numel))
+        info.shard.copy_(flat[self.rank * s:(self.rank + 1) * s])
+        if param.numel() == info.numel:
+            param.data.copy_(full.view(info.shape))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def device_param_elements(self) -> int:
+        """Parameter elements resident on the device now: gathered tensors plus device shards."""
+        n = sum(i.param.numel() for i in self.infos.values())
+        if not self.offload_param:
+            n += sum(i.shard.numel() for i in self.infos.values())
+        return n
