@@ -457,7 +457,7 @@ def batch_isend_irecv(p2p_op_list) -> list[CommHandle]:
     entries = tuple((p.tensor, IN if p.op is dist.isend else OUT) for p in ops)
 
     def launch(ts, a):
-        staged = [dist.P2POp(p.op, t, p.peer, p.group, p.tag, getattr(p, "group_peer", None))
+        staged = [dist.P2POp(p.op, t, p.peer, p.group, p.tag)
                   for p, t in zip(ops, ts, strict=True)]
         return CommHandle("batch_isend_irecv", dist.batch_isend_irecv(staged), None, _timeout_s)
 

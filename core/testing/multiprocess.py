@@ -42,7 +42,8 @@ from multiprocessing.connection import wait as wait_ready
 from ..errors import PolyaccelError
 
 #: what the forkserver imports once, so ranks start without importing torch again
-PRELOAD = ["torch", "torch.distributed", "polyaccel.comm"]
+#: (``torch.distributed.tensor`` is what the first ``torch.testing.assert_close`` would import: ~1 s a rank)
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "polyaccel.comm"]
 #: seconds the other ranks get to finish or fail on their own after one rank failed
 GRACE_S = 5.0
 #: exception types that are consequences of another rank failing; reported after the cause
