@@ -44,9 +44,9 @@ def polyaccel_report(accelerator):
     if mod is None:
         if reason.startswith("torch_npu is not installed"):
             return None  # nothing to say beyond the plugin's status line
-        return {"npu": {"runtime": reason, "hint": runtime.AUTOLOAD_HINT}}
+        return {"runtime": reason, "hint": runtime.AUTOLOAD_HINT}
     facts = {"torch_npu": getattr(mod, "__version__", "unknown"), "emulated": runtime.is_emulated(mod)}
     binding, why = runtime.npurt_binding()
     facts["host_register"] = "npuHostRegister (ACL_HOST_REG_MAPPED, 4096-byte aligned)" if binding else why
     facts["graphs"] = "torch.npu.NPUGraph" if hasattr(runtime.npu_module(), "NPUGraph") else "not in this torch_npu"
-    return {"npu": facts}
+    return facts

@@ -42,13 +42,13 @@ def polyaccel_report(accelerator):
 
     mod, reason = runtime.import_torch_supa()
     if mod is None:
-        return None if reason.startswith("torch_supa is not installed") else {"supa": {"runtime": reason}}
+        return None if reason.startswith("torch_supa is not installed") else {"runtime": reason}
     binding, why = runtime.supart_binding()
     ops = runtime.deepspeed_ops()
     kernels = [k for k in ("multi_tensor_adam", "multi_tensor_lion", "lamb") if hasattr(ops, k)] if ops else []
-    return {"supa": {
+    return {
         "torch_supa": getattr(mod, "__version__", "unknown"),
         "emulated": runtime.is_emulated(mod),
         "host_register": "supaHostRegister" if binding else why,
         "torch_supa_ext kernels": kernels or "torch_supa_ext not installed: optimizers use the reference",
-    }}
+    }

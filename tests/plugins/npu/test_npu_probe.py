@@ -1,0 +1,116 @@
+"""npu probe and selection: through the (emulated) runtime, including the missing-CANN case."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import polyaccel
+from polyaccel import SelectionError, selection
+from polyaccel.report import build_report
+from polyaccel.testing.emulation import npu as emulated_npu
+
+
+def _record(name):
+    return selection.plugins().records[name]
+
+
+def test_without_emulation_npu_is_unavailable_with_a_reason():
+    assert "torch_npu" not in sys.modules and not hasattr(torch, "npu")
+    rec = _record("npu")
+    assert rec.status == "unavailable"
+    assert "torch_npu is not installed" in rec.reason
+    assert polyaccel.get_accelerator().name != "npu"
+    report = build_report()
+    row = next(p for p in report["plugins"] if p["name"] == "npu")
+    assert row["status"] == "unavailable" and "torch_npu is not installed" in row["reason"]
+    assert row["emulated"] is False
+
+
+def test_emulated_npu_is_probed_and_selected():
+    with emulated_npu.emulate(device_count=2) as rt:
+        acc = polyaccel.get_accelerator()
+        assert acc.name == "npu" and acc.device_type == "npu"
+        probe = acc.probe()
+        assert probe.available and probe.device_count == 2 and probe.emulated
+        assert acc.is_emulated()
+        assert rt.calls.count_of("is_available") >= 1, "the probe must ask the runtime"
+        rec = _record("npu")
+        assert rec.status == "selected" and rec.emulated
+        report = build_report()
+        assert report["selected"]["name"] == "npu"
+        assert next(p for p in report["plugins"] if p["name"] == "npu")["emulated"] is True
+        assert report["extra"]["npu"]["emulated"] is True
+    assert not hasattr(torch, "npu") and "torch_npu" not in sys.modules
+    assert polyaccel.get_accelerator().name != "npu"
+
+
+def test_missing_cann_libraries_make_npu_unavailable_with_the_autoload_hint():
+    with emulated_npu.emulate(library_missing=True):
+        with pytest.raises(ImportError, match="libhccl.so"):
+            import torch_npu  # noqa: F401
+        rec = _record("npu")
+        assert rec.status == "unavailable"
+        assert "libhccl.so" in rec.reason and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in rec.reason
+        assert polyaccel.get_accelerator().name != "npu"
+        extra = build_report()["extra"]["npu"]
+        assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in extra["hint"]
+
+
+def test_installed_runtime_without_a_device_is_unavailable():
+    with emulated_npu.emulate(no_device=True):
+        rec = _record("npu")
+        assert rec.status == "unavailable" and "is_available() is False" in rec.reason
+        assert rec.emulated
+
+
+def test_asking_for_npu_by_name_when_absent_lists_the_reason(monkeypatch):
+    monkeypatch.setenv("POLYACCEL_ACCELERATOR", "npu")
+    with pytest.raises(SelectionError, match="torch_npu is not installed"):
+        polyaccel.get_accelerator()
+
+
+def test_comm_hooks_name_hccl_with_device_binding():
+    from polyaccel.comm.hooks import resolve_hooks
+
+    with emulated_npu.emulate():
+        acc = polyaccel.get_accelerator()
+        hooks = resolve_hooks(acc)
+        assert hooks.backend == "hccl" and hooks.pass_device_id and hooks.supports_device_tensors
+        assert acc.communication_backend == "hccl"
+
+
+def test_capabilities_follow_the_runtime():
+    with emulated_npu.emulate():
+        caps = polyaccel.get_accelerator().capabilities()
+        assert {"graphs", "host_register", "streams", "events", "rng", "bf16", "fp16"} <= caps
+        # host memory cannot be page-locked or counted by an emulation: not claimed there
+        assert not {"pinned", "memory_stats", "fp64", "fp8", "triton"} & caps
+    with emulated_npu.emulate(no_graphs=True, no_npurt=True):
+        caps = polyaccel.get_accelerator().capabilities()
+        assert "graphs" not in caps and "host_register" not in caps
+
+
+def test_device_rng_is_reproducible():
+    with emulated_npu.emulate() as rt:
+        acc = polyaccel.get_accelerator()
+        acc.manual_seed(1234)
+        a = torch.randn(16, device=acc.device())
+        state = acc.get_rng_state()
+        b = torch.randn(16, device=acc.device())
+        acc.manual_seed(1234)
+        assert torch.equal(torch.randn(16, device=acc.device()), a)
+        acc.set_rng_state(state)
+        assert torch.equal(torch.randn(16, device=acc.device()), b)
+        assert rt.calls.count_of("manual_seed") == 2
+
+
+def test_set_device_is_checked_by_the_runtime():
+    with emulated_npu.emulate(device_count=2) as rt:
+        acc = polyaccel.get_accelerator()
+        acc.set_device(1)
+        assert acc.current_device() == 1 and rt.calls.last("set_device").args == (1,)
+        with pytest.raises(RuntimeError, match="Invalid device id"):
+            acc.set_device(2)
