@@ -1,10 +1,11 @@
 """Apple GPUs through ``torch.mps``: one device, unified memory, no streams and no device graphs.
 
-Unified memory: CPU and GPU share physical memory, so there is nothing to page-lock and
-nothing to register for DMA. ``pin_memory(t)`` returns ``t`` itself (no copy) and
-``is_pinned`` is True for every host tensor; ``register_host_memory`` raises
-:class:`polyaccel.Unsupported`, since torch offers no way to hand an existing host buffer to
-Metal without a copy and pretending to register it would be a silent no-op.
+Unified memory, as torch implements it for MPS: ``pin_memory(t)`` copies ``t`` once into a
+buffer of MPS's *shared* allocator (an ``MTLBuffer`` in shared storage mode, which CPU and
+GPU both address, so later host<->device transfers need no staging copy); ``is_pinned`` is
+True exactly for such buffers. Registering an *existing* host buffer raises
+:class:`polyaccel.Unsupported`: torch offers no way to wrap an arbitrary host allocation
+as an ``MTLBuffer`` without a copy, and pretending to register it would be a silent no-op.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from polyaccel.accelerator import Accelerator, ProbeResult
 from polyaccel.errors import PolyaccelError, Unsupported
 
 _EMULATED_MARKER = "__polyaccel_emulated__"
-_UNIFIED = "unified memory: host tensors are already visible to the GPU; use pin_memory(), which returns the tensor"
+_UNIFIED = ("torch cannot hand an existing host buffer to Metal without a copy; use pin_memory() (one copy into "
+            "MPS's shared, GPU-visible allocator) or empty_pinned()")
 
 
 class MpsAccelerator(Accelerator):
@@ -110,18 +112,26 @@ class MpsAccelerator(Accelerator):
                 "recommended_max": int(torch.mps.recommended_max_memory())}
 
     # --------------------------------------------------------- pinned memory
+    def _mps_is_torch_accelerator(self) -> bool:
+        acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        return acc is not None and acc.type == "mps"
+
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Unified memory: the host tensor is returned as it is, without a copy."""
+        """One copy into MPS's shared (CPU- and GPU-visible) allocator; pinned tensors are returned as they are."""
         if tensor.device.type != "cpu":
             raise PolyaccelError(f"pin_memory needs a host (cpu) tensor, got one on {tensor.device}")
-        return tensor
+        if self.is_pinned(tensor):
+            return tensor
+        if self._mps_is_torch_accelerator():
+            return tensor.pin_memory()
+        return tensor.pin_memory(torch.device("mps"))
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        """Every host tensor counts as pinned on unified memory; device tensors are not host memory."""
-        return tensor.device.type == "cpu"
-
-    def empty_pinned(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype)
+        if tensor.device.type != "cpu":
+            return False
+        if self._mps_is_torch_accelerator():
+            return tensor.is_pinned()
+        return bool(tensor.is_pinned(torch.device("mps")))
 
     def register_host_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         raise Unsupported(self.name, "host_register", _UNIFIED)
@@ -143,7 +153,7 @@ class MpsAccelerator(Accelerator):
         self._no_graphs()
 
     def report(self) -> dict[str, Any]:
-        return {"unified_memory": "pin_memory returns the tensor; host registration is unsupported",
+        return {"unified_memory": "pin_memory copies into MPS's shared allocator; host registration is unsupported",
                 "memory": self.memory_report(),
                 "fused_adam_kernel": "Metal (torch.mps.compile_shader)" if hasattr(torch.mps, "compile_shader")
                 else "torch fused Adam (this torch has no torch.mps.compile_shader)"}

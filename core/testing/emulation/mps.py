@@ -1,8 +1,9 @@
 """Emulated Apple GPU runtime: ``torch.mps`` and ``torch.backends.mps``, with Metal kernels run on the host.
 
-``emulate(**faults)`` patches the real modules in place: one device, the default MPS RNG,
-events on an asynchronous queue, torch.mps's memory counters, and
-``torch.mps.compile_shader``. The emulated ``compile_shader`` records the source and
+``emulate(**faults)`` patches the real modules in place: one device, RNG (the host's
+generator, since emulated tensors are host tensors), events on an asynchronous queue,
+torch.mps's memory counters, pinning into the "shared allocator" through
+``Tensor.pin_memory(device="mps")``, and ``torch.mps.compile_shader``. The emulated ``compile_shader`` records the source and
 compiles it *for the host*: the Metal source text is compiled as C++ against a small
 shim (``device``/``constant`` address spaces, ``half``, ``bfloat``, ``metal::`` maths,
 ``[[thread_position_in_grid]]``), and a kernel call checks its arguments against the
@@ -27,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,9 +284,21 @@ class MpsRuntime(EmulatedRuntime):
 
     def __init__(self, polls_to_complete: int = 1, **faults: Any):
         super().__init__(polls_to_complete=polls_to_complete, **faults)
-        self.generator = torch.Generator()
-        self.generator.manual_seed(4321)
+        # emulated tensors are host tensors, so the device draws from the host's generator
+        self.generator = torch.default_generator
         self.libraries: list[EmulatedShaderLibrary] = []
+        self.shared_buffers: dict[int, weakref.ref] = {}
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """torch's MPS pinning: one copy into a buffer of the shared (CPU+GPU visible) allocator."""
+        self.record("pin_memory", tensor.numel() * tensor.element_size())
+        out = tensor.clone()
+        self.shared_buffers[out.data_ptr()] = weakref.ref(out)
+        return out
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        ref = self.shared_buffers.get(tensor.data_ptr())
+        return ref is not None and ref() is not None
 
     def compile_shader(self, source: str) -> EmulatedShaderLibrary:
         self.record("compile_shader", source)
@@ -332,6 +346,7 @@ class MpsRuntime(EmulatedRuntime):
         patcher.setattr(backend, "is_built", lambda: not rt.faults.not_built)
         patcher.setattr(backend, "is_available", lambda: not (rt.faults.no_device or rt.faults.not_built))
         patcher.setattr(backend, "is_macos_or_newer", lambda major, minor: version >= (major, minor))
+        self._install_pinning(patcher)
 
         from torch.utils import _foreach_utils
 
@@ -342,6 +357,24 @@ class MpsRuntime(EmulatedRuntime):
             return devices if rt.faults.no_fused_adam else devices + ["mps"]
 
         patcher.setattr(_foreach_utils, "_get_fused_kernels_supported_devices", supported)
+
+
+    def _install_pinning(self, patcher: Patcher) -> None:
+        rt = self
+        real_pin, real_is_pinned = torch.Tensor.pin_memory, torch.Tensor.is_pinned
+
+        def names_mps(args, kwargs) -> bool:
+            dev = kwargs.get("device", args[0] if args else None)
+            return dev is not None and torch.device(dev).type == "mps"
+
+        def pin_memory(tensor, *args, **kwargs):
+            return rt.pin(tensor) if names_mps(args, kwargs) else real_pin(tensor, *args, **kwargs)
+
+        def is_pinned(tensor, *args, **kwargs):
+            return rt.is_pinned(tensor) if names_mps(args, kwargs) else real_is_pinned(tensor, *args, **kwargs)
+
+        patcher.setattr(torch.Tensor, "pin_memory", pin_memory)
+        patcher.setattr(torch.Tensor, "is_pinned", is_pinned)
 
 
 def emulate(polls_to_complete: int = 1, **faults: Any):
