@@ -3,13 +3,14 @@
 ``emulate(**faults)`` patches the real modules in place: one device, RNG (the host's
 generator, since emulated tensors are host tensors), events on an asynchronous queue,
 torch.mps's memory counters, pinning into the "shared allocator" through
-``Tensor.pin_memory(device="mps")``, and ``torch.mps.compile_shader``. The emulated ``compile_shader`` records the source and
-compiles it *for the host*: the Metal source text is compiled as C++ against a small
-shim (``device``/``constant`` address spaces, ``half``, ``bfloat``, ``metal::`` maths,
-``[[thread_position_in_grid]]``), and a kernel call checks its arguments against the
-kernel's declared parameters the way torch binds them (tensor -> ``device T*`` of the
-same dtype, Python float -> ``constant float&``, Python int -> ``constant long&``) and then
-runs the kernel once per grid index. So the numbers come from the very source that a
+``Tensor.pin_memory(device="mps")``, and ``torch.mps.compile_shader``.
+
+The emulated ``compile_shader`` records the source and compiles it *for the host*: the
+Metal source text is compiled as C++ against a small shim (``device``/``constant``
+address spaces, ``half``, ``bfloat``, ``metal::`` maths, ``[[thread_position_in_grid]]``),
+and a kernel call checks its arguments against the kernel's declared parameters the way
+torch binds them (tensor -> ``device T*`` of the same dtype, Python float -> ``constant
+float&``, Python int -> ``constant long&``) and then runs the kernel once per grid index. So the numbers come from the very source that a
 real device would compile, run sequentially on the CPU.
 
 What that does not prove: that Metal's compiler accepts the source, the GPU's parallel
