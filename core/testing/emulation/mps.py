@@ -10,8 +10,9 @@ Metal source text is compiled as C++ against a small shim (``device``/``constant
 address spaces, ``half``, ``bfloat``, ``metal::`` maths, ``[[thread_position_in_grid]]``),
 and a kernel call checks its arguments against the kernel's declared parameters the way
 torch binds them (tensor -> ``device T*`` of the same dtype, Python float -> ``constant
-float&``, Python int -> ``constant long&``) and then runs the kernel once per grid index. So the numbers come from the very source that a
-real device would compile, run sequentially on the CPU.
+float&``, Python int -> ``constant long&``) and then runs the kernel once per grid index.
+So the numbers come from the very source that a real device would compile, run
+sequentially on the CPU.
 
 What that does not prove: that Metal's compiler accepts the source, the GPU's parallel
 execution and fast-math rounding, and performance. Supported subset: kernels written out
