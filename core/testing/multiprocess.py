@@ -47,7 +47,7 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "polyaccel.
 #: seconds the other ranks get to finish or fail on their own after one rank failed
 GRACE_S = 5.0
 #: exception types that are consequences of another rank failing; reported after the cause
-SECONDARY_FAILURES = frozenset({"PeerLostError", "RankDied"})
+SECONDARY_FAILURES = frozenset({"PeerLostError"})
 
 
 class RankFailure(PolyaccelError):
@@ -151,7 +151,7 @@ def _read(conn, rank: int, proc) -> RankOutcome:
         proc.join(1.0)
         return RankOutcome(rank, False, exc_type="RankDied",
                            message=f"rank {rank} exited with code {proc.exitcode} without reporting a result",
-                           traceback="(no Python traceback: the process ended abruptly)\n")
+                           traceback="(no Python traceback: the process ended abruptly)\n", when=time.time())
     if msg[0] == "ok":
         return RankOutcome(rank, True, value=pickle.loads(msg[1]))
     _, exc_type, text, tb, original, when = msg

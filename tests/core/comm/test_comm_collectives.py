@@ -1,14 +1,18 @@
 """Every collective of polyaccel.comm against the same math done in one process in float64 (gloo, 2 and 4 ranks).
 
 Each rank builds every rank's inputs from a shared seed, so it can compute the expected result
-locally in float64 and compare what the collective gave it. One spawned run checks all collectives.
+locally in float64 and compare what the collective gave it. One spawned run checks all collectives
+in every comm-hooks mode: plain, emulated (the native ops disabled), staged, staged + emulated;
+then the argument checks.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from polyaccel import comm
+from polyaccel.comm import EMULATIONS, CommHooks
 from polyaccel.testing.multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,7 +28,7 @@ def _close(actual, expected64, what, dtype=torch.float32):
     torch.testing.assert_close(actual.double(), expected64, rtol=tol, atol=tol * 4, msg=lambda m: f"{what}: {m}")
 
 
-def check_all_collectives(rank: int, world: int, seed: int) -> dict:
+def _collectives(rank: int, world: int, seed: int) -> list[str]:
     """Run each collective on fresh random inputs; return what was checked (asserts inside)."""
     checked = []
     for dtype in (torch.float32, torch.float64):
@@ -96,7 +100,86 @@ def check_all_collectives(rank: int, world: int, seed: int) -> dict:
         assert comm.get_rank(group) == evens.index(rank)
     comm.barrier()
     checked += ["new_group", "barrier"]
-    return {"rank": comm.get_rank(), "world": comm.get_world_size(), "checked": sorted(set(checked))}
+    return sorted(set(checked))
+
+
+EMULATED = frozenset(EMULATIONS)
+MODES = {
+    "plain": None,
+    "emulated": CommHooks(backend="gloo", emulated_collectives=EMULATED),
+    "staged": CommHooks(backend="gloo", supports_device_tensors=False, stage_host_tensors=True),
+    "staged+emulated": CommHooks(backend="gloo", supports_device_tensors=False, stage_host_tensors=True,
+                                 emulated_collectives=EMULATED),
+}
+
+
+def _native_disabled(*args, **kwargs):
+    raise RuntimeError("the native collective was called although the hooks declare it emulated")
+
+
+def _disable_native_collectives():
+    """Make the natives of the emulated collectives fail, so only a real emulation can pass."""
+    saved = (comm._reduce_scatter, comm._all_gather, dist.all_to_all_single)
+    comm._reduce_scatter = comm._all_gather = dist.all_to_all_single = _native_disabled
+    return saved
+
+
+def _restore_native_collectives(saved):
+    comm._reduce_scatter, comm._all_gather, dist.all_to_all_single = saved
+
+
+def _bad_arguments(rank: int, world: int) -> list[str]:
+    """Each bad call raises CommArgumentError naming the argument, and sends nothing."""
+    messages = []
+    x = torch.randn(world * 2, 3)
+
+    def expect(fragment, fn, *args, **kwargs):
+        try:
+            fn(*args, **kwargs)
+        except comm.CommArgumentError as exc:
+            assert fragment in str(exc), f"{fragment!r} not in {exc}"
+            assert isinstance(exc, ValueError)
+            messages.append(str(exc))
+            return
+        raise AssertionError(f"{fn.__name__} accepted bad arguments ({fragment})")
+
+    even = [2] * world
+    expect("input_split_sizes has", comm.all_to_all_single, torch.empty_like(x), x, even, [2] * (world + 1))
+    expect("output_split_sizes [", comm.all_to_all_single, torch.empty_like(x), x, [3] * world, even)
+    negative = [-1, 2 * world + 1] + [0] * (world - 2)
+    expect("non-negative", comm.all_to_all_single, torch.empty_like(x), x, even, negative)
+    expect("not divisible", comm.all_to_all_single, torch.empty(world * 2 + 1, 3), torch.empty(world * 2 + 1, 3))
+    expect("output has dtype torch.float64 but input has dtype torch.float32",
+           comm.all_to_all_single, torch.empty_like(x, dtype=torch.float64), x)
+    expect("all dims but the first", comm.all_to_all_single, torch.empty(world * 2, 4), x)
+    expect("output_tensor has dtype torch.float64 but input_tensor has dtype torch.float32",
+           comm.all_gather_into_tensor, torch.empty(world * 6, dtype=torch.float64), torch.randn(6))
+    expect("output_tensor has", comm.all_gather_into_tensor, torch.empty(world * 6 + 1), torch.randn(6))
+    expect("output has dtype torch.bfloat16", comm.reduce_scatter_tensor, torch.empty(2, dtype=torch.bfloat16),
+           torch.randn(world * 2))
+    expect("input has 5 elements", comm.reduce_scatter_tensor, torch.empty(2), torch.randn(5))
+    # nothing was sent: the group still works
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    assert t.tolist() == [float(world)] * 2
+    return messages
+
+
+def check_all_collectives(rank: int, world: int, seed: int) -> dict:
+    checked = {}
+    for i, (mode, hooks) in enumerate(MODES.items()):
+        comm.set_hooks(hooks)
+        saved = _disable_native_collectives() if hooks is not None and hooks.emulated_collectives else None
+        try:
+            checked[mode] = _collectives(rank, world, seed + 100 * i)
+        finally:
+            if saved is not None:
+                _restore_native_collectives(saved)
+    staged_calls = comm.staging_stats().staged_calls
+    comm.set_hooks(None)
+    bad = _bad_arguments(rank, world)
+    return {"rank": comm.get_rank(), "world": comm.get_world_size(), "checked": checked,
+            "staged_calls": staged_calls, "bad_argument_messages": bad}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -105,5 +188,21 @@ def test_collectives_match_float64_reference(world):
     results = run_ranks(check_all_collectives, world, seed, timeout=90)
     assert [r["rank"] for r in results] == list(range(world))
     assert all(r["world"] == world for r in results)
-    assert results[0]["checked"] == sorted({"all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
-                                            "broadcast", "all_to_all_single", "new_group", "barrier"})
+    everything = sorted({"all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
+                         "all_to_all_single", "new_group", "barrier"})
+    assert results[0]["checked"] == {mode: everything for mode in MODES}
+    assert all(r["staged_calls"] > 20 for r in results), "the staged modes must really stage"
+    assert len(results[0]["bad_argument_messages"]) == 10
+
+
+def test_emulated_collective_natives_are_really_disabled_in_the_check():
+    """The emulated-mode check would be vacuous if disabling the natives did not bite."""
+    saved = _disable_native_collectives()
+    try:
+        with pytest.raises(RuntimeError, match="declare it emulated"):
+            comm._reduce_scatter(torch.empty(1), torch.empty(2))
+        with pytest.raises(RuntimeError, match="declare it emulated"):
+            dist.all_to_all_single(torch.empty(2), torch.empty(2))
+    finally:
+        _restore_native_collectives(saved)
+    assert comm._reduce_scatter is not _native_disabled
