@@ -8,7 +8,6 @@ import types
 
 import pytest
 import torch
-
 from polyaccel import selection
 from polyaccel.testing.emulation import (
     EMULATED,

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import polyaccel
 import pytest
 import torch
-
-import polyaccel
 from polyaccel import PolyaccelError, Unsupported
 from polyaccel.accelerator import _LEAKED_HOST_BUFFERS
 from polyaccel.testing.emulation import npu as emulated_npu

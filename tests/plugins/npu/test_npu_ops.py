@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from polyaccel import ops
 from polyaccel.ops.reference import optimizers as ref_optim
 from polyaccel.ops.reference.quantize import quantize as reference_quantize

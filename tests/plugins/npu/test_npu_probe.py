@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import sys
 
+import polyaccel
 import pytest
 import torch
-
-import polyaccel
 from polyaccel import SelectionError, selection
 from polyaccel.report import build_report
 from polyaccel.testing.emulation import npu as emulated_npu
