@@ -33,10 +33,10 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 @triton.jit
 def _operand(addrs, t, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
     """Pointer to tensor ``t`` of one operand list, with a 16-byte alignment hint when known."""
-    a = tl.load(addrs + t)
+    ptr = tl.load(addrs + t).to(tl.pointer_type(DTYPE))
     if ALIGNED:
-        a = tl.multiple_of(a, 16)
-    return a.to(tl.pointer_type(DTYPE))
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit
@@ -103,7 +103,7 @@ def _adam_kernel(addrs, numels, chunk_tensor, chunk_start, n_tensors, step_ptr,
                  ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(chunk_tensor + pid).to(tl.int64)
-    start = tl.load(chunk_start + pid)
+    start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)  # chunks start on BLOCK multiples
     n = tl.load(numels + t)
     p_ptr = _operand(addrs, t, P_DT, ALIGNED)
     g_ptr = _operand(addrs + n_tensors, t, G_DT, ALIGNED)
@@ -154,7 +154,7 @@ def _lion_kernel(addrs, numels, chunk_tensor, chunk_start, n_tensors, lr, beta1,
                  ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(chunk_tensor + pid).to(tl.int64)
-    start = tl.load(chunk_start + pid)
+    start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)  # chunks start on BLOCK multiples
     n = tl.load(numels + t)
     p_ptr = _operand(addrs, t, P_DT, ALIGNED)
     g_ptr = _operand(addrs + n_tensors, t, G_DT, ALIGNED)
@@ -173,7 +173,7 @@ def _lion_kernel(addrs, numels, chunk_tensor, chunk_start, n_tensors, lr, beta1,
 @triton.jit
 def _lamb_moments_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, eps, weight_decay,
                         inv_bc1, inv_sqrt_bc2, MASKED: tl.constexpr):
-    """Update m and v in place; return (sum p**2, sum update**2) of this block."""
+    """Update m and v in place; return p**2 and update**2 of this block (zero where masked)."""
     if MASKED:
         p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -197,7 +197,7 @@ def _lamb_moments_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, ep
     else:
         tl.store(m_ptr + offs, m_st)
         tl.store(v_ptr + offs, v_st)
-    return tl.sum(p * p, axis=0), tl.sum(u * u, axis=0)
+    return p * p, u * u
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def _lamb_moments_kernel(addrs, numels, chunk_tensor, chunk_start, n_tensors, pa
                          ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(chunk_tensor + pid).to(tl.int64)
-    start = tl.load(chunk_start + pid)
+    start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)  # chunks start on BLOCK multiples
     n = tl.load(numels + t)
     p_ptr = _operand(addrs, t, P_DT, ALIGNED)
     g_ptr = _operand(addrs + n_tensors, t, G_DT, ALIGNED)
@@ -218,8 +218,8 @@ def _lamb_moments_kernel(addrs, numels, chunk_tensor, chunk_start, n_tensors, pa
                                  STEP_ON_DEVICE, BIAS_CORRECTION)
     inv_bc1 = 1.0 / bc1
     inv_sqrt_bc2 = 1.0 / tl.sqrt(bc2)
-    w2 = 0.0
-    u2 = 0.0
+    w2 = tl.zeros([BLOCK], dtype=tl.float32)
+    u2 = tl.zeros([BLOCK], dtype=tl.float32)
     if start + BLOCK * ITERS <= n:
         for i in tl.static_range(ITERS):
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
@@ -234,8 +234,8 @@ def _lamb_moments_kernel(addrs, numels, chunk_tensor, chunk_start, n_tensors, pa
                                        weight_decay, inv_bc1, inv_sqrt_bc2, True)
             w2 += a
             u2 += b
-    tl.store(partials + 2 * pid, w2)
-    tl.store(partials + 2 * pid + 1, u2)
+    tl.store(partials + 2 * pid, tl.sum(w2, axis=0))
+    tl.store(partials + 2 * pid + 1, tl.sum(u2, axis=0))
 
 
 @triton.jit
@@ -285,7 +285,7 @@ def _lamb_update_kernel(addrs, numels, chunk_tensor, chunk_start, n_tensors, tru
                         ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(chunk_tensor + pid).to(tl.int64)
-    start = tl.load(chunk_start + pid)
+    start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)  # chunks start on BLOCK multiples
     n = tl.load(numels + t)
     p_ptr = _operand(addrs, t, P_DT, ALIGNED)
     m_ptr = _operand(addrs + 2 * n_tensors, t, M_DT, ALIGNED)
