@@ -17,7 +17,7 @@ python3 benchmarks/verify_cuda.py --out "$OUT/verify.json" >"$OUT/verify.log" 2>
 echo "verify: exit $? ($(grep -c '^PASS' "$OUT/verify.log") passed, $(grep -c '^FAIL' "$OUT/verify.log") failed)"
 grep '^FAIL' "$OUT/verify.log"
 if polyaccel conformance --help >/dev/null 2>&1; then
-  polyaccel conformance --accelerator cuda >"$OUT/conformance.log" 2>&1
+  polyaccel conformance --accelerator cuda --json "$OUT/conformance.json" >"$OUT/conformance.log" 2>&1
   echo "conformance: exit $?"
   tail -5 "$OUT/conformance.log"
 else
