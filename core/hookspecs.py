@@ -58,8 +58,13 @@ def polyaccel_report(accelerator):
 def polyaccel_collective(op, group, tensors, call):
     """Optional wrapper around each collective and p2p call of ``polyaccel.comm``.
 
-    Implement with ``@hookimpl(wrapper=True)`` and ``yield`` to run the call; ``op`` is the
-    collective's name, ``group`` the process group (None = world), ``tensors`` the tensors it
-    touches and ``call`` a zero-argument callable that performs it. Used for tracing and
-    profiling; collectives cost far more than the hook.
+    Implement with ``@hookimpl(wrapper=True)`` and ``yield`` to run the call (the yield
+    returns its result: None for a blocking call, a ``CommHandle`` for an async one); ``op``
+    is the collective's name, ``group`` the process group (None = world), ``tensors`` the
+    tensors this rank sends or reduces (a receive's buffer for recv/irecv) and ``call`` a
+    zero-argument callable that performs it (core supplies the innermost implementation).
+    Used for tracing and profiling; collectives cost far more than the hook. ``polyaccel.comm``
+    looks for wrappers when it is initialised and when a ``CommTracer`` is entered; after
+    registering one later, call ``polyaccel.comm.refresh()``. With no wrapper registered,
+    calls do not go through pluggy at all.
     """

@@ -257,7 +257,9 @@ def _invoke(op: str, group, entries: tuple, launch, async_op: bool):
     caller = _hook_caller
     if caller is None:
         return call()
-    return caller(op=op, group=group, tensors=tuple(t for t, role in entries if role != OUT), call=call)
+    # what this rank contributes; a receive's buffer when it contributes nothing (recv, broadcast's destinations)
+    payload = tuple(t for t, role in entries if role != OUT) or tuple(t for t, _ in entries)
+    return caller(op=op, group=group, tensors=payload, call=call)
 
 
 # ---------------------------------------------------------------------------------------- argument checks

@@ -57,8 +57,10 @@ class CommEvent:
     """One traced call.
 
     ``bytes`` counts what this rank contributes (the input of a collective, the payload of
-    a send, the buffer of a receive). ``duration_s`` is the wall time of the call; for an
-    async call (``async_op``) that is the time to post it, not to complete it.
+    a send), or what it receives when it contributes nothing (recv, a broadcast's
+    destinations). ``duration_s`` is the wall time of the call; for an async call
+    (``async_op``) that is the time to post it, not to complete it. ``ok`` is False when
+    the call raised.
     """
 
     op: str
