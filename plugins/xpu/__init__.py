@@ -46,5 +46,5 @@ def polyaccel_report(accelerator):
         return accelerator.report()
     verdict = inspect_ipex()
     if verdict.installed:
-        return {"ipex": verdict.as_dict()}
+        return verdict.report_facts()
     return None

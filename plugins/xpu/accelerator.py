@@ -165,7 +165,7 @@ class XpuAccelerator(Accelerator):
         comm = self.comm_choice()
         ok, graphs = graph_support()
         return {
-            "ipex": self.ipex_status().as_dict(),
+            **self.ipex_status().report_facts(),
             "communication_backend": comm.backend,
             "communication_reason": comm.reason,
             "graphs": graphs if ok else f"unsupported: {graphs}",

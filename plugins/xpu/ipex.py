@@ -46,6 +46,10 @@ class IpexStatus:
     def as_dict(self) -> dict[str, Any]:
         return {"installed": self.installed, "version": self.version, "used": self.used, "reason": self.reason}
 
+    def report_facts(self) -> dict[str, Any]:
+        """Flat facts for ``polyaccel report``: what was decided about IPEX and why."""
+        return {"ipex": self.reason, "ipex_version": self.version, "ipex_used": self.used}
+
 
 class ExitAttempt(BaseException):
     """Raised instead of exiting when an imported module tries to end the process."""
