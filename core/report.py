@@ -54,6 +54,12 @@ def build_report() -> dict[str, Any]:
             "emulated": selected.is_emulated(),
             "communication_backend": selected.communication_backend,
         }
+        try:
+            from .comm.hooks import resolve_hooks
+
+            out["selected"]["comm"] = resolve_hooks(selected, ps).as_dict()
+        except Exception as exc:  # noqa: BLE001
+            out["selected"]["comm"] = {"error": str(exc)}
         from . import ops
 
         for op in ops.registry.ops():

@@ -53,6 +53,13 @@ def _print_rich(rep) -> None:
     con.print(f"selected: [bold]{sel['name']}[/] (device type {sel['device_type']}, "
               f"comm {sel['communication_backend']}{', emulated' if sel['emulated'] else ''})")
     con.print("capabilities: " + (", ".join(sel["capabilities"]) or "none"))
+    comm = sel.get("comm") or {}
+    if "error" in comm:
+        con.print(f"comm hooks: [red]{comm['error']}[/]")
+    elif comm:
+        emulated = "; ".join(f"{k} ({v})" for k, v in comm["emulated_collectives"].items()) or "none"
+        tensors = "device tensors" if comm["supports_device_tensors"] else "staged through host buffers"
+        con.print(f"comm: backend {comm['backend']}, {tensors}, emulated collectives: {emulated}")
     ot = Table(title=f"ops on {sel['device_type']}")
     for col in ("op", "builder", "plugin", "kind", "why"):
         ot.add_column(col)
