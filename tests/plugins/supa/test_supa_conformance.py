@@ -1,0 +1,28 @@
+"""`polyaccel conformance --accelerator supa --emulate`: every row emulated, nothing failed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+CLI = "import sys; from polyaccel.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_conformance_under_emulation_passes_and_labels_every_row(tmp_path):
+    out = tmp_path / "conformance.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI, "conformance", "--accelerator", "supa", "--emulate", "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["accelerator"]["name"] == "supa" and doc["accelerator"]["emulated"] is True
+    rows = doc["rows"]
+    assert rows and all(r["emulated"] for r in rows), "every row produced under emulation must say so"
+    failed = [(r["subject"], r["check"], r.get("reason")) for r in rows if r["status"] == "FAIL"]
+    assert not failed and doc["counts"]["FAIL"] == 0, failed
+    passed = {(r["area"], r["subject"]) for r in rows if r["status"] == "PASS"}
+    for needed in (("capability", "graphs"), ("capability", "host_register"), ("op", "fused_adam"),
+                   ("op", "fused_lion"), ("op", "fused_lamb"), ("op", "quantize")):
+        assert needed in passed, f"{needed} did not pass: {sorted(passed)}"
