@@ -17,7 +17,8 @@ How it works:
 - Ranks are new interpreters, never forks of the (threaded) test process: by default they
   come from a ``forkserver`` that imported torch once, so a run costs a fork, not a torch
   import per rank (``start_method="spawn"`` is available too). Each rank gets the parent's
-  environment as it is at the call.
+  environment as it is at the call; variables that torch reads while being imported take
+  effect from when the forkserver started (use ``start_method="spawn"`` to vary those).
 - Each rank calls :func:`polyaccel.comm.init_distributed`, then ``fn(rank, world_size, *args)``,
   and always :func:`polyaccel.comm.destroy`.
 - A rank that raises makes :func:`run_ranks` raise :class:`RankFailure` with that rank's
