@@ -31,6 +31,7 @@ def run(args) -> int:
 
 def _print_rich(rep) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     con = Console()
@@ -44,7 +45,7 @@ def _print_rich(rep) -> None:
         st = p["status"] + (" (emulated)" if p["emulated"] else "")
         t.add_row(p["name"], f"[{style.get(p['status'], 'red')}]{st}[/]",
                   str(p["priority"] if p["priority"] is not None else "-"), str(p["device_type"] or "-"),
-                  str(p["api_version"] or "-"), p["reason"] or p["source"])
+                  str(p["api_version"] or "-"), escape(p["reason"] or p["source"]))
     con.print(t)
     sel = rep["selected"]
     if sel is None:
