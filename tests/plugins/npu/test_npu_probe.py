@@ -113,3 +113,32 @@ def test_set_device_is_checked_by_the_runtime():
         assert acc.current_device() == 1 and rt.calls.last("set_device").args == (1,)
         with pytest.raises(RuntimeError, match="Invalid device id"):
             acc.set_device(2)
+
+
+_IMPORT_SPY = """
+import importlib.abc, sys
+seen = []
+class Spy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('torch_npu', 'torch_supa', 'torch_supa_ext'):
+            seen.append(name)
+        return None
+sys.meta_path.insert(0, Spy())
+import polyaccel
+import polyaccel.plugins.npu, polyaccel.plugins.npu.accelerator, polyaccel.plugins.npu.ops
+import polyaccel.plugins.supa, polyaccel.plugins.supa.accelerator, polyaccel.plugins.supa.ops
+polyaccel.plugins.npu.polyaccel_accelerators(); polyaccel.plugins.supa.polyaccel_accelerators()
+print('IMPORT-TIME', seen)
+from polyaccel import selection
+selection.plugins()
+print('PROBE-TIME', sorted(set(seen)))
+"""
+
+
+def test_vendor_runtimes_are_looked_up_only_when_probing():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_SPY], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "IMPORT-TIME []" in proc.stdout, proc.stdout
+    assert "PROBE-TIME ['torch_npu', 'torch_supa']" in proc.stdout, proc.stdout
