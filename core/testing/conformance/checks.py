@@ -8,6 +8,10 @@ from typing import Any
 import pytest
 from polyaccel.errors import Unsupported
 
+#: capabilities with a check in test_capabilities.py (async_p2p: in test_comm.py)
+CHECKED_CAPABILITIES = frozenset({"streams", "events", "graphs", "host_register", "pinned", "memory_stats", "rng",
+                                  "fp64", "bf16", "fp16", "fp8", "triton", "async_p2p"})
+
 
 def expect_unsupported(acc, call: Callable[[], Any], what: str, capability: str) -> str:
     """``call()`` must raise :class:`polyaccel.Unsupported` naming ``acc``'s plugin; return its message.

@@ -166,7 +166,7 @@ def _short_reason(report) -> str:
         return str(longrepr[2]).removeprefix("Skipped: ")
     crash = getattr(longrepr, "reprcrash", None)
     if crash is not None and crash.message:
-        return crash.message.strip()
+        return crash.message.strip().removeprefix("Failed: ")
     text = str(longrepr).strip().splitlines()
     return text[-1] if text else ""
 
@@ -235,8 +235,10 @@ def _write(config, exitstatus: int) -> None:
         versions=results.versions(),
         duration_s=time.monotonic() - state.started,
     )
-    if doc.error is None and exitstatus not in (0, 1):
-        doc.error = f"pytest ended with exit status {exitstatus} (interrupted, usage error or nothing collected)"
+    if doc.error is None and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        doc.error = "no conformance check was selected (nothing collected, or -k deselected everything)"
+    elif doc.error is None and exitstatus not in (0, 1):
+        doc.error = f"pytest ended with exit status {exitstatus} (interrupted, internal or usage error)"
     doc.write(os.fspath(state.json_path))
 
 

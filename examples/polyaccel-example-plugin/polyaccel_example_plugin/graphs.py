@@ -1,9 +1,13 @@
-"""Host "graphs": record the aten ops run during capture, re-run them on replay.
+"""Host "graphs": record the torch calls made during capture, re-run them on replay.
 
 Like a device graph, a recorded graph is bound to the tensors it was captured with
 (the static inputs and outputs): replay re-executes every op on the current contents
 of the inputs and writes the results into the same output tensors. Python control
 flow and host values read during capture (``.item()``) are frozen at capture time.
+
+Recording uses a ``TorchFunctionMode`` (torch's public hook on every torch call), which
+costs nothing to enter; a ``TorchDispatchMode`` would see aten ops but its first use
+imports torch's compiler stack (seconds).
 """
 
 from __future__ import annotations
@@ -11,18 +15,17 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from polyaccel.errors import PolyaccelError
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from polyaccel.errors import PolyaccelError
 
-
-class _Recorder(TorchDispatchMode):
+class _Recorder(TorchFunctionMode):
     def __init__(self, ops: list) -> None:
         super().__init__()
         self._ops = ops
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self._ops.append((func, args, kwargs, out))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from polyaccel.ops import OpBuilder
 from polyaccel.ops.reference.swiglu import make_swiglu
 

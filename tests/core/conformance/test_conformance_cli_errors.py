@@ -1,0 +1,37 @@
+"""`polyaccel conformance` explains why it could not run, with exit status 2."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from polyaccel.cli import main
+from polyaccel.testing.conformance import runner
+from polyaccel.testing.conformance.target import TargetError, enter_emulation, select_target
+
+
+def test_emulate_without_an_emulated_runtime(capsys):
+    assert main(["conformance", "--accelerator", "cpu", "--emulate"]) == 2
+    err = capsys.readouterr().err
+    assert "no emulated runtime for plugin 'cpu'" in err
+    assert "polyaccel.testing.emulation.cpu" in err
+
+
+def test_emulate_needs_a_name():
+    with contextlib.ExitStack() as stack, pytest.raises(TargetError, match="needs the accelerator's name"):
+        enter_emulation(stack, None)
+
+
+def test_unknown_accelerator_lists_what_is_installed():
+    with pytest.raises(TargetError) as err:
+        select_target("no-such-device")
+    assert "no accelerator plugin named 'no-such-device'" in str(err.value) and "cpu" in str(err.value)
+
+
+def test_nothing_selected_is_not_a_pass(monkeypatch, capsys):
+    doc = {"ok": False, "error": "no conformance check was selected", "exit_status": 5, "rows": [],
+           "accelerator": None, "counts": {}}
+    monkeypatch.setattr(runner, "run_suite",
+                        lambda *a, **k: runner.SuiteRun(document=doc, returncode=5, output="", command=[]))
+    assert main(["conformance", "--accelerator", "cpu", "-k", "nothing_has_this_name"]) == 2
+    assert "no check ran (nothing matched -k 'nothing_has_this_name')" in capsys.readouterr().err
