@@ -13,6 +13,7 @@ What this backend adds to the base class:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -36,6 +37,32 @@ def _foreign_cuda_reason() -> str:
     return ""
 
 
+@functools.cache
+def runtime_function(library: str, symbol: str):
+    """``symbol`` of the runtime library torch already loaded (found in /proc/self/maps), or None.
+
+    torch's ``cudart()`` bindings return an error code but leave the runtime's *last error* set;
+    torch checks that last error after every kernel launch, so a refused cudaHostRegister would
+    surface as a bogus failure of the next unrelated kernel. Clearing it needs the same runtime
+    instance torch uses: dlopen of an already-loaded path returns that instance.
+    """
+    paths = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if library in path.rsplit("/", 1)[-1] and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    for path in paths + [None]:
+        try:
+            return getattr(ctypes.CDLL(path), symbol)
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
 class CudaAccelerator(Accelerator):
     name = "cuda"
     device_type = "cuda"
@@ -44,6 +71,9 @@ class CudaAccelerator(Accelerator):
     #: name of the collective library behind ``communication_backend`` (for reports)
     collective_library = "nccl"
     host_register_flags = CUDA_HOST_REGISTER_PORTABLE
+    #: the runtime library and its "read and reset the last error" function
+    runtime_library = "libcudart"
+    last_error_symbol = "cudaGetLastError"
 
     # ------------------------------------------------------------------ probe
     def _runtime_reason(self) -> str:
@@ -157,10 +187,19 @@ class CudaAccelerator(Accelerator):
         except Exception:  # noqa: BLE001 - the code alone still identifies the error
             return "unknown error"
 
+    def _clear_last_error(self) -> bool:
+        """Reset the runtime's last error after a refused call; False when the runtime is unreachable."""
+        fn = runtime_function(self.runtime_library, self.last_error_symbol)
+        if fn is None:
+            return False
+        fn()
+        return True
+
     def _host_register(self, ptr: int, nbytes: int) -> None:
         cudart = self._cudart()
         rc = cudart.cudaHostRegister(ptr, nbytes, self.host_register_flags)
         if int(rc) != 0:
+            self._clear_last_error()
             raise PolyaccelError(
                 f"{self.name}: cudaHostRegister({ptr:#x}, {nbytes}) failed with error {int(rc)} "
                 f"({self._error_string(cudart, rc)}); the buffer stays unregistered (use pin_memory() "
@@ -171,6 +210,7 @@ class CudaAccelerator(Accelerator):
         cudart = self._cudart()
         rc = cudart.cudaHostUnregister(ptr)
         if int(rc) != 0:
+            self._clear_last_error()
             raise PolyaccelError(
                 f"{self.name}: cudaHostUnregister({ptr:#x}) failed with error {int(rc)} "
                 f"({self._error_string(cudart, rc)}); the buffer is kept alive (never freed) because "

@@ -23,6 +23,8 @@ class RocmAccelerator(CudaAccelerator):
     priority = 100
     communication_backend = "nccl"  # torch.distributed's name; the library behind it is RCCL
     collective_library = "rccl"
+    runtime_library = "libamdhip64"
+    last_error_symbol = "hipGetLastError"
 
     def _runtime_reason(self) -> str:
         if not getattr(torch.version, "hip", None):
