@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -454,6 +455,24 @@ class _FailingImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         raise self.error
 
 
+class _LazyModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, name: str, on_import: Callable[[types.ModuleType], None]):
+        self.name = name
+        self.on_import = on_import
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=False)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        setattr(module, EMULATED_MARKER, True)
+        self.on_import(module)
+
+
 class Patcher:
     """Installs fake modules/attributes/env vars and undoes every change, in reverse, on exit.
 
@@ -484,6 +503,23 @@ class Patcher:
         finder = _FailingImport(name, error)
         sys.meta_path.insert(0, finder)
         self._undo.append(lambda: sys.meta_path.remove(finder))
+
+    def lazy_module(self, name: str, on_import: Callable[[types.ModuleType], None]) -> None:
+        """Make ``name`` importable; ``on_import(module)`` runs when (and only when) it is imported.
+
+        For extensions whose import has side effects (registering kernels, patching torch):
+        the effect appears at import time, as with the real package.
+        """
+        self.remove_module(name)
+        finder = _LazyModule(name, on_import)
+        sys.meta_path.insert(0, finder)
+
+        def undo() -> None:
+            sys.meta_path.remove(finder)
+            for key in [k for k in sys.modules if k == name]:
+                del sys.modules[key]
+
+        self._undo.append(undo)
 
     @staticmethod
     def _restore_module(name: str, old: Any) -> None:

@@ -365,16 +365,21 @@ class SupaRuntime(EmulatedRuntime):
             patcher.fail_import("torch_supa_ext", ModuleNotFoundError("No module named 'torch_supa_ext'"))
             patcher.setattr(torch.ops, "deepspeed", types.SimpleNamespace())
             return
+        # nothing is registered until `import torch_supa_ext.deepspeed`, whose import registers the
+        # kernels under torch.ops.deepspeed (as the real extension does)
+        patcher.setattr(torch.ops, "deepspeed", types.SimpleNamespace())
         ext = types.ModuleType("torch_supa_ext")
-        ext.__spec__ = importlib.machinery.ModuleSpec("torch_supa_ext", None)
-        ext_ds = types.ModuleType("torch_supa_ext.deepspeed")
-        ext_ds.__spec__ = importlib.machinery.ModuleSpec("torch_supa_ext.deepspeed", None)
-        ext.deepspeed = ext_ds
+        ext.__spec__ = importlib.machinery.ModuleSpec("torch_supa_ext", None, is_package=True)
+        ext.__path__ = []
         setattr(ext, EMULATED_MARKER, True)
         patcher.set_module("torch_supa_ext", ext)
-        patcher.set_module("torch_supa_ext.deepspeed", ext_ds)
-        # importing torch_supa_ext.deepspeed registers the kernels under torch.ops.deepspeed
-        patcher.setattr(torch.ops, "deepspeed", self._deepspeed_ops())
+
+        def register_kernels(module: types.ModuleType) -> None:
+            self.record("import torch_supa_ext.deepspeed")
+            patcher.setattr(torch.ops, "deepspeed", self._deepspeed_ops())
+            patcher.setattr(ext, "deepspeed", module)
+
+        patcher.lazy_module("torch_supa_ext.deepspeed", register_kernels)
 
 
 def emulate(device_count: int = 1, cuda_face: bool = True, **faults: Any):

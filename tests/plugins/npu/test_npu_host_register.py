@@ -114,3 +114,18 @@ def test_the_emulated_runtime_enforces_mapped_alignment():
         assert binding.npuHostUnregister(aligned + 8) == 0
         assert binding.npuHostUnregister(aligned + 8) != 0
         assert rt.calls.count_of("npuHostRegister") == 4
+
+
+def test_two_buffers_on_one_page_fail_clearly_instead_of_silently():
+    """Rounding to 4096 makes small neighbours overlap; ACL refuses the second range and so must we."""
+    with emulated_npu.emulate() as rt:
+        acc = polyaccel.get_accelerator()
+        storage = torch.randn(512)
+        first, second = storage[:100], storage[200:300]
+        acc.register_host_memory(first)
+        with pytest.raises(PolyaccelError, match="not overlap a registered range"):
+            acc.register_host_memory(second)
+        assert acc.host_registrations() == {first.data_ptr(): 1}
+        assert len(rt.npurt.registered) == 1
+        acc.unregister_host_memory(first)
+        assert rt.npurt.registered == {}

@@ -97,6 +97,8 @@ def test_fused_lamb_uses_the_kernel_only_where_its_math_is_ours(supa_runtime, bi
 
 def test_the_extension_lamb_differs_from_polyaccels_with_bias_correction(supa_runtime):
     """Why the builder avoids the kernel there: the same inputs give another result."""
+    import torch_supa_ext.deepspeed  # noqa: F401 - registers torch.ops.deepspeed.*
+
     p, g, m, v = (t[0] for t in _state(torch.float32, torch.float32, seed=4))
     p2, m2, v2 = p.clone().double(), m.clone().double(), v.clone().double()
     torch.ops.deepspeed.lamb(p, torch.empty(0), m, v, g, 1e-2, 0.9, 0.999, 10.0, 0.01, 1e-3, 1.0, 1, 1, True, 0.01)
@@ -115,3 +117,11 @@ def test_without_the_extension_the_reference_serves_every_optimizer():
 def test_quantize_on_supa_is_the_reference():
     with emulated_supa.emulate():
         assert ops.registry.chosen("quantize", "supa").name == "reference"
+
+
+def test_kernels_appear_when_the_plugin_imports_the_extension():
+    with emulated_supa.emulate() as rt:
+        assert not hasattr(torch.ops.deepspeed, "multi_tensor_adam"), "nothing is registered before the import"
+        ops.resolve("fused_adam", "supa")
+        assert "import torch_supa_ext.deepspeed" in rt.calls.names()
+        assert hasattr(torch.ops.deepspeed, "multi_tensor_adam")
