@@ -215,7 +215,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, backend: str = 
             dump = os.path.join(tmpdir, f"rank{rank}.stack")
             dumps.append(dump)
             proc = ctx.Process(
-                target=_rank_main, name=f"polyaccel-rank{rank}", daemon=True,
+                target=_rank_main, name=f"polyaccel-rank{rank}", daemon=False,  # ranks may start workers
                 args=(fn, rank, world_size, args, child_env, store.port, backend, comm_timeout, writer, dump,
                       dump_after),
             )
