@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 
@@ -12,9 +13,18 @@ from polyaccel.testing.multiprocess import RankFailure, RanksTimeout, run_ranks
 pytestmark = pytest.mark.timeout(120)
 
 
+def _child_exit(code):
+    os._exit(code)
+
+
 def report_identity(rank, world, token):
+    # a rank may start processes of its own (data-loader workers, say)
+    child = multiprocessing.get_context("fork").Process(target=_child_exit, args=(7,))
+    child.start()
+    child.join(30)
     return {"rank": rank, "world": world, "token": token, "pid": os.getpid(), "env_rank": os.environ["RANK"],
-            "initialized": comm.is_initialized(), "extra": os.environ.get("POLYACCEL_TEST_EXTRA")}
+            "initialized": comm.is_initialized(), "extra": os.environ.get("POLYACCEL_TEST_EXTRA"),
+            "child_exit": child.exitcode}
 
 
 def fail_on_one(rank, world):
@@ -38,6 +48,7 @@ def test_results_by_rank_in_separate_initialised_processes(monkeypatch):
     assert all(o["world"] == 3 and o["token"] == "tok" and o["initialized"] for o in out)
     assert all(o["extra"] == "from-parent" for o in out), "the ranks must see the parent's environment at call time"
     assert len({o["pid"] for o in out} | {os.getpid()}) == 4
+    assert [o["child_exit"] for o in out] == [7, 7, 7]
 
 
 def test_failing_rank_is_reported_with_its_traceback_and_peers_do_not_hang():
