@@ -62,6 +62,7 @@ class TrainOptions:
             if self.stage == 3:
                 zero["offload_param"] = {"device": "cpu"}
         cfg: dict = {
+            "train_micro_batch_size_per_gpu": self.batch_size,
             "zero_optimization": zero,
             "gradient_accumulation_steps": self.grad_accum,
             "gradient_clipping": self.grad_clip,

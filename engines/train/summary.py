@@ -6,6 +6,7 @@ import statistics
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 def mean_tokens_per_s(result: dict) -> float:
@@ -53,5 +54,5 @@ def print_summary(result: dict, console: Console | None = None) -> None:
     table.add_column(style="bold")
     table.add_column()
     for key, value in summary_rows(result):
-        table.add_row(key, value)
+        table.add_row(key, Text(value))  # plain text: values may contain [brackets]
     console.print(table)

@@ -66,13 +66,14 @@ def save(engine, opts: TrainOptions, step: int, rank: int, world_size: int) -> s
 
 
 def optimizer_builders(engine, acc, opts: TrainOptions) -> list[dict]:
-    """The op builders the engine's optimizer runs on, as the registry chose them."""
+    """The op builder the engine's AdamW runs on, as the registry chose it for the master weights' device."""
     from polyaccel.ops import registry
 
+    op = "fused_adam"  # the engine config asks for AdamW
     device_type = "cpu" if opts.offload else acc.device_type
-    builder = getattr(engine, "optimizer_builder", None)
-    if builder is None:
-        builder = registry.chosen("fused_adam", device_type)
+    chosen = registry.chosen(op, device_type)
+    name = getattr(engine, "optimizer_builder", None) or chosen.name
+    builder = chosen if chosen.name == name else next(b for b in registry.builders(op) if b.name == name)
     return [{"op": builder.op, "builder": builder.name, "plugin": builder.plugin, "kind": builder.kind,
              "device_type": device_type}]
 
