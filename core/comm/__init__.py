@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import operator
 import os
 from dataclasses import dataclass
 
@@ -280,10 +281,13 @@ def _check_splits(op: str, name: str, splits, tensor: torch.Tensor, tensor_name:
             _bad(op, f"{tensor_name} has {rows} rows, not divisible by the group size {world}; "
                      f"pass {name} explicitly")
         return
-    splits = list(splits)
+    try:
+        splits = [operator.index(s) for s in splits]
+    except TypeError:
+        _bad(op, f"{name} must be a list of non-negative ints, got {splits!r}")
     if len(splits) != world:
         _bad(op, f"{name} has {len(splits)} entries but the group has {world} ranks; give one size per rank")
-    if any((not isinstance(s, int)) or s < 0 for s in splits):
+    if any(s < 0 for s in splits):
         _bad(op, f"{name} must be non-negative ints, got {splits}")
     if sum(splits) != rows:
         _bad(op, f"{name} {splits} sums to {sum(splits)} but {tensor_name} has {rows} rows (dim 0); "
