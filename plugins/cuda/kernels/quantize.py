@@ -9,7 +9,9 @@ One program handles ``ROWS`` consecutive groups as a ``[ROWS, GROUP_P2]`` tile (
 the group size rounded up to a power of two; the extra columns are masked), so any group size
 works and a group never straddles two programs. Program ids and offsets are 64-bit.
 
-Rounding uses the fp32 "magic number" trick ``(v + 1.5 * 2**23) - 1.5 * 2**23``: exact
+Divisions are IEEE round-to-nearest (``tl.math.div_rn``), as torch's: Triton's plain ``/``
+on fp32 is the approximate ``div.full`` on NVIDIA GPUs, which would move values across a
+rounding boundary now and then. Rounding uses the fp32 "magic number" trick ``(v + 1.5 * 2**23) - 1.5 * 2**23``: exact
 round-half-to-even for ``|v| < 2**22`` (quantized values are at most 255 in magnitude), the
 same code on the GPU and under the CPU interpreter (which has no ``libdevice.rint``).
 
@@ -56,7 +58,8 @@ def _round_to_e4m3(v):
     mag = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
     exp = tl.maximum((((bits >> 23) & 0xFF).to(tl.int32) - 127), -6)  # e4m3 subnormals share 2**-6's step
     step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: step 2**(exp-3)
-    r = _round_half_even(mag / step) * step
+    inv_step = ((127 - (exp - 3)) << 23).to(tl.float32, bitcast=True)  # exact powers of two: no division
+    r = _round_half_even(mag * inv_step) * step
     return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
@@ -73,25 +76,25 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zp_ptr, num_groups,
 
     if MODE == 2:  # fp8 e4m3, symmetric
         amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        v = _round_to_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0))
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+        v = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0))
         tl.store(data_ptr + rows[:, None] * GROUP + cols[None, :], v.to(tl.float8e4nv), mask=mask)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
     else:
         if SYMMETRIC:
             amax = tl.max(tl.abs(x), axis=1)
-            scale = tl.where(amax > 0, amax / QMAX, 1.0)
-            q = _round_half_even(x / scale[:, None])
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
+            q = _round_half_even(tl.math.div_rn(x, scale[:, None]))
             q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
         else:
             # padding columns hold 0, which the clamps to min(x, 0) / max(x, 0) absorb
             lo = tl.minimum(tl.min(x, axis=1), 0.0)
             hi = tl.maximum(tl.max(x, axis=1), 0.0)
             span = hi - lo
-            scale = tl.where(span > 0, span / QMAX, 1.0)
-            zp = _round_half_even(-lo / scale)
+            scale = tl.where(span > 0, tl.math.div_rn(span, QMAX), 1.0)
+            zp = _round_half_even(tl.math.div_rn(-lo, scale))
             zp = tl.minimum(tl.maximum(zp, 0.0), QMAX)
-            q = _round_half_even(x / scale[:, None]) + zp[:, None]
+            q = _round_half_even(tl.math.div_rn(x, scale[:, None])) + zp[:, None]
             q = tl.minimum(tl.maximum(q, 0.0), QMAX)
             tl.store(zp_ptr + rows, zp.to(tl.uint8), mask=row_ok)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
