@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from polyaccel import comm
 from polyaccel.comm import CommHooks
+from polyaccel.comm.staging import IN, INOUT, OUT, StagingPool, run_staged
 from polyaccel.testing.multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -176,3 +177,75 @@ def test_staging_copies_back_only_in_wait_never_for_sends_and_reuses_buffers(wor
         assert r["pool_allocations_match_accelerator_calls"] is True
     assert r0["first_round"]["broadcast_src"] == 0
     assert r1["first_round"]["broadcast_dst"] == 1
+
+
+class _ControlledWork:
+    """A stand-in c10d Work whose completion the test decides; wait() refuses to run early."""
+
+    def __init__(self):
+        self.done = False
+        self.waits = 0
+
+    def is_completed(self):
+        return self.done
+
+    def wait(self, timeout=None):
+        assert self.done, "wait() on a transfer the test has not completed"
+        self.waits += 1
+        return True
+
+
+def test_run_staged_copies_back_once_only_in_wait_and_recycles_buffers():
+    accelerator = polyaccel.get_accelerator()
+    pool = StagingPool(accelerator)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    send = torch.randn(3, 4, generator=g)
+    recv = torch.full((3, 4), float("nan"))
+    both = torch.randn(5, generator=g, dtype=torch.float64)
+    seen = {}
+    work = _ControlledWork()
+
+    def launch(tensors, async_op):
+        assert async_op is True
+        seen["tensors"] = tensors
+        host_send, host_recv, host_both = tensors
+        assert host_send is not send and torch.equal(host_send, send), "inputs are staged in"
+        host_recv.copy_(torch.arange(12.0).view(3, 4))  # the "transfer" writes the host buffers
+        host_both.mul_(2)
+        return work
+
+    entries = ((send, IN), (recv, OUT), (both, INOUT))
+    handle = run_staged("test", entries, launch, pool=pool, needs_staging=lambda t: True, accelerator=accelerator,
+                        timeout_s=None)
+    original_both = both.clone()
+    assert pool.stats.copies_in == 2 and pool.stats.copies_back == 0
+    work.done = True
+    assert handle.is_completed()
+    assert torch.isnan(recv).all() and torch.equal(both, original_both), "nothing lands before wait()"
+    assert pool.free_buffers() == 0
+    handle.wait()
+    assert torch.equal(recv, torch.arange(12.0).view(3, 4))
+    assert torch.equal(both, original_both * 2)
+    assert pool.stats.copies_back == 2, "the send-only tensor is never copied back"
+    assert pool.free_buffers() == 3
+    handle.wait()
+    assert pool.stats.copies_back == 2 and work.waits == 1
+
+    # same shapes again: every buffer comes from the pool
+    work2 = _ControlledWork()
+    work2.done = True
+    run_staged("test", entries, lambda ts, a: work2, pool=pool, needs_staging=lambda t: True,
+               accelerator=accelerator, timeout_s=None).wait()
+    assert pool.stats.allocations == 3 and pool.stats.reuses == 3
+
+
+def test_run_staged_returns_buffers_when_the_launch_fails():
+    pool = StagingPool(polyaccel.get_accelerator())
+
+    def launch(tensors, async_op):
+        raise RuntimeError("backend refused")
+
+    with pytest.raises(RuntimeError, match="backend refused"):
+        run_staged("test", ((torch.ones(4), INOUT),), launch, pool=pool, needs_staging=lambda t: True,
+                   accelerator=polyaccel.get_accelerator(), timeout_s=None)
+    assert pool.free_buffers() == 1 and pool.stats.copies_back == 0
