@@ -66,9 +66,9 @@ def test_failing_rank_is_reported_with_its_traceback_and_peers_do_not_hang():
 def test_hung_rank_is_killed_at_the_timeout_with_its_stack():
     start = time.monotonic()
     with pytest.raises(RanksTimeout) as info:
-        run_ranks(hang_on_zero, 2, timeout=3)
+        run_ranks(hang_on_zero, 2, timeout=6)
     elapsed = time.monotonic() - start
-    assert elapsed < 15
+    assert elapsed < 20
     assert "rank(s) [0]" in str(info.value)
     assert "hang_on_zero" in str(info.value), "the hung rank's stack should be in the error"
 
