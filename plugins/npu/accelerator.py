@@ -58,7 +58,6 @@ class NpuAccelerator(Accelerator):
             # an emulated runtime keeps tensors in host memory: it can neither page-lock them nor
             # count device memory, so these two are claimed on real hardware only
             caps.add("memory_stats")
-            # page-locked allocation through torch_npu's host allocator; CPU-only torch (emulation) has none
             caps.add("pinned")
         return frozenset(caps)
 
