@@ -225,8 +225,8 @@ class _Collector:
 
 def _write(config, exitstatus: int) -> None:
     state = config.stash.get(_STATE, None)
-    if state is None or not state.json_path:
-        return
+    if state is None or not state.json_path or hasattr(config, "workerinput"):
+        return  # under pytest-xdist only the controller, which sees every report, writes the document
     doc = Document(
         accelerator=state.target.describe() if state.target is not None else None,
         rows=list(state.rows.values()),
