@@ -128,6 +128,8 @@ def test_ipex_without_a_device_is_mentioned_in_the_reason():
     with emulation.emulate(no_device=True, ipex="2.6.0") as rt:
         rec = _record("xpu")
         assert rec.status == "unavailable" and "intel-extension-for-pytorch 2.6.0" in rec.reason
+        extra = build_report()["extra"]["xpu"]  # said even when another accelerator is selected
+        assert extra["ipex_version"] == "2.6.0" and "works only with torch 2.6.*" in extra["ipex"]
         assert "ipex.import" not in rt.calls.names()
 
 
