@@ -117,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = launch(opts)
     except RankFailed as exc:
+        if exc.traceback and not exc.expected:
+            print(exc.traceback.rstrip(), file=sys.stderr)
         return _error(str(exc))
     except KeyboardInterrupt:
         return _error("interrupted")
