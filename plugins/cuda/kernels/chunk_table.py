@@ -17,6 +17,7 @@ no host work at all.
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from collections import OrderedDict
@@ -28,6 +29,8 @@ from polyaccel.ops.reference.optimizers import check_lists
 from ..triton_support import interpreting
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+# unbound accessors: the cache key is built on every call, over every tensor (host time per step)
+_ptr, _numel, _dtype = torch.Tensor.data_ptr, torch.Tensor.numel, operator.attrgetter("dtype")
 _CACHE_SIZE = 32
 
 #: (BLOCK elements per inner step, ITERS inner steps per program, num_warps)
@@ -155,8 +158,7 @@ def table_for(op: str, lists) -> ChunkTable | None:
         check_lists(op, *lists)
         return None
     chunk = chunk_elements()
-    key = (len(lists), chunk,
-           tuple((t.data_ptr(), t.numel(), t.dtype) for lst in lists for t in lst))
+    key = (chunk, *(tuple(map(_ptr, lst)) + tuple(map(_numel, lst)) + tuple(map(_dtype, lst)) for lst in lists))
     with _lock:
         table = _cache.get(key)
         if table is not None:
