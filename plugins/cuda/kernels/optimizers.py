@@ -327,6 +327,9 @@ def _step_args(step, bias_correction: bool, beta1: float, beta2: float, device):
     if isinstance(step, torch.Tensor):
         if step.numel() != 1:
             raise ValueError(f"step must be an int or a one-element tensor, got shape {tuple(step.shape)}")
+        if step.device.type == "cpu" and device.type != "cpu":
+            step = step.item()  # a host tensor: reading it costs no device synchronisation
+    if isinstance(step, torch.Tensor):
         if step.device != device:
             raise ValueError(f"step tensor is on {step.device} but the parameters are on {device}; "
                              "keep it on the parameters' device (a captured graph reads it there)")
