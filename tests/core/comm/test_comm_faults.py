@@ -38,10 +38,17 @@ def irecv_from_silent_peer(rank: int, world: int) -> dict:
 
 
 def all_reduce_without_peer(rank: int, world: int) -> dict:
-    """Rank 0 enters an all_reduce that rank 1 never joins (the timeout comes from the argument)."""
+    """Rank 0 enters an all_reduce that rank 1 never joins (the timeout comes from the argument),
+    first on a sub-group (which must inherit the timeout, not torch's default), then on the world."""
     store = _store()
     facts = {"timeout_s": comm.get_timeout().total_seconds()}
+    pair = comm.new_group([0, 1])
     if rank == 0:
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(4), group=pair)
+        except comm.CommTimeoutError:
+            facts["subgroup_elapsed"] = time.monotonic() - start
         start = time.monotonic()
         try:
             comm.all_reduce(torch.ones(4))
@@ -79,6 +86,8 @@ def test_a_collective_a_peer_never_joins_times_out_argument_beats_env():
     assert "message" in r0, "the all_reduce did not time out"
     assert 1.0 <= r0["elapsed"] < 15
     assert r0["op"] == "all_reduce" and "init_distributed(timeout=" in r0["message"]
+    assert "subgroup_elapsed" in r0, "the sub-group all_reduce did not time out"
+    assert 1.0 <= r0["subgroup_elapsed"] < 15, "new_group did not inherit the layer's timeout"
 
 
 @pytest.mark.parametrize("world,victim", [(2, 1), (4, 2)])
