@@ -22,6 +22,7 @@ Tensors stay on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -141,36 +142,53 @@ def _launcher(name: str, params: list[KernelParam]) -> str:
 
 
 class _HostBuild:
-    """Compiles translated sources once per process (keyed by their hash)."""
+    """Compiles translated sources for the host, cached on disk by the hash of compiler + source.
+
+    The cache (``$POLYACCEL_METAL_EMULATION_CACHE``, else a per-user folder in the temp dir) is
+    shared by processes; a library is written under a temporary name and renamed into place,
+    so a concurrent reader never loads a half-written file.
+    """
 
     def __init__(self) -> None:
-        self._dir: str | None = None
         self._libs: dict[str, ctypes.CDLL] = {}
         self._lock = threading.Lock()
 
-    def compiler(self) -> str:
+    @staticmethod
+    def compiler() -> str:
         cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
         if not cxx:
             raise RuntimeError("emulated Metal needs a C++ compiler on the host (g++ or clang++, or set CXX)")
         return cxx
 
+    @staticmethod
+    def cache_dir() -> str:
+        folder = os.environ.get("POLYACCEL_METAL_EMULATION_CACHE") or os.path.join(
+            tempfile.gettempdir(), f"polyaccel-metal-emulation-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+        os.makedirs(folder, exist_ok=True)
+        return folder
+
     def build(self, cpp: str) -> ctypes.CDLL:
-        key = hashlib.sha256(cpp.encode()).hexdigest()[:20]
+        cxx = self.compiler()
+        key = hashlib.sha256(f"{cxx}\0{cpp}".encode()).hexdigest()[:24]
         with self._lock:
             lib = self._libs.get(key)
             if lib is not None:
                 return lib
-            if self._dir is None:
-                self._dir = tempfile.mkdtemp(prefix="polyaccel-metal-")
-            src = os.path.join(self._dir, f"{key}.cpp")
-            out = os.path.join(self._dir, f"{key}.so")
-            with open(src, "w") as f:
-                f.write(cpp)
-            proc = subprocess.run([self.compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes",
-                                   "-o", out, src], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"emulated Metal: the shader does not compile (as C++ for the host):\n"
-                                   f"{proc.stderr[-4000:]}")
+            out = os.path.join(self.cache_dir(), f"{key}.so")
+            if not os.path.exists(out):
+                part = f"{out}.{os.getpid()}.tmp"
+                with tempfile.TemporaryDirectory(prefix="polyaccel-metal-") as tmp:
+                    src = os.path.join(tmp, "kernel.cpp")
+                    with open(src, "w") as f:
+                        f.write(cpp)
+                    proc = subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes",
+                                           "-o", part, src], capture_output=True, text=True)
+                if proc.returncode != 0:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(part)
+                    raise RuntimeError(f"emulated Metal: the shader does not compile (as C++ for the host):\n"
+                                       f"{proc.stderr[-4000:]}")
+                os.replace(part, out)
             lib = ctypes.CDLL(out)
             self._libs[key] = lib
             return lib

@@ -151,6 +151,9 @@ def test_emulated_dispatch_checks_bindings_like_torch():
             kernel(p.half(), g, m, v, *scalars)
         with pytest.raises(RuntimeError, match="takes 13 arguments"):
             kernel(p, g, m, v, *scalars[:-1])
+        with pytest.raises(RuntimeError, match="does not compile"):
+            torch.mps.compile_shader("kernel void broken(device float* x, uint i [[thread_position_in_grid]]) "
+                                     "{ x[i] = ; }")
 
 
 def test_metal_kernel_falls_back_per_call():
