@@ -53,7 +53,8 @@ class MpsAccelerator(Accelerator):
     def capabilities(self) -> frozenset[str]:
         if self._caps is None:
             caps = {"events", "rng", "pinned", "fp16"}
-            if torch.backends.mps.is_macos_or_newer(14, 0):
+            newer = getattr(torch.backends.mps, "is_macos_or_newer", None)
+            if newer is not None and newer(14, 0):
                 caps.add("bf16")
             self._caps = frozenset(caps)
         return self._caps
