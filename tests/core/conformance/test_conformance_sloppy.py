@@ -8,7 +8,8 @@ from polyaccel.testing.distributions import temporary_distribution
 
 #: a plugin that claims "graphs" but replays stale results, ships a swiglu builder using relu
 #: instead of silu, and silently accepts host registration and streams although it claims neither.
-#: Everything else about it is correct, so only those rows may fail.
+#: Everything else about it is correct, so only those rows may fail. It also has a correct
+#: grouped_mm builder below the reference that refuses float64 with a clear error.
 SOURCE = '''
 import contextlib
 import os
@@ -109,11 +110,22 @@ def polyaccel_accelerators():
     return [SloppyAccelerator]
 
 
+def _grouped_mm_no_fp64(x, weight, offsets):
+    # a correct kernel with a narrower dtype range, refusing the rest clearly
+    if x.dtype == torch.float64:
+        raise ValueError(f"sloppy_grouped_mm takes float32 and bfloat16, got {x.dtype}")
+    from polyaccel.ops.reference import grouped_mm
+    return grouped_mm(x, weight, offsets)
+
+
 @hookimpl
 def polyaccel_register_ops(registry):
     registry.add(OpBuilder(op="swiglu", name="sloppy_swiglu", device_types=("cpu",),
                            loader=lambda: make_swiglu(_relu_forward, swiglu_backward), priority=30,
                            compatible=_only_sloppy))
+    # ranked below the reference: used only through an override
+    registry.add(OpBuilder(op="grouped_mm", name="sloppy_grouped_mm", device_types=("cpu",),
+                           loader=lambda: _grouped_mm_no_fp64, priority=-1, compatible=_only_sloppy))
 '''
 
 
@@ -148,6 +160,11 @@ def test_sloppy_plugin_fails_where_it_is_broken(tmp_path, monkeypatch, capsys):
     assert {r["variant"].split()[-1] for r in swiglu} == {"float32", "bfloat16", "float64"}
     for r in swiglu:
         assert r["status"] == "FAIL" and "out of tolerance" in r["reason"], r
+
+    # a builder only reachable through an override may refuse a dtype clearly: SKIPPED, with its words
+    gmm = {r["variant"].split()[-1]: r for r in doc["rows"] if "sloppy_grouped_mm" in r["variant"]}
+    assert {k: r["status"] for k, r in gmm.items()} == {"float32": "PASS", "bfloat16": "PASS", "float64": "SKIPPED"}
+    assert "refuses torch.float64" in gmm["float64"]["reason"] and "takes float32" in gmm["float64"]["reason"]
 
     # nothing else is blamed: the rest of the plugin is correct
     expected = {stale["id"], noop["id"], streams["id"]} | {r["id"] for r in swiglu}
