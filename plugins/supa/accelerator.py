@@ -44,16 +44,11 @@ class SupaAccelerator(Accelerator):
         supa = runtime.supa_module()
         if supa is None:
             return frozenset()
-        caps = {"streams", "events", "rng", "fp16", "bf16"}
+        caps = {"streams", "events", "rng", "memory_stats", "pinned", "fp16", "bf16"}
         if hasattr(supa, "SUPAGraph") and hasattr(supa, "graph"):
             caps.add("graphs")
         if hasattr(supa, "supart"):
             caps.add("host_register")
-        if not self.is_emulated():
-            # an emulated runtime keeps tensors in host memory: it can neither page-lock them nor
-            # count device memory, so these two are claimed on real hardware only
-            caps.add("memory_stats")
-            caps.add("pinned")
         return frozenset(caps)
 
     def _device_module(self, required: bool = True):
@@ -71,6 +66,19 @@ class SupaAccelerator(Accelerator):
 
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == ("cpu" if self.is_emulated() else "supa")
+
+    # ------------------------------------------------------------ pinned
+    # torch_supa makes supa torch's current accelerator, so the plain calls pin for it
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.require("pinned")
+        if tensor.device.type != "cpu":
+            raise PolyaccelError(f"pin_memory needs a host (cpu) tensor, got one on {tensor.device}")
+        return tensor if self.is_pinned(tensor) else tensor.pin_memory()
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        if tensor.device.type != "cpu":
+            return False
+        return tensor.data_ptr() in self._host_regs or bool(tensor.is_pinned())
 
     # --------------------------------------------------------- host memory
     def _binding(self):

@@ -20,7 +20,10 @@ Building blocks shared by every runtime:
   overlap and flag checks returning integer error codes.
 - :class:`GraphRecorder`: records the aten ops run during capture and re-runs them on
   replay (writing into the captured output buffers), so replay really recomputes.
-- :class:`MemoryCounters`: allocated/reserved/peak counters for memory statistics.
+- :class:`MemoryCounters`: allocated/reserved/peak counters for memory statistics, fed by
+  :class:`AllocationTracker` (every storage created while the emulation is active).
+- :class:`PinnedHost`: the runtime's page-locked host allocator (tracked copies), wired to
+  ``Tensor.pin_memory()`` / ``Tensor.is_pinned()``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -435,6 +439,81 @@ class MemoryCounters:
         }
 
 
+class AllocationTracker(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts, in :class:`MemoryCounters`, every new storage an op creates while it is active.
+
+    Emulated device tensors are host tensors, so the emulated "device memory" is the set of
+    storages created under the emulation: each is counted once, when it first appears as an
+    op output, and released by a finalizer when it is freed. Views and in-place results reuse
+    an input's storage and are not counted again.
+    """
+
+    def __init__(self, counters: MemoryCounters):
+        super().__init__()
+        self._counters = counters
+        self._live: dict[int, int] = {}
+
+    def _release(self, key: int) -> None:
+        nbytes = self._live.pop(key, None)
+        if nbytes is not None:
+            self._counters.free(nbytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            if t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if not key or key in self._live:
+                continue
+            self._live[key] = storage.nbytes()
+            self._counters.allocate(storage.nbytes())
+            weakref.finalize(storage, self._release, key)
+        return out
+
+
+class PinnedHost:
+    """A runtime's page-locked host allocator, emulated: pinning returns a tracked copy."""
+
+    def __init__(self, runtime: EmulatedRuntime):
+        self._rt = runtime
+        self._pinned: dict[int, weakref.ref] = {}
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cpu":
+            raise RuntimeError(f"cannot pin '{tensor.device}' memory: only dense CPU tensors can be pinned")
+        self._rt.record("pin_memory", tensor.numel() * tensor.element_size())
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        self._pinned[out.untyped_storage().data_ptr()] = weakref.ref(out.untyped_storage())
+        return out
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        ref = self._pinned.get(tensor.untyped_storage().data_ptr()) if tensor.device.type == "cpu" else None
+        return ref is not None and ref() is not None
+
+    def install(self, patcher: Patcher, device_type: str) -> None:
+        """Route ``Tensor.pin_memory()`` / ``is_pinned()`` (no device, or ``device_type``) here.
+
+        With the vendor extension loaded, the machine's accelerator *is* that device, so a
+        plain ``pin_memory()`` pins for it.
+        """
+        real_pin, real_is_pinned = torch.Tensor.pin_memory, torch.Tensor.is_pinned
+
+        def ours(args, kwargs) -> bool:
+            dev = kwargs.get("device", args[0] if args else None)
+            return dev is None or str(dev).split(":")[0] == device_type
+
+        def pin_memory(tensor, *args, **kwargs):
+            return self.pin(tensor) if ours(args, kwargs) else real_pin(tensor, *args, **kwargs)
+
+        def is_pinned(tensor, *args, **kwargs):
+            return self.is_pinned(tensor) if ours(args, kwargs) else real_is_pinned(tensor, *args, **kwargs)
+
+        patcher.setattr(torch.Tensor, "pin_memory", pin_memory)
+        patcher.setattr(torch.Tensor, "is_pinned", is_pinned)
+
+
 # ------------------------------------------------------------------------ patcher
 class _FailingImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the package (it is "installed") but fails while executing it, like a missing .so."""
@@ -648,6 +727,12 @@ class EmulatedRuntime:
         self.default_stream().queue.synchronize()
         if self._current_stream is not None:
             self._current_stream.queue.synchronize()
+
+    def install_allocation_tracking(self, patcher: Patcher) -> None:
+        """Feed ``self.memory`` from the storages created while the emulation is active."""
+        tracker = AllocationTracker(self.memory)
+        tracker.__enter__()
+        patcher.on_exit(lambda: tracker.__exit__(None, None, None))
 
     def install(self, patcher: Patcher) -> None:
         """Install the stand-in through ``patcher`` (fake modules, torch attributes)."""

@@ -38,6 +38,7 @@ from .base import (
     GraphRecorder,
     HostMemoryTable,
     Patcher,
+    PinnedHost,
     missing_library_error,
 )
 
@@ -165,10 +166,12 @@ class NpuRuntime(EmulatedRuntime):
         "no_fused_adam": "torch's fused Adam has no npu kernel in this torch_npu",
     }
 
-    def __init__(self, device_count: int = 1, **faults: Any):
+    def __init__(self, device_count: int = 1, track_allocations: bool = True, **faults: Any):
         super().__init__(**faults)
         self.device_count = 0 if self.faults.no_device else device_count
         self.current = 0
+        self.pinned_host = PinnedHost(self)
+        self.track_allocations = track_allocations
         self.npurt = _Npurt(self)
         self.graphs: list[NPUGraph] = []
 
@@ -331,6 +334,9 @@ class NpuRuntime(EmulatedRuntime):
         patcher.set_module("torch_npu", torch_npu)
         patcher.set_module("torch_npu.npu", npu_mod)
         patcher.setattr(torch, "npu", npu_mod)
+        self.pinned_host.install(patcher, "npu")
+        if self.track_allocations:
+            self.install_allocation_tracking(patcher)
         if not self.faults.no_fused_adam:
             # torch_npu renames the PrivateUse1 backend to "npu", which puts "npu" among the
             # devices torch's fused optimizers accept; reproduce that answer (not the rename,
@@ -341,6 +347,9 @@ class NpuRuntime(EmulatedRuntime):
             patcher.setattr(_foreach_utils, "_get_fused_kernels_supported_devices", lambda: [*real(), "npu"])
 
 
-def emulate(device_count: int = 1, **faults: Any):
-    """Install the emulated Ascend runtime for the duration of a ``with`` block; yields it."""
-    return NpuRuntime(device_count=device_count, **faults).activate()
+def emulate(device_count: int = 1, track_allocations: bool = True, **faults: Any):
+    """Install the emulated Ascend runtime for the duration of a ``with`` block; yields it.
+
+    ``track_allocations``: count every storage created meanwhile as device memory (memory stats).
+    """
+    return NpuRuntime(device_count=device_count, track_allocations=track_allocations, **faults).activate()

@@ -38,6 +38,7 @@ from .base import (
     GraphRecorder,
     HostMemoryTable,
     Patcher,
+    PinnedHost,
     missing_library_error,
 )
 
@@ -200,11 +201,14 @@ class SupaRuntime(EmulatedRuntime):
         "ext_missing": "torch_supa_ext is not installed: torch.ops.deepspeed.* kernels are not registered",
     }
 
-    def __init__(self, device_count: int = 1, cuda_face: bool = True, **faults: Any):
+    def __init__(self, device_count: int = 1, cuda_face: bool = True, track_allocations: bool = True,
+                 **faults: Any):
         super().__init__(**faults)
         self.device_count = 0 if self.faults.no_device else device_count
         self.cuda_face = cuda_face
         self.current = 0
+        self.pinned_host = PinnedHost(self)
+        self.track_allocations = track_allocations
         self.supart = _Supart(self)
         self.graphs: list[SUPAGraph] = []
 
@@ -357,6 +361,9 @@ class SupaRuntime(EmulatedRuntime):
         setattr(torch_supa, EMULATED_MARKER, True)
         patcher.set_module("torch_supa", torch_supa)
         patcher.setattr(torch, "supa", supa_mod)
+        self.pinned_host.install(patcher, "supa")
+        if self.track_allocations:
+            self.install_allocation_tracking(patcher)
         if self.cuda_face:
             # torch_supa answers torch.cuda's availability questions for its own devices
             patcher.setattr(torch.cuda, "is_available", lambda: self.device_count > 0)
@@ -382,6 +389,10 @@ class SupaRuntime(EmulatedRuntime):
         patcher.lazy_module("torch_supa_ext.deepspeed", register_kernels)
 
 
-def emulate(device_count: int = 1, cuda_face: bool = True, **faults: Any):
-    """Install the emulated Biren runtime for the duration of a ``with`` block; yields it."""
-    return SupaRuntime(device_count=device_count, cuda_face=cuda_face, **faults).activate()
+def emulate(device_count: int = 1, cuda_face: bool = True, track_allocations: bool = True, **faults: Any):
+    """Install the emulated Biren runtime for the duration of a ``with`` block; yields it.
+
+    ``track_allocations``: count every storage created meanwhile as device memory (memory stats).
+    """
+    return SupaRuntime(device_count=device_count, cuda_face=cuda_face, track_allocations=track_allocations,
+                       **faults).activate()

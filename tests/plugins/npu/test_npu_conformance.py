@@ -23,6 +23,7 @@ def test_conformance_under_emulation_passes_and_labels_every_row(tmp_path):
     failed = [(r["subject"], r["check"], r.get("reason")) for r in rows if r["status"] == "FAIL"]
     assert not failed and doc["counts"]["FAIL"] == 0, failed
     passed = {(r["area"], r["subject"]) for r in rows if r["status"] == "PASS"}
-    for needed in (("capability", "graphs"), ("capability", "host_register"), ("op", "fused_adam"),
+    for needed in (("capability", "graphs"), ("capability", "host_register"), ("capability", "memory_stats"),
+                   ("capability", "pinned"), ("op", "fused_adam"),
                    ("op", "fused_lion"), ("op", "fused_lamb"), ("op", "quantize")):
         assert needed in passed, f"{needed} did not pass: {sorted(passed)}"

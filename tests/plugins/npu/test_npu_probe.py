@@ -84,9 +84,9 @@ def test_comm_hooks_name_hccl_with_device_binding():
 def test_capabilities_follow_the_runtime():
     with emulated_npu.emulate():
         caps = polyaccel.get_accelerator().capabilities()
-        assert {"graphs", "host_register", "streams", "events", "rng", "bf16", "fp16"} <= caps
-        # host memory cannot be page-locked or counted by an emulation: not claimed there
-        assert not {"pinned", "memory_stats", "fp64", "fp8", "triton"} & caps
+        assert {"graphs", "host_register", "streams", "events", "rng", "memory_stats", "pinned", "bf16",
+                "fp16"} <= caps
+        assert not {"fp64", "fp8", "triton", "async_p2p"} & caps
     with emulated_npu.emulate(no_graphs=True, no_npurt=True):
         caps = polyaccel.get_accelerator().capabilities()
         assert "graphs" not in caps and "host_register" not in caps
@@ -142,3 +142,19 @@ def test_vendor_runtimes_are_looked_up_only_when_probing():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "IMPORT-TIME []" in proc.stdout, proc.stdout
     assert "PROBE-TIME ['torch_npu', 'torch_supa']" in proc.stdout, proc.stdout
+
+
+def test_memory_stats_and_pinning_go_through_the_runtime():
+    with emulated_npu.emulate() as rt:
+        acc = polyaccel.get_accelerator()
+        base = acc.memory_allocated()
+        block = torch.empty(1 << 18, dtype=torch.float32, device=acc.device())
+        assert acc.memory_allocated() >= base + block.numel() * 4
+        assert acc.max_memory_allocated() >= acc.memory_allocated()
+        del block
+        assert acc.memory_allocated() <= base + 4096
+        host = torch.randn(1000)
+        pinned = acc.pin_memory(host)
+        assert pinned is not host and torch.equal(pinned, host) and acc.is_pinned(pinned)
+        assert not acc.is_pinned(host) and acc.pin_memory(pinned) is pinned
+        assert rt.calls.count_of("pin_memory") == 1
