@@ -216,3 +216,42 @@ def test_host_memory_table_codes():
     assert t.covers(4096 + 10, 100) and not t.covers(4096 * 3, 1)
     assert t.unregister(4096 * 9) == 13
     assert t.unregister(4096) == 0 and t.ranges == {}
+
+
+def test_allocation_tracker_counts_new_storages_once_and_frees_them():
+    from polyaccel.testing.emulation.base import AllocationTracker, MemoryCounters
+
+    counters = MemoryCounters()
+    with AllocationTracker(counters):
+        a = torch.empty(1024, dtype=torch.float32)
+        assert counters.allocated == 4096
+        view = a[10:20]
+        a.add_(1.0)
+        assert counters.allocated == 4096, "views and in-place results reuse the storage"
+        b = a * 2
+        assert counters.allocated == 8192 and counters.peak == 8192
+        del a, view
+        assert counters.allocated == 4096
+        del b
+    assert counters.allocated == 0 and counters.peak == 8192
+    counters.reset_peak()
+    assert counters.peak == 0
+
+
+def test_pinned_host_routes_plain_and_named_pin_calls_only():
+    from polyaccel.testing.emulation.base import PinnedHost
+
+    rt = _DemoRuntime()
+    host = PinnedHost(rt)
+    t = torch.randn(10)
+    with Patcher(reset_selection=False) as p:
+        host.install(p, "demo")
+        pinned = t.pin_memory()
+        assert torch.equal(pinned, t) and pinned.data_ptr() != t.data_ptr()
+        assert pinned.is_pinned() and not t.is_pinned()
+        assert t.pin_memory("demo:0").is_pinned("demo")
+        with pytest.raises(RuntimeError):
+            t.pin_memory("cuda")  # another device goes to torch, which has none here
+        assert rt.calls.count_of("pin_memory") == 2
+    with pytest.raises(RuntimeError):
+        t.pin_memory()
