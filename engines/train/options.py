@@ -26,7 +26,7 @@ META_PREFIX = "train-meta-"
 @dataclass(frozen=True)
 class TrainOptions:
     model: ModelSpec = field(default_factory=ModelSpec)
-    steps: int = 60
+    steps: int = 200
     batch_size: int = 8
     seq_len: int = 64
     grad_accum: int = 1
