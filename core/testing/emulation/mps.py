@@ -31,13 +31,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .base import EMULATED_MARKER, EmulatedEvent, EmulatedRuntime, Patcher
+from .base import EMULATED_MARKER, EmulatedEvent, EmulatedRuntime, Patcher, PinnedHost
 
 RECOMMENDED_MAX_MEMORY = 48 * 2**30
 
@@ -307,18 +306,8 @@ class MpsRuntime(EmulatedRuntime):
         # emulated tensors are host tensors, so the device draws from the host's generator
         self.generator = torch.default_generator
         self.libraries: list[EmulatedShaderLibrary] = []
-        self.shared_buffers: dict[int, weakref.ref] = {}
-
-    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        """torch's MPS pinning: one copy into a buffer of the shared (CPU+GPU visible) allocator."""
-        self.record("pin_memory", tensor.numel() * tensor.element_size())
-        out = tensor.clone()
-        self.shared_buffers[out.data_ptr()] = weakref.ref(out)
-        return out
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        ref = self.shared_buffers.get(tensor.data_ptr())
-        return ref is not None and ref() is not None
+        #: torch's MPS pinning (one copy into the shared, CPU+GPU visible allocator), emulated
+        self.shared_allocator = PinnedHost(self)
 
     def compile_shader(self, source: str) -> EmulatedShaderLibrary:
         self.record("compile_shader", source)
@@ -366,7 +355,7 @@ class MpsRuntime(EmulatedRuntime):
         patcher.setattr(backend, "is_built", lambda: not rt.faults.not_built)
         patcher.setattr(backend, "is_available", lambda: not (rt.faults.no_device or rt.faults.not_built))
         patcher.setattr(backend, "is_macos_or_newer", lambda major, minor: version >= (major, minor))
-        self._install_pinning(patcher)
+        self.shared_allocator.install(patcher, "mps")
 
         from torch.utils import _foreach_utils
 
@@ -377,24 +366,6 @@ class MpsRuntime(EmulatedRuntime):
             return devices if rt.faults.no_fused_adam else devices + ["mps"]
 
         patcher.setattr(_foreach_utils, "_get_fused_kernels_supported_devices", supported)
-
-
-    def _install_pinning(self, patcher: Patcher) -> None:
-        rt = self
-        real_pin, real_is_pinned = torch.Tensor.pin_memory, torch.Tensor.is_pinned
-
-        def names_mps(args, kwargs) -> bool:
-            dev = kwargs.get("device", args[0] if args else None)
-            return dev is not None and torch.device(dev).type == "mps"
-
-        def pin_memory(tensor, *args, **kwargs):
-            return rt.pin(tensor) if names_mps(args, kwargs) else real_pin(tensor, *args, **kwargs)
-
-        def is_pinned(tensor, *args, **kwargs):
-            return rt.is_pinned(tensor) if names_mps(args, kwargs) else real_is_pinned(tensor, *args, **kwargs)
-
-        patcher.setattr(torch.Tensor, "pin_memory", pin_memory)
-        patcher.setattr(torch.Tensor, "is_pinned", is_pinned)
 
 
 def emulate(polls_to_complete: int = 1, **faults: Any):

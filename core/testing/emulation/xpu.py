@@ -21,14 +21,20 @@ import importlib.machinery
 import importlib.metadata as md
 import re
 import types
-import weakref
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from .base import EMULATED_MARKER, EmulatedEvent, EmulatedRuntime, EmulatedStream, GraphRecorder, Patcher
+from .base import (
+    EMULATED_MARKER,
+    AllocationTracker,
+    EmulatedEvent,
+    EmulatedRuntime,
+    EmulatedStream,
+    GraphRecorder,
+    Patcher,
+    PinnedHost,
+)
 
 IPEX_MODULE = "intel_extension_for_pytorch"
 IPEX_DIST = "intel-extension-for-pytorch"
@@ -52,13 +58,6 @@ def _device_index(device: Any, current: int) -> int:
     if isinstance(device, torch.device):
         return current if device.index is None else device.index
     raise TypeError(f"invalid xpu device {device!r}")
-
-
-def _names_xpu(args: tuple, kwargs: dict) -> bool:
-    dev = kwargs.get("device", args[0] if args else None)
-    if dev is None:
-        return False
-    return torch.device(dev).type == "xpu"
 
 
 # ------------------------------------------------------------------ IPEX stand-in
@@ -180,42 +179,6 @@ class _EmulatedGraphContext:
             self._stream_ctx.__exit__(*exc)
 
 
-# ------------------------------------------------------------- memory counters
-class AllocationTracker(TorchDispatchMode):
-    """Feeds the runtime's memory counters from the storages created while it is active.
-
-    Emulated device tensors are host tensors, so "device memory" is every storage an op
-    creates on this thread while the emulation runs; it is counted once per storage and
-    released when the storage is freed (a finalizer on the storage object).
-    """
-
-    def __init__(self, counters):
-        super().__init__()
-        self._counters = counters
-        self._live: dict[int, int] = {}
-
-    def _free(self, ptr: int) -> None:
-        nbytes = self._live.pop(ptr, None)
-        if nbytes is not None:
-            self._counters.free(nbytes)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
-        for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-                continue
-            storage = t.untyped_storage()
-            ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            if not ptr or ptr in inputs or ptr in self._live:
-                continue
-            self._live[ptr] = nbytes
-            self._counters.allocate(nbytes)
-            weakref.finalize(storage, self._free, ptr)
-        return out
-
-
 # ----------------------------------------------------------------------- runtime
 class XpuRuntime(EmulatedRuntime):
     name = "xpu"
@@ -240,7 +203,8 @@ class XpuRuntime(EmulatedRuntime):
         self.current = 0
         self.capturing = 0
         self.track_allocations = track_allocations
-        self.pinned: dict[int, weakref.ref] = {}
+        #: torch's XPU host allocator (``Tensor.pin_memory()``), emulated: a tracked copy
+        self.pinned_host = PinnedHost(self)
 
     # ------------------------------------------------------------ torch.xpu API
     def _check_index(self, index: int) -> int:
@@ -330,18 +294,6 @@ class XpuRuntime(EmulatedRuntime):
             "mem_get_info": mem_get_info,
         }
 
-    # ---------------------------------------------------------------- pinning
-    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The xpu host allocator: a page-locked copy (emulated: a copy the runtime tracks)."""
-        self.record("pin_memory", tensor.numel() * tensor.element_size())
-        out = tensor.clone()
-        self.pinned[out.data_ptr()] = weakref.ref(out)
-        return out
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        ref = self.pinned.get(tensor.data_ptr())
-        return ref is not None and ref() is not None
-
     # ---------------------------------------------------------------- install
     def install(self, patcher: Patcher) -> None:
         # torch._dynamo reads torch.xpu._is_compiled() once, at import, and then binds XPU
@@ -361,7 +313,7 @@ class XpuRuntime(EmulatedRuntime):
                                                                                                    stream))
             patcher.setattr(xpu, "graph_pool_handle", lambda: object())
             patcher.setattr(xpu, "is_current_stream_capturing", lambda: self.capturing > 0)
-        self._install_pinning(patcher)
+        self.pinned_host.install(patcher, "xpu")
         if self.track_allocations:
             tracker = AllocationTracker(self.memory)
             tracker.__enter__()
@@ -370,23 +322,6 @@ class XpuRuntime(EmulatedRuntime):
         self._install_fused_kernels(patcher)
         if self.faults.ipex:
             self._install_ipex(patcher)
-
-    def _install_pinning(self, patcher: Patcher) -> None:
-        rt = self
-        real_pin, real_is_pinned = torch.Tensor.pin_memory, torch.Tensor.is_pinned
-
-        def pin_memory(tensor, *args, **kwargs):
-            if _names_xpu(args, kwargs):
-                return rt.pin(tensor)
-            return real_pin(tensor, *args, **kwargs)
-
-        def is_pinned(tensor, *args, **kwargs):
-            if _names_xpu(args, kwargs):
-                return rt.is_pinned(tensor)
-            return real_is_pinned(tensor, *args, **kwargs)
-
-        patcher.setattr(torch.Tensor, "pin_memory", pin_memory)
-        patcher.setattr(torch.Tensor, "is_pinned", is_pinned)
 
     def _install_comm(self, patcher: Patcher) -> None:
         import torch.distributed as dist
