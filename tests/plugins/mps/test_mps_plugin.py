@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from polyaccel import selection
@@ -42,8 +44,11 @@ def _chosen(op="fused_adam"):
 
 
 # ------------------------------------------------------------------------- probe and selection
-def test_not_selected_without_emulation_and_report_says_why():
-    rep = build_report()
+def test_not_selected_without_emulation_and_report_says_why(capsys):
+    from polyaccel.cli import main
+
+    main(["report", "--json"])
+    rep = json.loads(capsys.readouterr().out)
     row = next(p for p in rep["plugins"] if p["name"] == "mps")
     assert row["status"] == "unavailable" and not row["emulated"]
     assert "built without MPS" in row["reason"] and "Apple silicon" in row["reason"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -45,8 +46,11 @@ def _check_adam(fn, param_dtype, state_dtype, **overrides):
 
 
 # ------------------------------------------------------------------------- probe and selection
-def test_not_selected_without_emulation_and_report_says_why():
-    rep = build_report()
+def test_not_selected_without_emulation_and_report_says_why(capsys):
+    from polyaccel.cli import main
+
+    main(["report", "--json"])
+    rep = json.loads(capsys.readouterr().out)
     row = next(p for p in rep["plugins"] if p["name"] == "xpu")
     assert row["status"] == "unavailable" and not row["emulated"]
     assert "without XPU support" in row["reason"] and "download.pytorch.org/whl/xpu" in row["reason"]
