@@ -39,7 +39,14 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    import importlib.util
+
     from ..testing.conformance.runner import run_suite
+
+    if importlib.util.find_spec("pytest") is None:
+        print("polyaccel conformance: the suite runs on pytest, which is not installed here; "
+              "install it with `pip install polyaccel[test]` (or `pip install pytest`)", file=sys.stderr)
+        return 2
 
     try:
         result = run_suite(args.accelerator, emulate=args.emulate, keyword=args.keyword, junitxml=args.junitxml,
