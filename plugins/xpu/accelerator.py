@@ -24,7 +24,7 @@ def graph_support() -> tuple[bool, str]:
     """XPU graphs exist only in torch versions that ship ``torch.xpu.XPUGraph``/``torch.xpu.graph``."""
     mod = _xpu_module()
     if mod is None or not hasattr(mod, "XPUGraph") or not hasattr(mod, "graph"):
-        return False, f"torch {torch.__version__} has no torch.xpu.XPUGraph; XPU graphs need a torch that ships them"
+        return False, f"torch {torch.__version__} has no torch.xpu.XPUGraph; XPU graphs need torch >= 2.11"
     compiled = getattr(mod, "_is_compiled", None)
     if compiled is not None and not compiled():
         return False, f"torch {torch.__version__} was built without XPU support"
