@@ -43,6 +43,8 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
         ("throughput", f"{mean_tokens_per_s(result):,.0f} tokens/s  ({result['tokens_per_step']:,} tokens/step, "
                        f"{result['train_s']:.1f} s training)"),
     ]
+    if result.get("peak_device_memory_bytes") is not None:
+        rows.append(("peak device memory", f"{result['peak_device_memory_bytes'] / 2**20:,.1f} MiB (rank 0)"))
     if result["checkpoints"]:
         rows.append(("checkpoint", result["checkpoints"][-1]))
     return rows

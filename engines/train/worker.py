@@ -130,6 +130,7 @@ def train(opts: TrainOptions, acc, device) -> dict | None:
                     saved_tags.append(save(engine, opts, done, rank, world))
                     bar.note(f"saved checkpoint {saved_tags[-1]} in {opts.save}")
         train_s = time.perf_counter() - t_train
+        peak = acc.max_memory_allocated() if acc.has("memory_stats") else None
         if opts.save:
             saved_tags.append(save(engine, opts, opts.steps, rank, world))
         if rank != 0:
@@ -154,6 +155,7 @@ def train(opts: TrainOptions, acc, device) -> dict | None:
             "step_times_s": step_times,
             "tokens_per_step": opts.tokens_per_step,
             "train_s": train_s,
+            "peak_device_memory_bytes": peak,  # rank 0's; None where the plugin keeps no memory statistics
             "wall_s": time.perf_counter() - t_begin,
             "op_builders": optimizer_builders(engine, acc, opts),
             "checkpoints": [str(Path(opts.save) / t) for t in saved_tags] if opts.save else [],
