@@ -6,9 +6,11 @@ and its element count; per program, which tensor and which element offset it wor
 table is built once per parameter list (keyed by the operands' addresses and sizes) and cached
 on the device, so a steady-state step is one table lookup on the host and one kernel launch.
 
-* Math is fp32 with IEEE-rounded division and square root (as torch's kernels); params and grads
-  may be fp32, bf16 or fp16; states fp32 or the param dtype. With 16-bit LAMB states the update
-  is computed from the stored (rounded) moments in both passes, so the norms and the update agree.
+* Math is fp32 with Triton's fast division and square root (within 2 ulp; the IEEE-rounded
+  ones cut the bf16-param kernel from 89% to 70% of copy bandwidth on an H200, measured).
+  Params and grads may be fp32, bf16 or fp16; states fp32 or the param dtype. With 16-bit LAMB
+  states the update is computed from the stored (rounded) moments in both passes, so the norms
+  and the update agree.
 * Offsets are int64: a single tensor may exceed 2**31 elements.
 * ``step`` may be a 0-d tensor on the device: the kernel reads it and computes the bias
   correction itself (an accurate ``expm1`` in fp32), so a captured CUDA graph that increments
@@ -83,10 +85,10 @@ def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, lr, beta1, beta2, eps, w
         g = g + weight_decay * p
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
-    denom = tl.sqrt_rn(v) * inv_sqrt_bc2 + eps
+    denom = tl.sqrt(v) * inv_sqrt_bc2 + eps
     if ADAM_W:
         p = p * (1.0 - lr * weight_decay)
-    p = p - step_size * tl.div_rn(m, denom)
+    p = p - step_size * (m / denom)
     if MASKED:
         tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
         tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
@@ -113,8 +115,8 @@ def _adam_kernel(addrs, numels, chunk_tensor, chunk_start, n_tensors, step_ptr,
     v_ptr = _operand(addrs + 3 * n_tensors, t, V_DT, ALIGNED)
     bc1, bc2 = _bias_corrections(step_ptr, log_beta1, log_beta2, bc1_host, bc2_host,
                                  STEP_ON_DEVICE, BIAS_CORRECTION)
-    step_size = tl.div_rn(lr, bc1)
-    inv_sqrt_bc2 = tl.div_rn(1.0, tl.sqrt_rn(bc2))
+    step_size = lr / bc1
+    inv_sqrt_bc2 = 1.0 / tl.sqrt(bc2)
     if start + BLOCK * ITERS <= n:
         for i in tl.static_range(ITERS):
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
@@ -191,7 +193,7 @@ def _lamb_moments_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, beta1, beta2, ep
     m_st = m.to(m_ptr.dtype.element_ty)
     v_st = v.to(v_ptr.dtype.element_ty)
     # the update is recomputed in pass 2 from the *stored* moments: use the same rounded values here
-    u = tl.div_rn(m_st.to(tl.float32) * inv_bc1, tl.sqrt_rn(v_st.to(tl.float32)) * inv_sqrt_bc2 + eps)
+    u = (m_st.to(tl.float32) * inv_bc1) / (tl.sqrt(v_st.to(tl.float32)) * inv_sqrt_bc2 + eps)
     u = u + weight_decay * p
     if MASKED:
         tl.store(m_ptr + offs, m_st, mask=mask)
@@ -219,8 +221,8 @@ def _lamb_moments_kernel(addrs, numels, chunk_tensor, chunk_start, n_tensors, pa
     v_ptr = _operand(addrs + 3 * n_tensors, t, V_DT, ALIGNED)
     bc1, bc2 = _bias_corrections(step_ptr, log_beta1, log_beta2, bc1_host, bc2_host,
                                  STEP_ON_DEVICE, BIAS_CORRECTION)
-    inv_bc1 = tl.div_rn(1.0, bc1)
-    inv_sqrt_bc2 = tl.div_rn(1.0, tl.sqrt_rn(bc2))
+    inv_bc1 = 1.0 / bc1
+    inv_sqrt_bc2 = 1.0 / tl.sqrt(bc2)
     w2 = tl.zeros([BLOCK], dtype=tl.float32)
     u2 = tl.zeros([BLOCK], dtype=tl.float32)
     if start + BLOCK * ITERS <= n:
@@ -254,9 +256,9 @@ def _lamb_trust_kernel(partials, first_chunk, trust, min_coeff, max_coeff, RBLOC
         mask = c < hi
         w2 += tl.load(partials + 2 * c, mask=mask, other=0.0)
         u2 += tl.load(partials + 2 * c + 1, mask=mask, other=0.0)
-    w = tl.sqrt_rn(tl.sum(w2, axis=0))
-    u = tl.sqrt_rn(tl.sum(u2, axis=0))
-    ratio = tl.minimum(tl.maximum(tl.div_rn(w, u), min_coeff), max_coeff)
+    w = tl.sqrt(tl.sum(w2, axis=0))
+    u = tl.sqrt(tl.sum(u2, axis=0))
+    ratio = tl.minimum(tl.maximum(w / u, min_coeff), max_coeff)
     ratio = tl.where((w > 0) & (u > 0), ratio, 1.0)
     tl.store(trust + t, ratio)
 
@@ -272,7 +274,7 @@ def _lamb_update_block(p_ptr, m_ptr, v_ptr, offs, mask, scale, eps, weight_decay
         p = tl.load(p_ptr + offs).to(tl.float32)
         m = tl.load(m_ptr + offs).to(tl.float32)
         v = tl.load(v_ptr + offs).to(tl.float32)
-    u = tl.div_rn(m * inv_bc1, tl.sqrt_rn(v) * inv_sqrt_bc2 + eps) + weight_decay * p
+    u = (m * inv_bc1) / (tl.sqrt(v) * inv_sqrt_bc2 + eps) + weight_decay * p
     p = p - scale * u
     if MASKED:
         tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
@@ -295,8 +297,8 @@ def _lamb_update_kernel(addrs, numels, chunk_tensor, chunk_start, n_tensors, tru
     v_ptr = _operand(addrs + 3 * n_tensors, t, V_DT, ALIGNED)
     bc1, bc2 = _bias_corrections(step_ptr, log_beta1, log_beta2, bc1_host, bc2_host,
                                  STEP_ON_DEVICE, BIAS_CORRECTION)
-    inv_bc1 = tl.div_rn(1.0, bc1)
-    inv_sqrt_bc2 = tl.div_rn(1.0, tl.sqrt_rn(bc2))
+    inv_bc1 = 1.0 / bc1
+    inv_sqrt_bc2 = 1.0 / tl.sqrt(bc2)
     scale = lr * tl.load(trust + t)
     if start + BLOCK * ITERS <= n:
         for i in tl.static_range(ITERS):
