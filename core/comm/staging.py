@@ -107,7 +107,9 @@ def run_staged(op: str, entries: Sequence[tuple[torch.Tensor, str]], launch: Cal
 
     def finalize() -> None:
         for tensor, host in copy_back:
-            tensor.copy_(host, non_blocking=tensor.device.type != "cpu")
+            # a blocking copy: the buffer goes back to the pool next, and an async host->device copy
+            # could still be reading it when the next staged call overwrites it
+            tensor.copy_(host)
             pool.stats.copies_back += 1
         for flat in held:
             pool.release(flat)
