@@ -181,7 +181,7 @@ def sweep(sizes, device, copy) -> list[Row]:
     adam = _ours("fused_adam")
     rows = []
     n = sum(sizes)
-    for cfg in [(1024, 2, 4), (1024, 4, 4), (2048, 2, 8), (4096, 2, 16)]:
+    for cfg in [(1024, 2, 4), (1024, 4, 4)]:
         chunk_table.set_launch_config(*cfg)
         try:
             ms = time_ms(lambda: adam(params, grads, m, v, step=step, **HP))
@@ -191,7 +191,7 @@ def sweep(sizes, device, copy) -> list[Row]:
             rows.append(benchlib.error_row("optimizers", f"sweep {cfg}", exc))
     pb = _tensors(sizes, torch.bfloat16, device)
     gb = _tensors(sizes, torch.bfloat16, device)
-    for cfg in [(1024, 2, 4), (1024, 4, 4), (2048, 2, 8), (2048, 4, 4), (4096, 2, 16)]:
+    for cfg in [(1024, 4, 4), (2048, 2, 4), (2048, 4, 4), (1024, 8, 4), (4096, 2, 8), (4096, 4, 8)]:
         chunk_table.set_launch_config(*cfg)
         try:
             ms = time_ms(lambda: adam(pb, gb, m, v, step=step, **HP))

@@ -33,18 +33,21 @@ _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 _ptr, _numel, _dtype = torch.Tensor.data_ptr, torch.Tensor.numel, operator.attrgetter("dtype")
 _CACHE_SIZE = 32
 
-#: (BLOCK elements per inner step, ITERS inner steps per program, num_warps)
-_GPU_CONFIG = (1024, 4, 4)
+#: (BLOCK elements per inner step, ITERS inner steps per program, num_warps) by param element size;
+#: chosen from launch-configuration sweeps on an H200 (benchmarks/RESULTS.md)
+_GPU_CONFIG = {4: (1024, 4, 4), 2: (1024, 4, 4)}
 #: the CPU interpreter runs every program in numpy: small chunks keep tests fast and multi-chunk
 _INTERPRETER_CONFIG = (32, 2, 1)
 _config_override: tuple[int, int, int] | None = None
 
 
-def launch_config() -> tuple[int, int, int]:
-    """(BLOCK, ITERS, num_warps) for the elementwise optimizer kernels."""
+def launch_config(param_dtype: torch.dtype = torch.float32) -> tuple[int, int, int]:
+    """(BLOCK, ITERS, num_warps) for the elementwise optimizer kernels over params of ``param_dtype``."""
     if _config_override is not None:
         return _config_override
-    return _INTERPRETER_CONFIG if interpreting() else _GPU_CONFIG
+    if interpreting():
+        return _INTERPRETER_CONFIG
+    return _GPU_CONFIG.get(param_dtype.itemsize, _GPU_CONFIG[4])
 
 
 def set_launch_config(block: int | None, iters: int | None = None, num_warps: int | None = None) -> None:
@@ -59,17 +62,13 @@ def set_launch_config(block: int | None, iters: int | None = None, num_warps: in
     clear_cache()
 
 
-def chunk_elements() -> int:
-    block, iters, _ = launch_config()
-    return block * iters
-
-
 @dataclass(eq=False)
 class ChunkGroup:
     """One launch's worth: tensors sharing a dtype combination."""
 
     indices: list[int]
     dtypes: tuple[torch.dtype, ...]
+    config: tuple[int, int, int]  # (BLOCK, ITERS, num_warps); a program covers BLOCK * ITERS elements
     n_tensors: int
     n_chunks: int
     aligned: bool
@@ -127,8 +126,9 @@ def _check(op: str, lists) -> torch.device:
     return device
 
 
-def _build_group(lists, indices, dtypes, device, chunk) -> ChunkGroup:
+def _build_group(lists, indices, dtypes, device, config) -> ChunkGroup:
     n = len(indices)
+    chunk = config[0] * config[1]
     addr_rows = [[lst[i].data_ptr() for i in indices] for lst in lists]
     numels = torch.tensor([lists[0][i].numel() for i in indices], dtype=torch.int64)
     per = (numels + chunk - 1) // chunk
@@ -147,8 +147,8 @@ def _build_group(lists, indices, dtypes, device, chunk) -> ChunkGroup:
     else:
         dev = host
     parts = torch.split(dev, [len(addrs), n, n + 1, n_chunks, n_chunks])
-    return ChunkGroup(indices=list(indices), dtypes=dtypes, n_tensors=n, n_chunks=n_chunks, aligned=aligned,
-                      addrs=parts[0], numels=parts[1], first_chunk=parts[2], chunk_start=parts[3],
+    return ChunkGroup(indices=list(indices), dtypes=dtypes, config=config, n_tensors=n, n_chunks=n_chunks,
+                      aligned=aligned, addrs=parts[0], numels=parts[1], first_chunk=parts[2], chunk_start=parts[3],
                       chunk_tensor=parts[4], _staging=staging)
 
 
@@ -157,8 +157,8 @@ def table_for(op: str, lists) -> ChunkTable | None:
     if not lists[0]:
         check_lists(op, *lists)
         return None
-    chunk = chunk_elements()
-    key = (chunk, *(tuple(map(_ptr, lst)) + tuple(map(_numel, lst)) + tuple(map(_dtype, lst)) for lst in lists))
+    key = (_config_override, interpreting(),
+           *(tuple(map(_ptr, lst)) + tuple(map(_numel, lst)) + tuple(map(_dtype, lst)) for lst in lists))
     with _lock:
         table = _cache.get(key)
         if table is not None:
@@ -170,7 +170,7 @@ def table_for(op: str, lists) -> ChunkTable | None:
         if lists[0][i].numel() == 0:
             continue
         by_dtype.setdefault(tuple(lst[i].dtype for lst in lists), []).append(i)
-    groups = [_build_group(lists, idx, dts, device, chunk) for dts, idx in by_dtype.items()]
+    groups = [_build_group(lists, idx, dts, device, launch_config(dts[0])) for dts, idx in by_dtype.items()]
     table = ChunkTable(device=device, groups=groups)
     with _lock:
         _cache[key] = table

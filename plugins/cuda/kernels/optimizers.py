@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_table import launch_config, table_for
+from .chunk_table import table_for
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -350,7 +350,7 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
         return
     step_t, on_dev, bc1, bc2, lb1, lb2 = _step_args(step, bias_correction, beta1, beta2, table.device)
     for grp in table.groups:
-        block, iters, warps = launch_config()
+        block, iters, warps = grp.config
         p_dt, g_dt, m_dt, v_dt = grp.tl_dtypes
         _adam_kernel[(grp.n_chunks,)](
             grp.addrs, grp.numels, grp.chunk_tensor, grp.chunk_start, grp.n_tensors,
@@ -367,7 +367,7 @@ def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
     if table is None:
         return
     for grp in table.groups:
-        block, iters, warps = launch_config()
+        block, iters, warps = grp.config
         p_dt, g_dt, m_dt = grp.tl_dtypes
         _lion_kernel[(grp.n_chunks,)](
             grp.addrs, grp.numels, grp.chunk_tensor, grp.chunk_start, grp.n_tensors,
@@ -385,7 +385,7 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
         raise ValueError(f"fused_lamb: need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
     step_t, on_dev, bc1, bc2, lb1, lb2 = _step_args(step, bias_correction, beta1, beta2, table.device)
     for grp in table.groups:
-        block, iters, warps = launch_config()
+        block, iters, warps = grp.config
         p_dt, g_dt, m_dt, v_dt = grp.tl_dtypes
         step_arg = step_t if on_dev else grp.numels
         partials = torch.empty(2 * grp.n_chunks, dtype=torch.float32, device=table.device)

@@ -219,7 +219,7 @@ def test_chunk_offsets_are_64_bit_beyond_2_to_the_31():
 
     n = 3 * 2**30
     lists = [[Big(n, 1 << 40)], [Big(n, 2 << 40)]]
-    grp = chunk_table._build_group(lists, [0], (torch.float32, torch.float32), torch.device("cpu"), 4096)
+    grp = chunk_table._build_group(lists, [0], (torch.float32, torch.float32), torch.device("cpu"), (1024, 4, 4))
     assert grp.chunk_start.dtype == torch.int64 and grp.numels.dtype == torch.int64
     assert int(grp.chunk_start[-1]) == (n // 4096 - 1) * 4096 > 2**31
     assert grp.n_chunks == n // 4096 and int(grp.first_chunk[-1]) == grp.n_chunks
