@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--accelerator", default=None, metavar="NAME",
                    help="accelerator plugin to use (default: the selected one; see `polyaccel report`)")
     g.add_argument("--threads", type=int, default=0,
-                   help="torch threads per rank (default: host cores / ranks on cpu, 1 on a device)")
+                   help="torch threads per rank (default: host cores / ranks)")
     g.add_argument("--seed", type=int, default=d.seed, help=f"seed for weights and data (default {d.seed})")
     g.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps to reach (default {d.steps})")
     g.add_argument("--log-every", type=int, default=0,

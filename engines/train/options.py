@@ -148,10 +148,8 @@ def options_from_args(args, accelerator) -> TrainOptions:
         raise ConfigError("--resume-tag needs --resume DIR")
 
     nproc = _nproc(args.nproc, accelerator)
-    if args.threads:
-        threads = args.threads
-    else:  # ranks on the host share its cores; a device rank needs only one host thread
-        threads = max(1, _cpu_count() // nproc) if accelerator.device_type == "cpu" else 1
+    # the ranks share the host's cores: for the model itself on cpu, for the offloaded optimizer on a device
+    threads = args.threads or max(1, _cpu_count() // nproc)
     _positive("--threads", threads)
 
     from .data import ByteTokenizer, TokenSampler, load_text
