@@ -202,7 +202,11 @@ class ZeroEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter (gathered, compute dtype) by name: a collective in stage 3."""
-        return self.partitioner.full_params()
+        full = self.partitioner.full_params()
+        for name, p in self.frozen:
+            if name not in full:
+                full[name] = p.detach().clone()
+        return full
 
     # -------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir, tag=None, client_state=None) -> str:
