@@ -1,0 +1,253 @@
+"""One-process checks: config validation, partition layouts, loss scaler, host buffers, the entry point."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from polyaccel.engines.zero.config import parse_config
+from polyaccel.engines.zero.loss_scaler import LossScaler
+from polyaccel.engines.zero.partition import FlatLayout, ShardLayout
+from polyaccel.errors import ConfigError, Unsupported
+
+FULL = {
+    "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0, "bf16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000, "overlap_comm": True,
+                          "contiguous_gradients": True, "stage3_prefetch_bucket_size": 500,
+                          "stage3_param_persistence_threshold": 10, "offload_optimizer": {"device": "cpu"},
+                          "offload_param": {"device": "cpu", "pin_memory": False}},
+}
+
+
+def test_full_config_parses_and_is_not_mutated():
+    before = copy.deepcopy(FULL)
+    cfg = parse_config(FULL, world_size=2)
+    assert FULL == before
+    assert cfg.stage == 3 and cfg.bf16 and cfg.gradient_accumulation_steps == 4
+    assert cfg.optimizer.type == "adamw" and cfg.optimizer.betas == (0.9, 0.95) and cfg.optimizer.adam_w_mode
+    assert cfg.offload_optimizer.enabled and cfg.offload_param.enabled and not cfg.offload_param.pin_memory
+    cfg.raw["zero_optimization"]["stage"] = 1  # the kept copy is the engine's own
+    assert FULL == before
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"zero_optimisation": {}}, ["'zero_optimisation'", "zero_optimization"]),
+    ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage", "1, 2, 3", "4"]),
+    ({"zero_optimization": {"stage": 2, "bogus": 1}}, ["zero_optimization.bogus", "reduce_bucket_size"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+     ["zero_optimization.offload_optimizer.device", "none, cpu", "nvme"]),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, ["offload_param", "stage"]),
+    ({"zero_optimization": {"reduce_bucket_size": 0}}, ["reduce_bucket_size", ">= 1"]),
+    ({"optimizer": {"type": "sgd"}}, ["optimizer.type", "adam, adamw, lion, lamb", "sgd"]),
+    ({"optimizer": {"type": "lion", "params": {"eps": 1e-8}}}, ["optimizer.params.eps", "betas"]),
+    ({"optimizer": {"params": {"betas": [0.9, 1.5]}}}, ["optimizer.params.betas", "[0, 1)"]),
+    ({"optimizer": {"params": {"lr": -1}}}, ["optimizer.params.lr", ">= 0"]),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, ["bf16.enabled", "fp16.enabled"]),
+    ({"bf16": {"enabled": "yes"}}, ["bf16.enabled", "true or false"]),
+    ({"fp16": {"enabled": True, "min_loss_scale": 0}}, ["fp16.min_loss_scale", "> 0"]),
+    ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps", ">= 1"]),
+    ({"gradient_clipping": float("nan")}, ["gradient_clipping", "finite"]),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
+     ["train_batch_size", "(10)", "gradient_accumulation_steps (2)"]),
+    ({"zero_optimization": "3"}, ["zero_optimization", "dict"]),
+])
+def test_bad_config_names_key_and_allowed_values(config, words):
+    before = copy.deepcopy(config)
+    with pytest.raises(ConfigError) as info:
+        parse_config(config, world_size=2)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    assert config == before
+
+
+def test_batch_size_keys_are_reconciled():
+    cfg = parse_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, world_size=2)
+    assert cfg.gradient_accumulation_steps == 4
+    cfg = parse_config({"train_batch_size": 16, "gradient_accumulation_steps": 2}, world_size=2)
+    assert cfg.train_micro_batch_size_per_gpu == 4
+    assert parse_config(None).stage == 1 and parse_config({}).overlap_comm is False
+    assert parse_config({"zero_optimization": {"stage": 3}}).overlap_comm is True  # DeepSpeed's default
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("bucket", [1, 7, 64, 10_000])
+def test_flat_layout_partitions_every_element_once(world, bucket):
+    g = torch.Generator().manual_seed(world * 100 + bucket)
+    shapes = [(3, 5), (0, 4), (1,), (7,), (2, 2, 3)]
+    names = [f"p{i}" for i in range(len(shapes))]
+    layout = FlatLayout(names, shapes, world, bucket)
+    total = sum(math.prod(s) for s in shapes)
+    assert layout.partition_size == math.ceil(total / world)
+    flat = torch.randn(layout.padded_total, generator=g)
+    flat[total:] = 0
+    parts = [layout.partition_of(flat, r) for r in range(world)]
+    assert all(p.numel() == layout.partition_size for p in parts)
+    assert torch.equal(layout.full_from_partitions(parts), flat)
+    # a bucket's reduce-scatter chunk for rank r is exactly rank r's slice of that bucket
+    for b in layout.buckets:
+        for r in range(world):
+            start, n = layout.owned(b.index, r)
+            assert torch.equal(flat[b.start:b.start + b.length].view(world, -1)[r], flat[start:start + n])
+            assert torch.equal(parts[r][b.part_offset:b.part_offset + n], flat[start:start + n])
+    tensors = layout.unflatten(flat)
+    assert [tuple(t.shape) for t in tensors.values()] == shapes
+    assert torch.equal(layout.flatten(tensors, flat.dtype), flat)
+    ids = torch.cat([layout.segment_ids(r) for r in range(world)])
+    assert int((ids < len(names)).sum()) == total
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shard_layout_round_trip(world):
+    shapes = [(3, 5), (0, 4), (1,), (7,)]
+    names = [f"p{i}" for i in range(len(shapes))]
+    layout = ShardLayout(names, shapes, world)
+    assert layout.partition_size == sum(math.ceil(math.prod(s) / world) for s in shapes)
+    g = torch.Generator().manual_seed(world)
+    tensors = {n: torch.randn(s, generator=g) for n, s in zip(names, shapes, strict=True)}
+    parts = [layout.partition_of(tensors, r, torch.float64) for r in range(world)]
+    back = layout.unflatten_partitions(parts)
+    for n in names:
+        assert torch.equal(back[n], tensors[n].double())
+    valid = sum(int((layout.segment_ids(r) < len(names)).sum()) for r in range(world))
+    assert valid == sum(math.prod(s) for s in shapes)
+
+
+def test_dynamic_loss_scaler_halves_and_grows():
+    from polyaccel.engines.zero.config import Fp16Config
+
+    s = LossScaler(Fp16Config(enabled=True, initial_scale_power=4, loss_scale_window=2, hysteresis=2,
+                              min_loss_scale=2.0))
+    s.update(True)
+    assert s.scale == 16.0  # first overflow spends the hysteresis
+    s.update(True)
+    assert s.scale == 8.0
+    s.update(False)
+    s.update(False)
+    assert s.scale == 16.0  # a clean window doubles
+    for _ in range(10):
+        s.update(True)
+    assert s.scale == 2.0  # floor
+    static = LossScaler(Fp16Config(enabled=True, loss_scale=128.0))
+    static.update(True)
+    assert static.scale == 128.0
+    assert LossScaler(None).scale == 1.0
+
+
+class _Registering:
+    """A host-register-only accelerator stand-in: records what the engine asked of it."""
+
+    def __init__(self):
+        self.registered, self.unregistered = [], []
+
+    def has(self, cap):
+        return cap == "host_register"
+
+    def register_host_memory(self, t):
+        self.registered.append(t.data_ptr())
+        return t
+
+    def unregister_host_memory(self, t):
+        self.unregistered.append(t.data_ptr())
+        return True
+
+
+def test_host_buffers_use_the_accelerator_contract(monkeypatch):
+    from polyaccel.engines.zero.offload import HostBuffers
+
+    def forbidden(*a, **k):
+        raise AssertionError("the engine must not call Tensor.pin_memory directly")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", forbidden)
+    acc = _Registering()
+    host = HostBuffers(acc)
+    a, b = host.empty(10, torch.float32), host.empty(0, torch.float32)
+    assert host.how == "registered" and acc.registered == [a.data_ptr()] and b.numel() == 0
+    host.release()
+    assert acc.unregistered == [a.data_ptr()]
+    assert HostBuffers(acc, pin=False).how == "pageable"
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).double()
+
+
+def test_initialize_in_one_process_trains_like_adamw():
+    """No launcher: the engine sets up a world of one, trains like AdamW, and tears comm down on destroy."""
+    import polyaccel
+    from polyaccel import comm
+
+    model = _tiny()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    config = {"optimizer": {"type": "adamw", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine = polyaccel.initialize(model, config=config)
+    try:
+        assert engine.module is model and engine.optimizer_builder == "cpu_fused_adam"
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(4, 6, generator=g, dtype=torch.float64)
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            assert engine.step() is True
+            ref_loss = ref(x).square().mean()
+            ref_loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12)
+        assert engine.global_steps == 3 and engine.micro_steps == 3 and engine.loss_scale == 1.0
+        full = engine.full_state_dict()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(full[name], p, rtol=1e-12, atol=1e-12)
+        assert all(p.numel() == 0 for p in model.parameters())  # stage 3: released between steps
+    finally:
+        engine.destroy()
+    assert not comm.is_initialized()
+
+
+def test_gradient_accumulation_steps_only_at_boundary():
+    import polyaccel
+
+    engine = polyaccel.initialize(_tiny(), {"gradient_accumulation_steps": 3, "zero_optimization": {"stage": 2}})
+    try:
+        stepped = []
+        for _ in range(6):
+            engine.backward(engine(torch.randn(2, 6, dtype=torch.float64)).sum())
+            stepped.append(engine.step())
+        assert stepped == [False, False, True, False, False, True] and engine.global_steps == 2
+    finally:
+        engine.destroy()
+
+
+def test_unsupported_precision_names_the_plugin(monkeypatch):
+    import polyaccel
+    from polyaccel.plugins.cpu.accelerator import CpuAccelerator
+
+    monkeypatch.setattr(CpuAccelerator, "capabilities", lambda self: frozenset({"rng", "fp64"}))
+    with pytest.raises(Unsupported) as info:
+        polyaccel.initialize(_tiny(), {"bf16": {"enabled": True}})
+    assert "cpu" in str(info.value) and "bf16" in str(info.value)
+    from polyaccel import comm
+
+    comm.destroy()
+
+
+def test_bad_client_state_and_model_are_rejected(tmp_path):
+    import polyaccel
+    from polyaccel.errors import PolyaccelError
+
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        polyaccel.initialize("not a model", {})
+    engine = polyaccel.initialize(_tiny(), {})
+    try:
+        with pytest.raises(PolyaccelError, match="JSON"):
+            engine.save_checkpoint(tmp_path, client_state={"t": torch.zeros(1)})
+        with pytest.raises(PolyaccelError, match="latest"):
+            engine.load_checkpoint(tmp_path / "nothing")
+    finally:
+        engine.destroy()
