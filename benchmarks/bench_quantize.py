@@ -29,21 +29,35 @@ def _mismatch(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
 
 
-def check_exact(x: torch.Tensor, mode: str, group: int, symmetric: bool) -> str:
-    """'' when ours equals the reference bit for bit (and dequantizes within bf16 rounding), else what differs."""
+def check_exact(x: torch.Tensor, mode: str, group: int, symmetric: bool, slice_elems: int = 16 * 2**20) -> str:
+    """'' when ours matches the reference, else what differs.
+
+    Bit-exact against the reference run on the CPU (IEEE division) over the first
+    ``slice_elems`` elements, quantize and dequantize. Over the whole tensor against the
+    reference run on the GPU: torch's CUDA division by a Python scalar multiplies by the
+    reciprocal, so that reference's scales may differ from the CPU's by one ulp; more is a bug.
+    """
     kq = _kernels()
-    got, want = kq.quantize(x, mode, group, symmetric), ref.quantize(x, mode, group, symmetric)
+    m = min(x.numel(), slice_elems) // 1024 * 1024
+    xs = x[:m]
+    got = kq.quantize(xs, mode, group, symmetric)
+    want = ref.quantize(xs.cpu(), mode, group, symmetric)
     problems = []
-    if _mismatch(got.data, want.data):
-        problems.append(f"{_mismatch(got.data, want.data)} data bytes differ")
-    if not torch.equal(got.scales, want.scales):
-        problems.append(f"{int((got.scales != want.scales).sum())} scales differ")
-    if not symmetric and not torch.equal(got.zero_points, want.zero_points):
-        problems.append("zero points differ")
-    back, back_ref = kq.dequantize(want), ref.dequantize(want)
+    if _mismatch(got.data.cpu(), want.data):
+        problems.append(f"{_mismatch(got.data.cpu(), want.data)} data bytes differ from the CPU reference")
+    if not torch.equal(got.scales.cpu(), want.scales):
+        problems.append(f"{int((got.scales.cpu() != want.scales).sum())} scales differ from the CPU reference")
+    if not symmetric and not torch.equal(got.zero_points.cpu(), want.zero_points):
+        problems.append("zero points differ from the CPU reference")
+    on_gpu = ref.QuantizedTensor(want.data.to(x.device), want.scales.to(x.device),
+                                 None if symmetric else want.zero_points.to(x.device), mode, group, xs.shape, xs.dtype)
+    back, back_ref = kq.dequantize(on_gpu).cpu(), ref.dequantize(want)
     if back.dtype != back_ref.dtype or not torch.equal(back, back_ref):
-        n = int((back != back_ref).sum())
-        problems.append(f"dequantize differs from the reference in {n} elements")
+        problems.append(f"dequantize differs from the CPU reference in {int((back != back_ref).sum())} elements")
+    full, full_ref = kq.quantize(x, mode, group, symmetric), ref.quantize(x, mode, group, symmetric)
+    ulps = ((full.scales - full_ref.scales).abs() / torch.finfo(torch.float32).eps / full_ref.scales.abs()).max()
+    if float(ulps) > 1.0:
+        problems.append(f"scales differ from the GPU reference by {float(ulps):.1f} ulps")
     return "; ".join(problems)
 
 
@@ -54,12 +68,12 @@ def check_past_2_31(device, group: int = 128) -> str:
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     got = kq.quantize(x, "int8", group)
     tail = slice(n - 64 * group, n)
-    want = ref.quantize(x[tail].contiguous(), "int8", group)
+    want = ref.quantize(x[tail].cpu(), "int8", group)  # the CPU reference: IEEE division
     problems = []
-    if _mismatch(got.data[tail], want.data) or not torch.equal(got.scales[-64:], want.scales):
+    if _mismatch(got.data[tail].cpu(), want.data) or not torch.equal(got.scales[-64:].cpu(), want.scales):
         problems.append("quantize wrong past 2**31 elements")
     back = kq.dequantize(got)
-    if not torch.equal(back[tail], ref.dequantize(want)):
+    if not torch.equal(back[tail].cpu(), ref.dequantize(ref.quantize(x[tail].cpu(), "int8", group))):
         problems.append("dequantize wrong past 2**31 elements")
     del x, got, back
     torch.cuda.empty_cache()
@@ -87,11 +101,31 @@ def _nbytes(n, group, mode, symmetric, elem=2):
     return n * elem + qbytes + side
 
 
+def _sweep(x, g, copy) -> list[Row]:
+    """int8 symmetric quantize under each (division, elements per program, warps) variant."""
+    kq = _kernels()
+    saved = (kq.FAST_DIV, kq.BLOCK_ELEMS, kq.NUM_WARPS)
+    nbytes = _nbytes(x.numel(), g, "int8", True)
+    out = []
+    try:
+        for fast in (False, True):
+            for block in (4096, 8192, 16384):
+                for warps in (4, 8):
+                    kq.FAST_DIV, kq.BLOCK_ELEMS, kq.NUM_WARPS = fast, block, warps
+                    ms = time_ms(lambda: kq.quantize(x, "int8", g, True))
+                    out.append(Row("quantize", f"sweep int8 g{g}: fast_div={fast} block={block} warps={warps}", "ms",
+                                   "-", None, ms, detail=f"{gbs(nbytes, ms) / copy:.1%} of copy"))
+    finally:
+        kq.FAST_DIV, kq.BLOCK_ELEMS, kq.NUM_WARPS = saved
+    return out
+
+
 def main(argv=None) -> list[Row]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--numel", type=int, default=256 * 2**20)
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--skip-2-31", action="store_true", help="leave out the 64-bit offset check")
+    ap.add_argument("--sweep", action="store_true", help="time int8 quantize tile/division variants")
     args = ap.parse_args(argv)
     dev = benchlib.require_gpu()
     kq = _kernels()
@@ -113,6 +147,9 @@ def main(argv=None) -> list[Row]:
         bad = check_past_2_31(dev)
         rows.append(Row("quantize", "check int8 g128 past 2**31 elements", "-", "reference", None, None,
                         target="bit-exact vs reference", met=not bad, detail=bad or "bit-exact (64-bit offsets)"))
+
+    if args.sweep:
+        rows += _sweep(x, g, copy)
 
     # int8 symmetric quantize: the target row
     nbytes = _nbytes(n, g, "int8", True)

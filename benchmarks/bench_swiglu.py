@@ -71,6 +71,7 @@ def main(argv=None) -> list[Row]:
     ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--cols", type=int, default=16384)
     ap.add_argument("--skip-2-31", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time (elements per program, warps) variants")
     args = ap.parse_args(argv)
     dev = benchlib.require_gpu()
     ks = _kernels()
@@ -88,6 +89,14 @@ def main(argv=None) -> list[Row]:
         bad31 = check_past_2_31(dev)
         rows.append(Row("swiglu", "check forward past 2**31 elements", "-", "reference", None, None,
                         target="within 2 bf16 ulps", met=not bad31, detail=bad31 or "ok (64-bit offsets)"))
+
+    if args.sweep:
+        for block, warps in ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)):
+            f_ms = time_ms(lambda b=block, w=warps: ks.swiglu_forward(gate, up, block=b, num_warps=w))
+            b_ms = time_ms(lambda b=block, w=warps: ks.swiglu_backward(go, gate, up, block=b, num_warps=w))
+            rows.append(Row("swiglu", f"sweep block={block} warps={warps}", "ms", "-", None, f_ms,
+                            detail=f"forward {gbs(3 * 2 * n, f_ms) / copy:.1%} of copy; backward {b_ms:.3f} ms = "
+                                   f"{gbs(5 * 2 * n, b_ms) / copy:.1%} of copy"))
 
     fwd_bytes = 3 * 2 * n
     eager_ms = time_ms(lambda: ref.swiglu_forward(gate, up))

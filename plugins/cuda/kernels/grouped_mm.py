@@ -10,9 +10,10 @@ program walks the offsets on the device to find its expert and tile, so there is
 and no per-expert launch. Rows past the last offset form one extra group whose tiles store
 zeros. Within an expert the row tile varies fastest, so the programs running together share
 one strip of the expert's weight in L2. Row indices, offsets and pointer arithmetic are 64-bit.
-Offsets are clamped in the kernel (to ``[previous end, T]``), so even invalid offsets cannot
-make it read or write out of bounds; outside CUDA graph capture they are also validated on the
-host first (one sync), with the reference's error messages.
+Loads and stores are masked (never clamped: a clamp on the contiguous dimension would cost
+the 16-byte vector loads). Offsets are clamped in the kernel (to ``[previous end, T]``), so
+even invalid offsets cannot make it read or write out of bounds; outside CUDA graph capture
+they are also validated on the host first (one sync), with the reference's error messages.
 
 Backward (:data:`grouped_mm`, autograd-aware): ``dx`` is the same grouped kernel on
 ``grad_out`` and the per-expert transposed weights (a strided view, no copy); ``dw[e] =
@@ -117,28 +118,28 @@ def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, off_ptr, T, K, N, E,
         rows = my_start + m_idx * BM + tl.arange(0, BM).to(tl.int64)
         cols = n_idx * BN + tl.arange(0, BN).to(tl.int64)
         ks = tl.arange(0, BK)
-        # clamped indices keep the loads unmasked in M and N; the store masks them instead
-        rows_ld = tl.minimum(rows, tl.maximum(my_end - 1, 0))
-        cols_ld = tl.minimum(cols, N - 1)
-        a_ptrs = a_ptr + rows_ld[:, None] * s_am + ks[None, :] * s_ak
-        b_ptrs = b_ptr + tl.maximum(tl.minimum(my_e, E - 1), 0) * s_be + ks[:, None] * s_bk + cols_ld[None, :] * s_bn
+        # masks, not clamped indices: a clamp on the contiguous dimension would cost the 16-byte loads
+        row_ok = rows < my_end
+        col_ok = cols < N
+        a_ptrs = a_ptr + rows[:, None] * s_am + ks[None, :] * s_ak
+        b_ptrs = b_ptr + tl.maximum(tl.minimum(my_e, E - 1), 0) * s_be + ks[:, None] * s_bk + cols[None, :] * s_bn
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         k_end = tl.where(my_e < E, K, 0)  # the zero group runs no reduction
         for k in range(0, k_end, BK):
             if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
             else:
                 k_ok = (k + ks) < K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BK * s_ak
             b_ptrs += BK * s_bk
-        c_mask = (rows < my_end)[:, None] & (cols < N)[None, :]
+        c_mask = row_ok[:, None] & col_ok[None, :]
         tl.store(c_ptr + rows[:, None] * s_cm + cols[None, :] * s_cn, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
@@ -158,20 +159,21 @@ def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, off_ptr, T, K, N,
     end = tl.minimum(tl.maximum(tl.load(off_ptr + e).to(tl.int64), start), T)
     kk = k_idx * BM + tl.arange(0, BM).to(tl.int64)
     nn = n_idx * BN + tl.arange(0, BN).to(tl.int64)
-    kk_ld = tl.minimum(kk, K - 1)
-    nn_ld = tl.minimum(nn, N - 1)
+    kk_ok = kk < K
+    nn_ok = nn < N
     r = tl.arange(0, BK).to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for r0 in range(start, end, BK):
         rows = r0 + r
         r_ok = rows < end
-        xt = tl.load(x_ptr + kk_ld[:, None] * s_xk + rows[None, :] * s_xm, mask=r_ok[None, :], other=0.0)
-        g = tl.load(dy_ptr + rows[:, None] * s_dm + nn_ld[None, :] * s_dn, mask=r_ok[:, None], other=0.0)
+        xt = tl.load(x_ptr + kk[:, None] * s_xk + rows[None, :] * s_xm, mask=kk_ok[:, None] & r_ok[None, :],
+                     other=0.0)
+        g = tl.load(dy_ptr + rows[:, None] * s_dm + nn[None, :] * s_dn, mask=r_ok[:, None] & nn_ok[None, :], other=0.0)
         if UPCAST:
             xt = xt.to(tl.float32)
             g = g.to(tl.float32)
         acc = tl.dot(xt, g, acc, input_precision=PRECISION)
-    w_mask = (kk < K)[:, None] & (nn < N)[None, :]
+    w_mask = kk_ok[:, None] & nn_ok[None, :]
     tl.store(dw_ptr + e * s_we + kk[:, None] * s_wk + nn[None, :] * s_wn, acc.to(dw_ptr.dtype.element_ty),
              mask=w_mask)
 

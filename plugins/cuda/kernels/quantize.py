@@ -30,10 +30,17 @@ import triton.language as tl
 from polyaccel.errors import Unsupported
 from polyaccel.ops.reference.quantize import FP8_MAX, QuantizedTensor, check_quantize_args, qmax
 
+from ..triton_support import interpreting
+
 MODE_INT8, MODE_INT4, MODE_FP8 = 0, 1, 2
 _MODE_IDS = {"int8": MODE_INT8, "int4": MODE_INT4, "fp8": MODE_FP8}
 #: elements one program handles (ROWS * GROUP_P2); a power of two
 BLOCK_ELEMS = 4096
+#: warps per program; None: 8 for full tiles, 4 for smaller ones
+NUM_WARPS: int | None = None
+#: division method: None picks the fused-multiply-add division on the GPU and ``div_rn`` under the
+#: interpreter (see ``_div_rows``); True/False force one (both give the IEEE quotient on the GPU)
+FAST_DIV: bool | None = None
 #: oldest compute capability with hardware e4m3 conversions in Triton
 FP8_MIN_CAPABILITY = (8, 9)
 _PLUGIN = "cuda"
@@ -64,9 +71,32 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def _div_rows(x, scale, FAST_DIV: tl.constexpr):
+    """``x / scale[:, None]`` rounded to nearest (IEEE), as torch's CPU division.
+
+    FAST_DIV (GPU): one correctly rounded reciprocal per row, then per element Markstein's
+    correction, ``q = x * y; r = fma(-q, s, x); q + r * y`` (fused), which is the correctly
+    rounded quotient when ``y = RN(1 / s)``; three instructions instead of ``div.rn``'s
+    subroutine. Rows with a tiny scale (below 2**-100, where ``1 / s`` could overflow or the
+    remainder underflow) are first scaled by 2**64 on both sides, which is exact. The CPU
+    interpreter does not fuse ``tl.fma``, so there the kernel uses ``div_rn`` itself.
+    """
+    if FAST_DIV:
+        tiny = scale < 7.888609052210118e-31  # 2**-100
+        s = tl.where(tiny, scale * 18446744073709551616.0, scale)  # * 2**64
+        xs = tl.where(tiny[:, None], x * 18446744073709551616.0, x)
+        y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        q = xs * y[:, None]
+        r = tl.fma(-q, s[:, None], xs)
+        return tl.fma(r, y[:, None], q)
+    else:
+        return tl.math.div_rn(x, scale[:, None])
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zp_ptr, num_groups,
                      GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr,
-                     MODE: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr):
+                     MODE: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, FAST_DIV: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, GROUP_P2)
@@ -77,14 +107,14 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zp_ptr, num_groups,
     if MODE == 2:  # fp8 e4m3, symmetric
         amax = tl.max(tl.abs(x), axis=1)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-        v = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0))
+        v = _round_to_e4m3(tl.minimum(tl.maximum(_div_rows(x, scale, FAST_DIV), -448.0), 448.0))
         tl.store(data_ptr + rows[:, None] * GROUP + cols[None, :], v.to(tl.float8e4nv), mask=mask)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
     else:
         if SYMMETRIC:
             amax = tl.max(tl.abs(x), axis=1)
             scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
-            q = _round_half_even(tl.math.div_rn(x, scale[:, None]))
+            q = _round_half_even(_div_rows(x, scale, FAST_DIV))
             q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
         else:
             # padding columns hold 0, which the clamps to min(x, 0) / max(x, 0) absorb
@@ -94,7 +124,7 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zp_ptr, num_groups,
             scale = tl.where(span > 0, tl.math.div_rn(span, QMAX), 1.0)
             zp = _round_half_even(tl.math.div_rn(-lo, scale))
             zp = tl.minimum(tl.maximum(zp, 0.0), QMAX)
-            q = _round_half_even(tl.math.div_rn(x, scale[:, None])) + zp[:, None]
+            q = _round_half_even(_div_rows(x, scale, FAST_DIV)) + zp[:, None]
             q = tl.minimum(tl.maximum(q, 0.0), QMAX)
             tl.store(zp_ptr + rows, zp.to(tl.uint8), mask=row_ok)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
@@ -151,6 +181,8 @@ def _tile(group_size: int) -> tuple[int, int]:
 
 
 def _num_warps(group_p2: int, rows: int) -> int:
+    if NUM_WARPS is not None:
+        return NUM_WARPS
     return 8 if group_p2 * rows >= 4096 else 4
 
 
@@ -201,7 +233,8 @@ def quantize(x: torch.Tensor, mode: str = "int8", group_size: int = 128, symmetr
     _quantize_kernel[grid](
         x, data, scales, zero_points if zero_points is not None else scales, num_groups,
         GROUP=group_size, GROUP_P2=group_p2, ROWS=rows, MODE=_MODE_IDS[mode], SYMMETRIC=symmetric,
-        QMAX=float(top), num_warps=_num_warps(group_p2, rows),
+        QMAX=float(top), FAST_DIV=(not interpreting()) if FAST_DIV is None else FAST_DIV,
+        num_warps=_num_warps(group_p2, rows),
     )
     return QuantizedTensor(data, scales, zero_points, mode, group_size, x.shape, x.dtype)
 
