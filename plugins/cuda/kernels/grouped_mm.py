@@ -290,9 +290,14 @@ class _TritonGroupedMM(torch.autograd.Function):
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
                config: TileConfig | None = None, wgrad_config: TileConfig | None = None) -> torch.Tensor:
-    """The op (Triton, autograd-aware): differentiable in ``x`` and ``weight``."""
+    """The op (Triton, autograd-aware): differentiable in ``x`` and ``weight``.
+
+    dtypes the tensor cores do not take (float64) go to the reference, so the op keeps one
+    semantics whatever the dtype.
+    """
     off64 = check_args(x, weight, offsets)
-    _check_dtype(x)
+    if x.dtype not in _DOT_DTYPES:
+        return reference_grouped_mm(x, weight, offsets)
     return _TritonGroupedMM.apply(x, weight, off64.contiguous(), config, wgrad_config)
 
 

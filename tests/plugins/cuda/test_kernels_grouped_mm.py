@@ -98,8 +98,8 @@ def test_bad_dtypes_raise():
     with pytest.raises(ValueError, match="weight is"):
         kg.grouped_mm(torch.randn(4, 16), torch.randn(1, 16, 8, dtype=torch.float64), torch.tensor([4]))
     with pytest.raises(ValueError, match="Triton kernel takes"):
-        kg.grouped_mm(torch.randn(4, 16, dtype=torch.float64), torch.randn(1, 16, 8, dtype=torch.float64),
-                      torch.tensor([4]))
+        kg.grouped_mm_forward(torch.randn(4, 16, dtype=torch.float64), torch.randn(1, 16, 8, dtype=torch.float64),
+                              torch.tensor([4]))
     with pytest.raises(ValueError, match="int32 or int64"):
         kg.grouped_mm(torch.randn(4, 16), torch.randn(1, 16, 8), torch.tensor([4.0]))
 
@@ -129,3 +129,14 @@ def test_torch_grouped_mm_wrapper_sends_what_torch_does_not_take_to_the_referenc
     _check(out, reference(x.double(), w.double(), torch.tensor([3, 7])), torch.float32, 12, "fp32 via reference")
     ok, why = kg.torch_grouped_mm_applies(x.bfloat16(), w.bfloat16())
     assert not ok and "multiples of 8" in why
+
+
+def test_float64_goes_to_the_reference_with_gradients():
+    x = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 16, 8, dtype=torch.float64, requires_grad=True)
+    offsets = torch.tensor([4, 7])
+    out = kg.grouped_mm(x, w, offsets)
+    want = reference(x.detach(), w.detach(), offsets)
+    assert out.dtype == torch.float64 and torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    assert x.grad is not None and w.grad is not None and bool((x.grad[7:] == 0).all())
