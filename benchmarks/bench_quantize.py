@@ -102,12 +102,19 @@ def _nbytes(n, group, mode, symmetric, elem=2):
 
 
 def _sweep(x, g, copy) -> list[Row]:
-    """int8 symmetric quantize under each (division, elements per program, warps) variant."""
+    """int8 symmetric dequantize and quantize under each (division, elements per program, warps) variant."""
     kq = _kernels()
     saved = (kq.FAST_DIV, kq.BLOCK_ELEMS, kq.NUM_WARPS)
     nbytes = _nbytes(x.numel(), g, "int8", True)
     out = []
+    qt = kq.quantize(x, "int8", g, True)
     try:
+        for block in (4096, 8192, 16384):
+            for warps in (4, 8):
+                kq.BLOCK_ELEMS, kq.NUM_WARPS = block, warps
+                ms = time_ms(lambda: kq.dequantize(qt))
+                out.append(Row("quantize", f"sweep int8 g{g} dequantize: block={block} warps={warps}", "ms", "-",
+                               None, ms, detail=f"{gbs(nbytes, ms) / copy:.1%} of copy"))
         for fast in (False, True):
             for block in (4096, 8192, 16384):
                 for warps in (4, 8):
