@@ -97,6 +97,9 @@ def main() -> int:
         row = {"config": name, "step_ms": med * 1e3, "tokens_per_s": tokens / med, "peak_gib": peak / 2**30,
                "bytes_per_param": peak / n_params, "first_loss": losses[0], "last_loss": losses[-1], **(extra or {})}
         rows.append(row)
+        if args.out:  # after every row, so a run cut short still leaves its numbers
+            with open(args.out, "w") as f:
+                json.dump({"params": n_params, "args": vars(args), "rows": rows}, f, indent=1)
         print(f"{name:45s} {row['step_ms']:9.1f} ms {row['tokens_per_s']:10.0f} tok/s {row['peak_gib']:7.2f} GiB "
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f} {extra or ''}", flush=True)
 
@@ -115,7 +118,7 @@ def main() -> int:
 
     times, losses = run(torch_step, data, device, sync)
     record("torch AdamW(fused) fp32 + bf16 autocast", times, losses, peak_now())
-    del model, opt
+    model = opt = None  # free the baseline before the engines run
     gc.collect()
     acc.empty_cache()
 
