@@ -101,8 +101,9 @@ class FlatPartitioner:
         """After each backward (stage 2): reduce what the hooks left (unused params, leftovers)."""
         if self.stage != 2:
             return
-        leftovers = sorted(set(range(len(self.layout.buckets))) - self._reduced) + sorted(self._buffers)
-        for k in leftovers:
+        unreduced = sorted(set(range(len(self.layout.buckets))) - self._reduced)
+        reopened = sorted(k for k in self._buffers if k in self._reduced)  # grads that came after their reduce
+        for k in unreduced + reopened:
             self._buffer(k)
             self._reduce(k)
         self._finish()

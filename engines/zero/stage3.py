@@ -178,6 +178,8 @@ class ShardedParameters:
     def _record(self, module) -> None:
         key = id(module)
         if not self._trace_done:
+            if len(self._trace) > 4 * len(self._modules):  # forwards without a backward (eval): start over
+                self._trace.clear()
             self._trace.append(key)
             return
         if self._cursor < len(self._trace) and self._trace[self._cursor] == key:

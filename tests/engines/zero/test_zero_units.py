@@ -251,3 +251,43 @@ def test_bad_client_state_and_model_are_rejected(tmp_path):
             engine.load_checkpoint(tmp_path / "nothing")
     finally:
         engine.destroy()
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = _tiny()
+        self.unused = torch.nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameters_without_gradients_do_not_stall_reduction(stage):
+    """A parameter backward never reaches leaves its bucket incomplete: it is reduced at the end."""
+    import polyaccel
+
+    model = _WithUnused()
+    ref = copy.deepcopy(model.used)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    config = {"optimizer": {"type": "adamw", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 8,
+                                    "stage3_param_persistence_threshold": 0}}
+    before = {k: v.clone() for k, v in model.unused.state_dict().items()}
+    engine = polyaccel.initialize(model, config)
+    try:
+        for i in range(2):
+            x = torch.randn(3, 6, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+            engine.backward(engine(x).square().mean())
+            engine.step()
+            ref(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        full = engine.full_state_dict()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(full[f"used.{name}"], p, rtol=1e-12, atol=1e-12)
+        for name, v in before.items():  # zero gradient, no decay: Adam leaves it where it was
+            torch.testing.assert_close(full[f"unused.{name}"], v, rtol=0, atol=0)
+    finally:
+        engine.destroy()
