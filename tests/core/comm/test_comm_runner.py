@@ -79,3 +79,13 @@ def test_local_functions_are_refused_with_a_fix():
 
     with pytest.raises(ValueError, match="module-level function"):
         run_ranks(local, 2)
+
+
+def return_unpicklable(rank, world):
+    return (lambda: rank) if rank == 1 else rank
+
+
+def test_an_unpicklable_result_is_a_clear_error():
+    with pytest.raises(RankFailure, match="the value rank 1 returned cannot be pickled back") as info:
+        run_ranks(return_unpicklable, 2, timeout=60)
+    assert info.value.rank == 1
