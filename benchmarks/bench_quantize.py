@@ -109,14 +109,14 @@ def _sweep(x, g, copy) -> list[Row]:
     out = []
     qt = kq.quantize(x, "int8", g, True)
     try:
-        for block in (4096, 8192, 16384):
+        for block in (4096, 8192):
             for warps in (4, 8):
                 kq.BLOCK_ELEMS, kq.NUM_WARPS = block, warps
                 ms = time_ms(lambda: kq.dequantize(qt))
                 out.append(Row("quantize", f"sweep int8 g{g} dequantize: block={block} warps={warps}", "ms", "-",
                                None, ms, detail=f"{gbs(nbytes, ms) / copy:.1%} of copy"))
         for fast in (False, True):
-            for block in (4096, 8192, 16384):
+            for block in (4096, 8192):
                 for warps in (4, 8):
                     kq.FAST_DIV, kq.BLOCK_ELEMS, kq.NUM_WARPS = fast, block, warps
                     ms = time_ms(lambda: kq.quantize(x, "int8", g, True))
