@@ -218,7 +218,9 @@ def parse_config(config: dict | None, world_size: int = 1) -> ZeroConfig:
         out["reduce_bucket_size"] = _int("zero_optimization.reduce_bucket_size", zero["reduce_bucket_size"], 1)
     out["overlap_comm"] = _bool("zero_optimization.overlap_comm", zero.get("overlap_comm", stage == 3))
     if "contiguous_gradients" in zero:
-        out["contiguous_gradients"] = _bool("zero_optimization.contiguous_gradients", zero["contiguous_gradients"])
+        if not _bool("zero_optimization.contiguous_gradients", zero["contiguous_gradients"]):
+            raise ConfigError("config key 'zero_optimization.contiguous_gradients' must be true: gradients always "
+                              "go through contiguous reduce buckets (false is not implemented)")
     for key in ("stage3_prefetch_bucket_size", "prefetch_bucket_size"):
         if key in zero:
             out["stage3_prefetch_bucket_size"] = _int(f"zero_optimization.{key}", zero[key], 0)

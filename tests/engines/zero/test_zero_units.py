@@ -291,3 +291,8 @@ def test_parameters_without_gradients_do_not_stall_reduction(stage):
             torch.testing.assert_close(full[f"unused.{name}"], v, rtol=0, atol=0)
     finally:
         engine.destroy()
+
+
+def test_contiguous_gradients_false_is_refused():
+    with pytest.raises(ConfigError, match="contiguous_gradients"):
+        parse_config({"zero_optimization": {"contiguous_gradients": False}})
