@@ -238,3 +238,40 @@ def test_fp16_dynamic_loss_scale_skips_overflowing_steps(precision):
         assert res["fp16_scales"][-1] == 2.0 ** (16 - (skipped - (0 if res["fp16_stepped"][-1] else 1)))
         assert res["fp16_stepped"][skipped:] == [True] * (10 - skipped)  # overflow only while the scale was too big
         assert math.isfinite(res["fp16_loss"]) and res["fp16_loss"] < 4.2
+
+
+def _kill_self(phase):
+    if phase == "commit":  # everything of the new checkpoint is on disk, nothing is renamed into place yet
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_then_die(rank: int, world: int, ckpt: str) -> None:
+    import polyaccel
+    from polyaccel.engines.zero import checkpoint
+
+    torch.set_num_threads(1)
+    eng = polyaccel.initialize(build_model("gpt2", torch.float32, edge=False), zero_config(2))
+    train_engine(eng, 1, rank)
+    eng.save_checkpoint(ckpt, client_state={"good": True})
+    train_engine(eng, 1, rank, start=1)
+    checkpoint._FAULT = _kill_self
+    eng.save_checkpoint(ckpt, tag="doomed")
+
+
+def test_process_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
+    from pathlib import Path
+
+    from polyaccel.engines.zero.consolidate import consolidate
+    from polyaccel.testing.multiprocess import RankFailure
+
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(RankFailure):
+        run_ranks(save_then_die, 1, str(ckpt), timeout=120)
+    assert (Path(ckpt) / ".doomed.partial" / "meta.json").is_file()  # the kill came after every file was written
+    assert not (Path(ckpt) / "doomed").exists()
+    assert (Path(ckpt) / "latest").read_text() == "global_step1"
+    state = consolidate(ckpt)
+    assert set(state) == set(build_model("gpt2", torch.float32, edge=False).state_dict())

@@ -54,6 +54,7 @@ def _traced_step(engine, rank, step):
     with CommTracer() as tracer:
         loss = loss_of(engine, batch(step, rank))
         phases["forward"] = [(e.op, e.bytes) for e in tracer.events]
+        phases["forward_async"] = [e.async_op for e in tracer.events]
         tracer.clear()
         engine.backward(loss)
         phases["backward"] = [(e.op, e.bytes) for e in tracer.events]
@@ -169,7 +170,8 @@ def test_collective_schedule(results, name):
     trainable, every = _numels(kind, dtype)
     size = torch.tensor([], dtype=dtype).element_size()
     for rank in range(WORLD):
-        sched = results[rank][name]["schedule"]
+        sched = dict(results[rank][name]["schedule"])
+        forward_async = sched.pop("forward_async")
         ops = {phase: [op for op, _ in events] for phase, events in sched.items()}
         nbytes = {phase: {} for phase in sched}
         for phase, events in sched.items():
@@ -189,6 +191,8 @@ def test_collective_schedule(results, name):
             persistent = kw.get("persistence", 0)
             big = [n for n in every if n > persistent]
             assert set(ops["forward"]) == {"all_gather_into_tensor"}
+            # from the second step on, the recorded module order drives asynchronous prefetches
+            assert any(forward_async)
             # every partitioned parameter is gathered in forward and again in backward (its shard each time)
             assert nbytes["forward"]["all_gather_into_tensor"] >= sum(math.ceil(n / WORLD) for n in big) * size
             assert set(ops["backward"]) == {"all_gather_into_tensor", "reduce_scatter_tensor"}
