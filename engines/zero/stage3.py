@@ -299,6 +299,9 @@ class ShardedParameters:
         for info in self.infos.values():  # frozen params, unused params and stale prefetches
             if info.inflight is not None:
                 info.inflight.finish(self.world)
+            # no forward runs now: a count left over is from a forward that never returned (non-reentrant
+            # activation checkpointing stops its recomputation early by raising inside the module)
+            info.active = 0
             self._release(info)
         if self._trace and not self._trace_done:
             self._trace_done = True
@@ -320,6 +323,10 @@ class ShardedParameters:
             if info.index is not None and info.shard_size:
                 off = self.layout.part_offsets[info.index]
                 info.shard.copy_(self.master[off:off + info.shard_size], non_blocking=True)
+            if info.inflight is not None:  # a gather of pre-step values must not survive the step
+                info.inflight.finish(self.world)
+            info.active = 0
+            self._release(info)
         persistent = [i for i in self.infos.values() if i.persistent and i.index is not None and i.numel]
         if persistent:
             for i in persistent:

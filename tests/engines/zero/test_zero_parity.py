@@ -31,6 +31,9 @@ CASES = {
     "llama-s3-offload": ("llama", torch.float64, {"stage": 3, "offload": True}, {}),
     "llama-s3-offload-param": ("llama", torch.float64, {"stage": 3, "offload": True, "offload_param": True}, {}),
     "llama-s3-persist": ("llama", torch.float64, {"stage": 3, "persistence": 100}, {}),
+    # recomputation inside backward; non-reentrant checkpointing aborts it early from inside a module
+    "llama-actckpt-s3": ("llama-actckpt", torch.float64, {"stage": 3}, {}),
+    "llama-actckpt-s2": ("llama-actckpt", torch.float64, {"stage": 2}, {}),
     "llama-s2-gas2": ("llama", torch.float64, {"stage": 2, "gas": 2}, {"gas": 2}),
     "llama-s1-gas2-clip": ("llama", torch.float64, {"stage": 1, "gas": 2, "clip": 0.05}, {"gas": 2, "clip": 0.05}),
     "llama-s3-gas2-clip": ("llama", torch.float64, {"stage": 3, "gas": 2, "clip": 0.05}, {"gas": 2, "clip": 0.05}),

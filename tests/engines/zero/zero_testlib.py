@@ -33,7 +33,7 @@ def build_model(kind: str, dtype: torch.dtype, seed: int = 0, edge: bool = True)
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    if kind == "llama":
+    if kind.startswith("llama"):
         cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
                           tie_word_embeddings=False)
@@ -43,6 +43,10 @@ def build_model(kind: str, dtype: torch.dtype, seed: int = 0, edge: bool = True)
                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         lm = GPT2LMHeadModel(cfg)
     lm.config.use_cache = False
+    if kind.endswith("-actckpt"):  # HF activation checkpointing (non-reentrant, its default)
+        enable = getattr(lm, "activation_checkpointing_enable", None) or lm.gradient_checkpointing_enable
+        enable()
+        lm.train()
     model = EdgeWrapper(lm) if edge else lm
     return model.to(dtype)
 
