@@ -21,7 +21,7 @@ model to the accelerator (cast to bf16/fp16 when enabled). The engine has:
   (stage 1), unscales, checks fp16 overflow (a skipped step returns False and lowers the
   scale), clips to ``gradient_clipping``, applies the optimizer, republishes parameters and
   zeroes gradients. Returns True when the optimizer was applied.
-- ``engine.zero_grad()``.
+- ``engine.zero_grad()``, ``engine.train(mode=True)`` / ``engine.eval()`` (the module's mode).
 - ``engine.save_checkpoint(dir, tag=None, client_state=None) -> tag`` (collective; default tag
   ``global_step{N}``; ``client_state`` must be JSON-serialisable) and
   ``engine.load_checkpoint(dir, tag=None) -> client_state`` (tag None: the one in ``latest``;
@@ -44,7 +44,16 @@ none|cpu, pin_memory}, offload_param: {device: none|cpu, pin_memory} (stage 3)}`
 As in DeepSpeed, optimizer type ``adam`` uses decoupled weight decay unless ``adam_w_mode`` is false.
 
 Without bf16/fp16 the model keeps its dtype; a float64 model trains with float64 master
-weights (used by the tests to check exactness).
+weights (used by the tests to check exactness). Gradients are reduced in the model's compute
+dtype (pre-divided by the world size), as DeepSpeed does by default; the master weights,
+moments and gradient partition are fp32. Parameters that get no gradient in a step are
+treated as having a zero gradient (Adam's weight decay still applies to them).
+
+Partition sizes: stages 1 and 2 hold exactly ``ceil(total / world)`` elements of master weights
+and of each moment per rank (:class:`~.partition.FlatLayout`); stage 3 partitions each parameter
+on its own and holds ``sum(ceil(numel_i / world))`` (at most one element per parameter more).
+In stage 3, ``param.data`` is empty outside the forward/backward of the module using it; use
+``engine.full_state_dict()`` to read the weights.
 """
 
 from __future__ import annotations

@@ -132,6 +132,13 @@ class ZeroEngine:
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        return self.train(False)
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
