@@ -296,3 +296,40 @@ def test_parameters_without_gradients_do_not_stall_reduction(stage):
 def test_contiguous_gradients_false_is_refused():
     with pytest.raises(ConfigError, match="contiguous_gradients"):
         parse_config({"zero_optimization": {"contiguous_gradients": False}})
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_registers_host_buffers_through_the_accelerator(monkeypatch, stage):
+    """An accelerator that can register host memory gets every offload buffer registered, and released."""
+    import polyaccel
+    from polyaccel.plugins.cpu.accelerator import CpuAccelerator
+
+    calls = {"register": [], "unregister": []}
+    caps = CpuAccelerator.capabilities
+    monkeypatch.setattr(CpuAccelerator, "capabilities", lambda self: caps(self) | {"host_register"})
+    monkeypatch.setattr(CpuAccelerator, "_host_register", lambda self, ptr, n: calls["register"].append(ptr),
+                        raising=False)
+    monkeypatch.setattr(CpuAccelerator, "_host_unregister", lambda self, ptr: calls["unregister"].append(ptr),
+                        raising=False)
+
+    def forbidden(*a, **k):
+        raise AssertionError("the engine must not call Tensor.pin_memory directly")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", forbidden)
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    engine = polyaccel.initialize(_tiny(), {"zero_optimization": zero})
+    try:
+        engine.backward(engine(torch.randn(2, 6, dtype=torch.float64)).sum())
+        assert engine.step()
+        acc = engine.accelerator
+        registered = acc.host_registrations()
+        assert engine.partitioner.master.data_ptr() in registered
+        for t in engine.optimizer.state.values():
+            assert t.data_ptr() in registered
+        assert len(calls["register"]) >= 4 + (len(list(engine.module.parameters())) if stage == 3 else 0)
+    finally:
+        engine.destroy()
+    assert sorted(calls["unregister"]) == sorted(calls["register"])
+    assert engine.accelerator.host_registrations() == {}
