@@ -48,6 +48,8 @@ class _Gather:
 
     def __init__(self, infos, out, work, inp):
         self.infos, self.out, self.work, self.inp = infos, out, work, inp
+        self.numel = sum(i.numel for i in infos)
+        self.done = False
 
     def finish(self, world: int) -> None:
         if self.work is not None:
@@ -66,6 +68,7 @@ class _Gather:
             info.inflight = None
             col += s
         self.inp = None
+        self.done = True
 
 
 class _PreBackward(torch.autograd.Function):
@@ -140,6 +143,8 @@ class ShardedParameters:
         self._trace: list[int] = []
         self._trace_done = False
         self._cursor = 0
+        self._ahead = 0
+        self._outstanding: list[_Gather] = []
         self._modules: dict[int, torch.nn.Module] = {id(m): m for m in model.modules()}
 
     # ------------------------------------------------------------------ gather
@@ -188,17 +193,25 @@ class ShardedParameters:
             self._cursor = len(self._trace) + 1
 
     def _prefetch(self) -> None:
+        """Issue gathers for the next modules of the trace while at most ``stage3_prefetch_bucket_size``
+        prefetched elements are outstanding. ``_ahead`` remembers how far prefetching got, so each
+        trace entry is looked at about once per iteration."""
         if not self._trace_done or self.prefetch_budget <= 0 or self._cursor > len(self._trace):
             return
-        budget = self.prefetch_budget
-        for key in self._trace[self._cursor:]:
-            infos = [i for i in self._module_params[key] if i.inflight is None and i.param.numel() != i.numel]
-            need = sum(i.numel for i in infos)
-            if need > budget:
+        self._outstanding = [g for g in self._outstanding if not g.done]
+        inflight = sum(g.numel for g in self._outstanding)
+        i = max(self._ahead, self._cursor)
+        while i < len(self._trace):
+            infos = [x for x in self._module_params[self._trace[i]]
+                     if x.inflight is None and x.param.numel() != x.numel]
+            need = sum(x.numel for x in infos)
+            if inflight + need > self.prefetch_budget:
                 break
-            budget -= need
             if infos:
-                self._launch_gather(infos, async_op=True)
+                self._outstanding.append(self._launch_gather(infos, async_op=True))
+                inflight += need
+            i += 1
+        self._ahead = i
 
     def _pre_forward(self, module, args):
         for info in self._fetch(module):
@@ -306,6 +319,8 @@ class ShardedParameters:
         if self._trace and not self._trace_done:
             self._trace_done = True
         self._cursor = 0
+        self._ahead = 0
+        self._outstanding.clear()
 
     def reduce_at_boundary(self) -> None:
         """Gradients were reduced during backward."""
