@@ -13,7 +13,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/report.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   polyaccel report
 } >>"$OUT/report.txt" 2>&1
-python3 benchmarks/verify_cuda.py --out "$OUT/verify.json" >"$OUT/verify.log" 2>&1
+python3 benchmarks/verify_cuda.py --out "$OUT/verify.json" ${VERIFY_ARGS:-} >"$OUT/verify.log" 2>&1
 echo "verify: exit $? ($(grep -c '^PASS' "$OUT/verify.log") passed, $(grep -c '^FAIL' "$OUT/verify.log") failed)"
 grep '^FAIL' "$OUT/verify.log"
 if [ -n "${SKIP_CONFORMANCE:-}" ]; then
