@@ -46,7 +46,8 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
 
 
 def _as_fp32(lst):
-    return [t if t.dtype == torch.float32 else t.float() for t in lst]
+    """Math dtype per tensor: fp32 for 16-bit tensors, float32/float64 unchanged."""
+    return [ref.upcast(t) for t in lst]
 
 
 def _write_back(dst, src):
