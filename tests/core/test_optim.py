@@ -47,11 +47,11 @@ def test_fused_adam_matches_torch(adam_w_mode, dtype):
     (FusedLamb, ref.fused_lamb, dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01),
      ("exp_avg", "exp_avg_sq")),
 ])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_fused_optimizers_match_reference(opt_cls, ref_fn, kw, states, dtype):
     ours = make_params(dtype)
     ref_p = [p.detach().clone() for p in ours]
-    sdt = torch.float32
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
     ref_s = [[torch.zeros_like(p, dtype=sdt) for p in ref_p] for _ in states]
     opt = opt_cls(ours, **kw)
     b1, b2 = kw["betas"]
@@ -65,14 +65,15 @@ def test_fused_optimizers_match_reference(opt_cls, ref_fn, kw, states, dtype):
         if ref_fn is not ref.fused_lion:
             args["step"] = step
         ref_fn(ref_p, grads, *ref_s, **args)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    tol = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12),
+           torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}[dtype]
     for a, b in zip(ours, ref_p):
         torch.testing.assert_close(a.detach(), b, **tol)
     for name, lst in zip(states, ref_s):
         for p, s in zip(ours, lst):
-            assert opt.state[p][name].dtype == torch.float32
-            if dtype == torch.float32:
-                torch.testing.assert_close(opt.state[p][name], s, rtol=1e-5, atol=1e-6)
+            assert opt.state[p][name].dtype == sdt
+            if dtype != torch.bfloat16:
+                torch.testing.assert_close(opt.state[p][name], s, **tol)
 
 
 def test_state_dict_round_trip_continues_identically():
