@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from polyaccel.errors import Unsupported
 from polyaccel.ops.reference.quantize import FP8_MAX, QuantizedTensor, check_quantize_args, qmax
+from triton.language.extra import libdevice
 
 from ..triton_support import interpreting
 
@@ -41,6 +42,9 @@ NUM_WARPS: int | None = None
 #: division method: None picks the fused-multiply-add division on the GPU and ``div_rn`` under the
 #: interpreter (see ``_div_rows``); True/False force one (both give the IEEE quotient on the GPU)
 FAST_DIV: bool | None = None
+#: rounding: None picks ``libdevice.float2int_rn`` (one ``cvt.rni``) on the GPU and the fp32 trick under
+#: the interpreter, which has no libdevice; both round half to even
+NATIVE_ROUND: bool | None = None
 #: oldest compute capability with hardware e4m3 conversions in Triton
 FP8_MIN_CAPABILITY = (8, 9)
 _PLUGIN = "cuda"
@@ -74,29 +78,40 @@ def _round_to_e4m3(v):
 def _div_rows(x, scale, FAST_DIV: tl.constexpr):
     """``x / scale[:, None]`` rounded to nearest (IEEE), as torch's CPU division.
 
-    FAST_DIV (GPU): one correctly rounded reciprocal per row, then per element Markstein's
-    correction, ``q = x * y; r = fma(-q, s, x); q + r * y`` (fused), which is the correctly
-    rounded quotient when ``y = RN(1 / s)``; three instructions instead of ``div.rn``'s
-    subroutine. Rows with a tiny scale (below 2**-100, where ``1 / s`` could overflow or the
-    remainder underflow) are first scaled by 2**64 on both sides, which is exact. The CPU
-    interpreter does not fuse ``tl.fma``, so there the kernel uses ``div_rn`` itself.
+    FAST_DIV (GPU): one correctly rounded reciprocal ``y = RN(1 / s)`` per row, then per
+    element Markstein's correction ``q = x * y; r = fma(q, -s, x); fma(r, y, q)``, which is
+    the correctly rounded quotient (three instructions instead of ``div.rn``'s subroutine).
+    It needs no overflow of ``1 / s`` and no underflow of the remainder: a tile holding a
+    row with a scale below 2**-100 takes ``div_rn`` instead (one branch per program). The
+    CPU interpreter does not fuse ``tl.fma``, so by default it runs ``div_rn``.
     """
     if FAST_DIV:
-        tiny = scale < 7.888609052210118e-31  # 2**-100
-        s = tl.where(tiny, scale * 18446744073709551616.0, scale)  # * 2**64
-        xs = tl.where(tiny[:, None], x * 18446744073709551616.0, x)
-        y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-        q = xs * y[:, None]
-        r = tl.fma(-q, s[:, None], xs)
-        return tl.fma(r, y[:, None], q)
+        if tl.min(scale, axis=0) >= 7.888609052210118e-31:  # 2**-100
+            y = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+            q = x * y[:, None]
+            r = tl.fma(q, -scale[:, None], x)
+            v = tl.fma(r, y[:, None], q)
+        else:
+            v = tl.math.div_rn(x, scale[:, None])
     else:
-        return tl.math.div_rn(x, scale[:, None])
+        v = tl.math.div_rn(x, scale[:, None])
+    return v
+
+
+@triton.jit
+def _round_to_int(v, NATIVE_ROUND: tl.constexpr):
+    """Round half to even and convert to int32: one ``cvt.rni`` on the GPU, the fp32 trick elsewhere."""
+    if NATIVE_ROUND:
+        return libdevice.float2int_rn(v)
+    else:
+        return _round_half_even(v).to(tl.int32)
 
 
 @triton.jit
 def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zp_ptr, num_groups,
                      GROUP: tl.constexpr, GROUP_P2: tl.constexpr, ROWS: tl.constexpr,
-                     MODE: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, FAST_DIV: tl.constexpr):
+                     MODE: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, FAST_DIV: tl.constexpr,
+                     NATIVE_ROUND: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, GROUP_P2)
@@ -114,28 +129,26 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zp_ptr, num_groups,
         if SYMMETRIC:
             amax = tl.max(tl.abs(x), axis=1)
             scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
-            q = _round_half_even(_div_rows(x, scale, FAST_DIV))
-            q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+            qi = _round_to_int(_div_rows(x, scale, FAST_DIV), NATIVE_ROUND)
+            qi = tl.minimum(tl.maximum(qi, -QMAX), QMAX)
         else:
             # padding columns hold 0, which the clamps to min(x, 0) / max(x, 0) absorb
             lo = tl.minimum(tl.min(x, axis=1), 0.0)
             hi = tl.maximum(tl.max(x, axis=1), 0.0)
             span = hi - lo
             scale = tl.where(span > 0, tl.math.div_rn(span, QMAX), 1.0)
-            zp = _round_half_even(tl.math.div_rn(-lo, scale))
-            zp = tl.minimum(tl.maximum(zp, 0.0), QMAX)
-            q = _round_half_even(_div_rows(x, scale, FAST_DIV)) + zp[:, None]
-            q = tl.minimum(tl.maximum(q, 0.0), QMAX)
+            zp = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(-lo, scale)), 0.0), QMAX).to(tl.int32)
+            qi = _round_to_int(_div_rows(x, scale, FAST_DIV), NATIVE_ROUND) + zp[:, None]
+            qi = tl.minimum(tl.maximum(qi, 0), QMAX)
             tl.store(zp_ptr + rows, zp.to(tl.uint8), mask=row_ok)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
         if MODE == 0:
             if SYMMETRIC:
-                qi = q.to(tl.int8)
+                qb = qi.to(tl.int8)
             else:
-                qi = q.to(tl.uint8)
-            tl.store(data_ptr + rows[:, None] * GROUP + cols[None, :], qi, mask=mask)
+                qb = qi.to(tl.uint8)
+            tl.store(data_ptr + rows[:, None] * GROUP + cols[None, :], qb, mask=mask)
         else:  # int4: element 2i -> low nibble, 2i+1 -> high nibble of byte i
-            qi = q.to(tl.int32)
             lo_q, hi_q = tl.split(tl.reshape(qi, (ROWS, GROUP_P2 // 2, 2)))
             packed = ((lo_q & 0xF) | ((hi_q & 0xF) << 4)).to(tl.uint8)
             pairs = tl.arange(0, GROUP_P2 // 2)
@@ -228,12 +241,13 @@ def quantize(x: torch.Tensor, mode: str = "int8", group_size: int = 128, symmetr
     scales = torch.empty(num_groups, dtype=torch.float32, device=x.device)
     zero_points = None if symmetric else torch.empty(num_groups, dtype=torch.uint8, device=x.device)
     group_p2, rows = _tile(group_size)
-    top = qmax(mode, symmetric) if mode != "fp8" else FP8_MAX
+    top = qmax(mode, symmetric) if mode != "fp8" else int(FP8_MAX)
     grid = (triton.cdiv(num_groups, rows),)
     _quantize_kernel[grid](
         x, data, scales, zero_points if zero_points is not None else scales, num_groups,
         GROUP=group_size, GROUP_P2=group_p2, ROWS=rows, MODE=_MODE_IDS[mode], SYMMETRIC=symmetric,
-        QMAX=float(top), FAST_DIV=(not interpreting()) if FAST_DIV is None else FAST_DIV,
+        QMAX=top, FAST_DIV=(not interpreting()) if FAST_DIV is None else FAST_DIV,
+        NATIVE_ROUND=(not interpreting()) if NATIVE_ROUND is None else NATIVE_ROUND,
         num_warps=_num_warps(group_p2, rows),
     )
     return QuantizedTensor(data, scales, zero_points, mode, group_size, x.shape, x.dtype)

@@ -148,14 +148,16 @@ def test_fp8_on_older_gpus_raises_unsupported_naming_the_plugin(monkeypatch):
 
 
 def test_fast_division_path_matches_reference(monkeypatch):
-    """The GPU's division (reciprocal + Markstein correction, tiny scales rescaled) on tiny and normal groups.
+    """The GPU's division (reciprocal + Markstein correction) and its fallback for tiny scales.
 
-    Under the interpreter ``tl.fma`` is not fused, so this exercises the code path and the
-    tiny-scale rescaling rather than proving the GPU's rounding (the GPU check does that).
+    40 groups of 128 are two programs of 32 rows: the first takes the fast path, the second
+    holds a group whose scale is below 2**-100 and falls back to ``div_rn``. Under the
+    interpreter ``tl.fma`` is not fused, so this exercises the code paths rather than proving
+    the GPU's rounding (the GPU check does that, against the CPU reference).
     """
     monkeypatch.setattr(kq, "FAST_DIV", True)
-    x = _input(8, 128, torch.float32, seed=21)
-    x[3] *= 1e-36  # a group whose scale is below 2**-100
+    x = _input(40, 128, torch.float32, seed=21)
+    x[35] *= 1e-36
     for mode, symmetric in MODES:
         got, want = kq.quantize(x, mode, 128, symmetric), ref.quantize(x, mode, 128, symmetric)
         assert _same_bytes(got.data, want.data) and torch.equal(got.scales, want.scales), mode
