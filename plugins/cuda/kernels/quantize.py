@@ -9,11 +9,16 @@ One program handles ``ROWS`` consecutive groups as a ``[ROWS, GROUP_P2]`` tile (
 the group size rounded up to a power of two; the extra columns are masked), so any group size
 works and a group never straddles two programs. Program ids and offsets are 64-bit.
 
-Divisions are IEEE round-to-nearest (``tl.math.div_rn``), as torch's: Triton's plain ``/``
+Divisions give the IEEE round-to-nearest quotient, as torch's on the CPU (Triton's plain ``/``
 on fp32 is the approximate ``div.full`` on NVIDIA GPUs, which would move values across a
-rounding boundary now and then. Rounding uses the fp32 "magic number" trick ``(v + 1.5 * 2**23) - 1.5 * 2**23``: exact
-round-half-to-even for ``|v| < 2**22`` (quantized values are at most 255 in magnitude), the
-same code on the GPU and under the CPU interpreter (which has no ``libdevice.rint``).
+rounding boundary now and then; torch's CUDA division by a Python scalar multiplies by the
+reciprocal, so the reference run on a GPU can differ from its CPU run by one ulp of scale).
+On the GPU the per-element division is a reciprocal per group plus an FMA correction and the
+rounding one ``cvt.rni`` (see ``_div_rows`` / ``_round_to_int``); under the CPU interpreter,
+which has no fused FMA and no libdevice, the same kernel uses ``div_rn`` and the fp32
+"magic number" rounding ``(v + 1.5 * 2**23) - 1.5 * 2**23`` (exact round-half-to-even for
+``|v| < 2**22``; quantized values are at most 255 in magnitude). The module flags
+``FAST_DIV`` / ``NATIVE_ROUND`` force either variant.
 
 fp8: Triton converts to and from e4m3 only on compute capability 8.9 and newer. On an older
 GPU ``quantize(..., mode="fp8")`` and the fp8 ``dequantize`` raise ``polyaccel.Unsupported``
