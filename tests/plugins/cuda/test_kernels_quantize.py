@@ -161,3 +161,39 @@ def test_fast_division_path_matches_reference(monkeypatch):
     for mode, symmetric in MODES:
         got, want = kq.quantize(x, mode, 128, symmetric), ref.quantize(x, mode, 128, symmetric)
         assert _same_bytes(got.data, want.data) and torch.equal(got.scales, want.scales), mode
+
+
+def _round_fp32(value) -> float:
+    """A Fraction rounded to the nearest fp32, ties to even (exact, for the rare cases checked below)."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    f = np.float32(float(value))
+    cands = [f, np.nextafter(f, np.float32(np.inf)), np.nextafter(f, np.float32(-np.inf))]
+    return float(min(cands, key=lambda c: (abs(Fraction(float(c)) - value),
+                                           int(np.frombuffer(np.float32(c).tobytes(), np.uint32)[0]) & 1)))
+
+
+def test_fma_division_gives_the_ieee_quotient():
+    """The arithmetic the GPU's fast division relies on (Markstein): with y = RN(1/s), q = RN(x*y),
+    r = fma(q, -s, x) exact, RN(fma(r, y, q)) is RN(x/s). Checked on fresh quantizer-like operands,
+    emulating the fused operations in float64 and, where that double-rounds, exactly in rationals."""
+    from fractions import Fraction
+
+    n = 400_000
+    gen = torch.Generator().manual_seed(1234)
+    amax = torch.rand(n, generator=gen) * 10 ** (torch.rand(n, generator=gen) * 8 - 4) + 1e-6
+    for top in (127, 7, 255, 15, 448):
+        s = amax.float() / top
+        x = ((torch.rand(n, generator=gen) * 2 - 1) * amax).bfloat16().float()
+        y = torch.ones(n) / s
+        q = x * y
+        r = (q.double() * -s.double() + x.double()).float()
+        v = (r.double() * y.double() + q.double()).float()
+        want = x / s
+        for i in (v != want).nonzero().flatten().tolist():
+            xi, si, yi, qi = (Fraction(float(t[i])) for t in (x, s, y, q))
+            r_exact = xi - qi * si
+            assert Fraction(_round_fp32(r_exact)) == r_exact, "the remainder must be exact"
+            assert _round_fp32(Fraction(_round_fp32(r_exact)) * yi + qi) == want[i].item()
