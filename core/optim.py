@@ -55,7 +55,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             lists[1].append(p.grad)
             for i, name in enumerate(self._state_names):
                 lists[2 + i].append(st[name])
-        for (device, step), lists in batches.items():
+        for (_device, step), lists in batches.items():
             yield step, lists
 
     @torch.no_grad()

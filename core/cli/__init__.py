@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
             mod = load()
         except Exception as exc:  # noqa: BLE001 - one broken command must not break the others
             p = sub.add_parser(name, help=f"(unavailable: {type(exc).__name__}: {exc})")
-            p.set_defaults(_run=lambda args, exc=exc: _broken(name, exc))
+            p.set_defaults(_run=lambda args, name=name, exc=exc: _broken(name, exc))
             continue
         help_ = help_ or getattr(mod, "HELP", "")
         p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip(),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import torch
-
 from polyaccel.accelerator import Accelerator, ProbeResult
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import importlib
 
 import torch
-from polyaccel.ops import OpBuilder
-from polyaccel.ops.reference import optimizers as ref
+from polyaccel.ops import OpBuilder, torch_optim
 
 from .triton_support import triton_compatible
 
@@ -28,27 +27,8 @@ def _triton_loader(attr: str):
     return load
 
 
-def torch_fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
-                     adam_w_mode=True, bias_correction=True):
-    """torch's fused CUDA Adam/AdamW kernel; the reference where its preconditions do not hold."""
-    ref.check_lists("fused_adam", params, grads, exp_avgs, exp_avg_sqs)
-    keep = [i for i, p in enumerate(params) if p.numel()]
-    if not keep:
-        return
-    lists = [[lst[i] for i in keep] for lst in (params, grads, exp_avgs, exp_avg_sqs)]
-    dtype = lists[0][0].dtype
-    if not bias_correction or any(t.dtype != dtype for lst in lists for t in lst):
-        ref.fused_adam(*lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-                       adam_w_mode=adam_w_mode, bias_correction=bias_correction)
-        return
-    device = lists[0][0].device
-    if isinstance(step, torch.Tensor):
-        step_t = step.to(device=device, dtype=torch.float32).reshape(())
-    else:
-        step_t = torch.full((), float(step), dtype=torch.float32, device=device)
-    kernel = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
-    kernel(*lists, [], [step_t] * len(lists[0]), lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-           eps=eps, amsgrad=False, maximize=False)
+#: torch's fused CUDA Adam/AdamW kernel per dtype group; foreach where its preconditions do not hold
+torch_fused_adam = torch_optim.fused_adam
 
 
 def _torch_cuda_compatible(accelerator) -> tuple[bool, str]:
@@ -71,7 +51,7 @@ def register(registry) -> None:
     registry.add(OpBuilder(op="fused_adam", name="torch_fused_adam", device_types=("cuda",),
                            loader=lambda: torch_fused_adam, kind="torch", priority=TORCH_PRIORITY,
                            compatible=_torch_cuda_compatible,
-                           description="torch._fused_adam(w)_ (uniform dtypes), else the reference"))
+                           description="torch._fused_adam(w)_ per dtype group, else torch foreach ops"))
     try:
         kernel_builders = importlib.import_module(f"{__package__}.kernel_builders")
     except ModuleNotFoundError as exc:

@@ -2,16 +2,13 @@
 
 Preference: the Metal kernel (``torch.mps.compile_shader``, torch >= 2.6) > torch's fused
 Adam kernel for mps (``torch._fused_adam_``/``torch._fused_adamw_``) > the reference.
-Lion and Lamb use the reference.
+Lion and Lamb use torch's foreach ops on mps.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-from polyaccel.ops import OpBuilder
-from polyaccel.ops.reference import optimizers as ref
+from polyaccel.ops import OpBuilder, torch_optim
 
 DEVICE_TYPE = "mps"
 
@@ -42,53 +39,8 @@ def torch_fused_compatible(accelerator) -> tuple[bool, str]:
     return True, ""
 
 
-def _step_tensor(step, device) -> torch.Tensor:
-    if isinstance(step, torch.Tensor):
-        return step.detach().to(device=device, dtype=torch.float32).reshape(())
-    return torch.full((), float(step), dtype=torch.float32, device=device)
-
-
-def _foreach_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
-                  adam_w_mode, bias_correction):
-    p32, g32, m32, v32 = ([t.float() for t in lst] for lst in (params, grads, exp_avgs, exp_avg_sqs))
-    if weight_decay and not adam_w_mode:
-        g32 = torch._foreach_add(g32, p32, alpha=weight_decay)
-    torch._foreach_lerp_(m32, g32, 1 - beta1)
-    torch._foreach_mul_(v32, beta2)
-    torch._foreach_addcmul_(v32, g32, g32, value=1 - beta2)
-    bc1 = 1 - beta1**step if bias_correction else 1.0
-    bc2 = 1 - beta2**step if bias_correction else 1.0
-    denom = torch._foreach_sqrt(v32)
-    torch._foreach_div_(denom, math.sqrt(bc2))
-    torch._foreach_add_(denom, eps)
-    if weight_decay and adam_w_mode:
-        torch._foreach_mul_(p32, 1 - lr * weight_decay)
-    torch._foreach_addcdiv_(p32, m32, denom, value=-lr / bc1)
-    for dst, src in ((params, p32), (exp_avgs, m32), (exp_avg_sqs, v32)):
-        for d, s in zip(dst, src, strict=True):
-            if d is not s:
-                d.copy_(s)
-
-
-def torch_fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
-                     adam_w_mode=True, bias_correction=True):
-    """torch's fused Adam kernel (one dtype everywhere, bias correction on); else foreach fp32 math."""
-    ref.check_lists("fused_adam", params, grads, exp_avgs, exp_avg_sqs)
-    keep = [i for i, p in enumerate(params) if p.numel()]
-    params, grads, exp_avgs, exp_avg_sqs = ([lst[i] for i in keep] for lst in (params, grads, exp_avgs, exp_avg_sqs))
-    if not params:
-        return
-    dtype = params[0].dtype
-    same_dtype = all(t.dtype == dtype for lst in (params, grads, exp_avgs, exp_avg_sqs) for t in lst)
-    if bias_correction and same_dtype:
-        kernel = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
-        steps = [_step_tensor(step, params[0].device)] * len(params)
-        kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-        return
-    s = float(step.item()) if isinstance(step, torch.Tensor) else float(step)
-    _foreach_adam(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                  weight_decay=weight_decay, step=s, adam_w_mode=adam_w_mode, bias_correction=bias_correction)
+#: torch's fused Adam kernel for mps per dtype group; foreach where its preconditions do not hold
+torch_fused_adam = torch_optim.fused_adam
 
 
 def _load_metal():
@@ -106,3 +58,6 @@ def register(registry) -> None:
         op="fused_adam", name="mps_torch_fused_adam", device_types=(DEVICE_TYPE,), loader=lambda: torch_fused_adam,
         kind="torch", priority=50, compatible=torch_fused_compatible,
         description="torch's fused Adam/AdamW kernel for mps (foreach fp32 math for mixed dtypes)"))
+    for op, fn in (("fused_lion", torch_optim.fused_lion), ("fused_lamb", torch_optim.fused_lamb)):
+        registry.add(OpBuilder(op=op, name=f"mps_foreach_{op}", device_types=(DEVICE_TYPE,), loader=lambda fn=fn: fn,
+                               kind="torch", priority=50, compatible=_is_mps, description="torch foreach ops on mps"))

@@ -15,8 +15,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from polyaccel.ops import OpBuilder
-from polyaccel.ops.reference import optimizers as ref_optim
+from polyaccel.ops import OpBuilder, torch_optim
 from polyaccel.ops.reference.quantize import QuantizedTensor, check_quantize_args, pack_int4, qmax
 from polyaccel.ops.reference.quantize import quantize as reference_quantize
 
@@ -48,133 +47,6 @@ def _quantize_compatible(acc) -> tuple[bool, str]:
     if not hasattr(sys.modules.get("torch_npu"), "npu_quantize"):
         return False, "this torch_npu has no npu_quantize"
     return True, ""
-
-
-# ---------------------------------------------------------------------- helpers
-def _live(*lists):
-    """Drop empty tensors (kernels reject them; they have nothing to update)."""
-    keep = [i for i, p in enumerate(lists[0]) if p.numel()]
-    return tuple([lst[i] for i in keep] for lst in lists)
-
-
-def _fp32(tensors):
-    return [t.float() if t.dtype in HALF else t for t in tensors]
-
-
-def _copy_back(dst, src) -> None:
-    for d, s in zip(dst, src, strict=True):
-        if d is not s:
-            d.copy_(s)
-
-
-def _step_float(step) -> float:
-    return float(step.item()) if isinstance(step, torch.Tensor) else float(step)
-
-
-def _step_tensor(step, device) -> torch.Tensor:
-    """The step as the fp32 0-d tensor torch's fused kernels read (no host sync for tensors)."""
-    if isinstance(step, torch.Tensor):
-        return step.detach().to(device=device, dtype=torch.float32).reshape(())
-    return torch.tensor(float(step), dtype=torch.float32, device=device)
-
-
-# ------------------------------------------------------------------------- adam
-def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
-               adam_w_mode=True, bias_correction=True):
-    ref_optim.check_lists("fused_adam", params, grads, exp_avgs, exp_avg_sqs)
-    params, grads, exp_avgs, exp_avg_sqs = _live(params, grads, exp_avgs, exp_avg_sqs)
-    if not params:
-        return
-    fused_idx, other_idx = [], []
-    for i, group in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
-        same = all(t.dtype == group[0].dtype for t in group)
-        (fused_idx if same and bias_correction else other_idx).append(i)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i in fused_idx:
-        by_dtype.setdefault(params[i].dtype, []).append(i)
-    kernel = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
-    for idx in by_dtype.values():
-        steps = [_step_tensor(step, params[idx[0]].device)] * len(idx)
-        kernel([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-               [exp_avg_sqs[i] for i in idx], [], steps, lr=lr, beta1=beta1, beta2=beta2,
-               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-    if other_idx:
-        pick = lambda lst: [lst[i] for i in other_idx]  # noqa: E731
-        _foreach_adam(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), lr=lr, beta1=beta1,
-                      beta2=beta2, eps=eps, weight_decay=weight_decay, step=_step_float(step),
-                      adam_w_mode=adam_w_mode, bias_correction=bias_correction)
-
-
-def _foreach_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
-                  adam_w_mode, bias_correction):
-    p, g, m, v = _fp32(params), _fp32(grads), _fp32(exp_avgs), _fp32(exp_avg_sqs)
-    if weight_decay and not adam_w_mode:
-        g = torch._foreach_add(g, p, alpha=weight_decay)
-    torch._foreach_mul_(m, beta1)
-    torch._foreach_add_(m, g, alpha=1 - beta1)
-    torch._foreach_mul_(v, beta2)
-    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-    bc1 = 1 - beta1**step if bias_correction else 1.0
-    bc2 = 1 - beta2**step if bias_correction else 1.0
-    denom = torch._foreach_sqrt(v)
-    torch._foreach_mul_(denom, 1 / bc2**0.5)
-    torch._foreach_add_(denom, eps)
-    if weight_decay and adam_w_mode:
-        torch._foreach_mul_(p, 1 - lr * weight_decay)
-    torch._foreach_addcdiv_(p, m, denom, value=-lr / bc1)
-    _copy_back(params, p)
-    _copy_back(exp_avgs, m)
-    _copy_back(exp_avg_sqs, v)
-
-
-# ------------------------------------------------------------------------- lion
-def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
-    ref_optim.check_lists("fused_lion", params, grads, exp_avgs)
-    params, grads, exp_avgs = _live(params, grads, exp_avgs)
-    if not params:
-        return
-    p, g, m = _fp32(params), _fp32(grads), _fp32(exp_avgs)
-    direction = torch._foreach_mul(m, beta1)
-    torch._foreach_add_(direction, g, alpha=1 - beta1)
-    torch._foreach_sign_(direction)
-    if weight_decay:
-        torch._foreach_mul_(p, 1 - lr * weight_decay)
-    torch._foreach_add_(p, direction, alpha=-lr)
-    torch._foreach_mul_(m, beta2)
-    torch._foreach_add_(m, g, alpha=1 - beta2)
-    _copy_back(params, p)
-    _copy_back(exp_avgs, m)
-
-
-# ------------------------------------------------------------------------- lamb
-def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
-               bias_correction=True, max_coeff=10.0, min_coeff=0.01):
-    ref_optim.check_lists("fused_lamb", params, grads, exp_avgs, exp_avg_sqs)
-    params, grads, exp_avgs, exp_avg_sqs = _live(params, grads, exp_avgs, exp_avg_sqs)
-    if not params:
-        return
-    s = _step_float(step)
-    bc1 = 1 - beta1**s if bias_correction else 1.0
-    bc2 = 1 - beta2**s if bias_correction else 1.0
-    p, g, m, v = _fp32(params), _fp32(grads), _fp32(exp_avgs), _fp32(exp_avg_sqs)
-    torch._foreach_mul_(m, beta1)
-    torch._foreach_add_(m, g, alpha=1 - beta1)
-    torch._foreach_mul_(v, beta2)
-    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-    denom = torch._foreach_mul(v, 1 / bc2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, eps)
-    update = torch._foreach_mul(m, 1 / bc1)
-    torch._foreach_div_(update, denom)
-    if weight_decay:
-        torch._foreach_add_(update, p, alpha=weight_decay)
-    trust = ref_optim.lamb_trust_ratio(torch.stack(torch._foreach_norm(p)), torch.stack(torch._foreach_norm(update)),
-                                       min_coeff, max_coeff)
-    torch._foreach_mul_(update, list(torch.unbind(trust * -lr)))
-    torch._foreach_add_(p, update)
-    _copy_back(params, p)
-    _copy_back(exp_avgs, m)
-    _copy_back(exp_avg_sqs, v)
 
 
 # --------------------------------------------------------------------- quantize
@@ -214,12 +86,12 @@ def quantize(x, mode="int8", group_size=128, symmetric=True):
 
 def register(registry) -> None:
     registry.add(OpBuilder(
-        op="fused_adam", name="npu_torch_fused_adam", device_types=("npu",), loader=lambda: fused_adam,
+        op="fused_adam", name="npu_torch_fused_adam", device_types=("npu",), loader=lambda: torch_optim.fused_adam,
         kind="torch", priority=50, compatible=_fused_adam_compatible,
         description="torch._fused_adam(w)_ on npu (torch_npu kernel); foreach fp32 for mixed dtypes"))
     for op, fn, what in (
-        ("fused_lion", fused_lion, "torch._foreach_* on npu, fp32 math"),
-        ("fused_lamb", fused_lamb, "torch._foreach_* on npu, fp32 math, per-tensor trust ratio"),
+        ("fused_lion", torch_optim.fused_lion, "torch._foreach_* on npu, fp32 math"),
+        ("fused_lamb", torch_optim.fused_lamb, "torch._foreach_* on npu, fp32 math, per-tensor trust ratio"),
     ):
         registry.add(OpBuilder(op=op, name=f"npu_foreach_{op}", device_types=("npu",), loader=lambda fn=fn: fn,
                                kind="torch", priority=50, compatible=_npu_accelerator, description=what))

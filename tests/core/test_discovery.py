@@ -2,9 +2,8 @@
 
 import json
 
-import pytest
-
 import polyaccel
+import pytest
 from polyaccel import selection
 from polyaccel.cli import main as cli_main
 from polyaccel.errors import SelectionError

@@ -2,10 +2,9 @@
 
 import copy
 
+import polyaccel
 import pytest
 import torch
-
-import polyaccel
 from polyaccel.ops import reference as ref
 from polyaccel.optim import FusedAdam, FusedLamb, FusedLion
 
@@ -20,7 +19,7 @@ def run_steps(opts_and_params, steps=20, no_grad_index=None):
     for _ in range(steps):
         grads = [torch.randn(s) for s in SHAPES]
         for params, opt in opts_and_params:
-            for i, (p, g) in enumerate(zip(params, grads)):
+            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
                 p.grad = None if i == no_grad_index else g.to(p.dtype).clone()
             opt.step()
 
@@ -35,7 +34,7 @@ def test_fused_adam_matches_torch(adam_w_mode, dtype):
     run_steps([(ours, FusedAdam(ours, adam_w_mode=adam_w_mode, **kw)), (theirs, torch_cls(theirs, **kw))],
               no_grad_index=4)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     assert polyaccel.ops.registry.chosen("fused_adam", "cpu").name == "cpu_fused_adam"
 
@@ -58,7 +57,7 @@ def test_fused_optimizers_match_reference(opt_cls, ref_fn, kw, states, dtype):
     extra = {k: v for k, v in kw.items() if k not in ("lr", "betas", "weight_decay")}
     for step in range(1, 21):
         grads = [torch.randn(s).to(dtype) for s in SHAPES]
-        for p, g in zip(ours, grads):
+        for p, g in zip(ours, grads, strict=True):
             p.grad = g.clone()
         opt.step()
         args = dict(lr=kw["lr"], beta1=b1, beta2=b2, weight_decay=kw["weight_decay"], **extra)
@@ -67,10 +66,10 @@ def test_fused_optimizers_match_reference(opt_cls, ref_fn, kw, states, dtype):
         ref_fn(ref_p, grads, *ref_s, **args)
     tol = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12),
            torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}[dtype]
-    for a, b in zip(ours, ref_p):
+    for a, b in zip(ours, ref_p, strict=True):
         torch.testing.assert_close(a.detach(), b, **tol)
-    for name, lst in zip(states, ref_s):
-        for p, s in zip(ours, lst):
+    for name, lst in zip(states, ref_s, strict=True):
+        for p, s in zip(ours, lst, strict=True):
             assert opt.state[p][name].dtype == sdt
             if dtype != torch.bfloat16:
                 torch.testing.assert_close(opt.state[p][name], s, **tol)
@@ -85,7 +84,7 @@ def test_state_dict_round_trip_continues_identically():
     opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
     assert opt_b.param_groups[0]["lr"] == 1e-2
     run_steps([(a, opt_a), (b, opt_b)], steps=3)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
 
 

@@ -1,9 +1,8 @@
 """Quantize/dequantize: error bounds per mode, exact int4 packing, clear errors."""
 
+import polyaccel
 import pytest
 import torch
-
-import polyaccel
 from polyaccel.ops import reference as ref
 from polyaccel.ops.reference.quantize import pack_int4, unpack_int4
 

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from polyaccel.ops import reference as ref
 
 
@@ -36,7 +35,7 @@ def test_fused_adam_reference_matches_textbook_float64(adam_w_mode, bias_correct
             vh = ev[i] / (1 - b2**step) if bias_correction else ev[i]
             decayed = ep[i] * (1 - lr * wd) if adam_w_mode else ep[i]
             ep[i] = decayed - lr * mh / (vh.sqrt() + eps)
-    for a, b in zip(p, ep):
+    for a, b in zip(p, ep, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
@@ -52,7 +51,7 @@ def test_fused_lion_reference_matches_float64():
             c = torch.lerp(em[i], gi, 1 - b1)
             ep[i] = ep[i] - lr * (torch.sign(c) + wd * ep[i])
             em[i] = torch.lerp(em[i], gi, 1 - b2)
-    for a, b in zip(p + m, ep + em):
+    for a, b in zip(p + m, ep + em, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
@@ -73,7 +72,7 @@ def test_fused_lamb_reference_matches_float64():
             wn, un = math.sqrt(float((ep[i] ** 2).sum())), math.sqrt(float((u**2).sum()))
             trust = min(max(wn / un, 0.01), 10.0) if wn > 0 and un > 0 else 1.0
             ep[i] = ep[i] - lr * trust * u
-    for a, b in zip(p, ep):
+    for a, b in zip(p, ep, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 

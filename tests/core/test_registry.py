@@ -1,9 +1,8 @@
 """Op registry: best builder per (op, device type), explain, overrides, isolation."""
 
+import polyaccel
 import pytest
 import torch
-
-import polyaccel
 from polyaccel import selection
 from polyaccel.errors import OpError
 from polyaccel.hookspecs import hookimpl

@@ -31,7 +31,7 @@ def check_lists(name: str, *lists) -> None:
     for lst in lists[1:]:
         if len(lst) != n:
             raise ValueError(f"{name}: tensor lists differ in length ({[len(x) for x in lists]})")
-    for i, group in enumerate(zip(*lists)):
+    for i, group in enumerate(zip(*lists, strict=True)):
         shape = group[0].shape
         for t in group[1:]:
             if t.shape != shape:
@@ -46,7 +46,7 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
     s = _step_value(step)
     bc1 = 1.0 - beta1 ** s if bias_correction else 1.0
     bc2 = 1.0 - beta2 ** s if bias_correction else 1.0
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         if p.numel() == 0:
             continue
         p32, g32, m32, v32 = upcast(p), upcast(g), upcast(m), upcast(v)
@@ -65,7 +65,7 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
 
 def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
     check_lists("fused_lion", params, grads, exp_avgs)
-    for p, g, m in zip(params, grads, exp_avgs):
+    for p, g, m in zip(params, grads, exp_avgs, strict=True):
         if p.numel() == 0:
             continue
         p32, g32, m32 = upcast(p), upcast(g), upcast(m)
@@ -88,7 +88,7 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
     s = _step_value(step)
     bc1 = 1.0 - beta1 ** s if bias_correction else 1.0
     bc2 = 1.0 - beta2 ** s if bias_correction else 1.0
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         if p.numel() == 0:
             continue
         p32, g32, m32, v32 = upcast(p), upcast(g), upcast(m), upcast(v)

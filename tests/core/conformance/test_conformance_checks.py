@@ -6,10 +6,9 @@ import pytest
 import torch
 from polyaccel.accelerator import KNOWN_CAPABILITIES
 from polyaccel.errors import Unsupported
-from polyaccel.ops import builtin
+from polyaccel.ops import builtin, torch_optim
 from polyaccel.ops import reference as ref
 from polyaccel.ops.reference.swiglu import make_swiglu, swiglu_forward
-from polyaccel.plugins.cpu import ops as cpu_ops
 from polyaccel.plugins.cpu.accelerator import CpuAccelerator
 from polyaccel.testing.conformance import opcases
 from polyaccel.testing.conformance.checks import CHECKED_CAPABILITIES, expect_unsupported
@@ -35,7 +34,7 @@ def test_expect_unsupported():
 
 @pytest.mark.parametrize("op", ["fused_adam", "fused_lion", "fused_lamb"])
 def test_optimizer_check_accepts_cpu_builder_and_rejects_a_wrong_lr(op):
-    opcases.check_optimizer(op, getattr(cpu_ops, op), CPU, torch.bfloat16)
+    opcases.check_optimizer(op, getattr(torch_optim, op), CPU, torch.bfloat16)
     real = getattr(ref, op)
 
     def off_by_a_bit(*args, lr, **kw):
