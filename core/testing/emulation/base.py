@@ -753,6 +753,109 @@ class EmulatedRuntime:
         return f"<emulated {self.name} runtime, faults={self.faults.active()}, {len(self.calls)} calls>"
 
 
+def device_index(device: Any) -> int | None:
+    """The index in ``3``, ``"npu:3"``, ``torch.device("npu", 3)``; None for "current"."""
+    if device is None or isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        return int(device.split(":")[1]) if ":" in device else None
+    return getattr(device, "index", None)
+
+
+def device_module_functions(rt: EmulatedRuntime, *, device_name: str, invalid_device: str,
+                            total_memory: int = 64 * 2**30) -> dict[str, Callable[..., Any]]:
+    """The ``torch.<device>`` functions every emulated runtime shares, bound to ``rt``.
+
+    ``rt`` needs ``device_count`` and ``current``; ``invalid_device`` is the runtime's own
+    message for a bad ordinal (``{device}`` and ``{count}`` are filled in). The emulated device
+    *is* the host, so the device RNG functions act on torch's default (CPU) generator.
+    """
+
+    def is_available() -> bool:
+        rt.record("is_available")
+        return rt.device_count > 0
+
+    def device_count() -> int:
+        return rt.device_count
+
+    def current_device() -> int:
+        return rt.current
+
+    def set_device(device) -> None:
+        idx = device_index(device)
+        if idx is None or not 0 <= idx < rt.device_count:
+            raise RuntimeError(invalid_device.format(device=repr(device), count=rt.device_count))
+        rt.record("set_device", idx)
+        rt.current = idx
+
+    def synchronize(device=None) -> None:
+        rt.record("synchronize", device_index(device))
+        rt.synchronize_all()
+
+    def manual_seed(seed: int) -> None:
+        rt.record("manual_seed", int(seed))
+        torch.manual_seed(int(seed))
+
+    def manual_seed_all(seed: int) -> None:
+        rt.record("manual_seed_all", int(seed))
+        torch.manual_seed(int(seed))
+
+    def initial_seed() -> int:
+        return torch.initial_seed()
+
+    def get_rng_state(device=None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(new_state: torch.Tensor, device=None) -> None:
+        torch.set_rng_state(new_state)
+
+    def memory_allocated(device=None) -> int:
+        return rt.memory.allocated
+
+    def max_memory_allocated(device=None) -> int:
+        return rt.memory.peak
+
+    def memory_reserved(device=None) -> int:
+        return rt.memory.reserved
+
+    def reset_peak_memory_stats(device=None) -> None:
+        rt.memory.reset_peak()
+
+    def memory_stats(device=None) -> dict:
+        return rt.memory.stats()
+
+    def empty_cache() -> None:
+        rt.record("empty_cache")
+        rt.memory.empty_cache()
+
+    def mem_get_info(device=None) -> tuple[int, int]:
+        return total_memory - rt.memory.reserved, total_memory
+
+    def get_device_name(device=None) -> str:
+        return device_name
+
+    def Stream(device=None, priority: int = 0, **kwargs) -> EmulatedStream:  # noqa: N802
+        return EmulatedStream(rt, device, priority)
+
+    def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):  # noqa: N802
+        return EmulatedEvent(rt, enable_timing, blocking, interprocess)
+
+    def current_stream(device=None) -> EmulatedStream:
+        return rt.current_stream()
+
+    def default_stream(device=None) -> EmulatedStream:
+        return rt.default_stream()
+
+    def stream(s):
+        return rt.use_stream(s)
+
+    return {fn.__name__: fn for fn in (
+        is_available, device_count, current_device, set_device, synchronize, manual_seed, manual_seed_all,
+        initial_seed, get_rng_state, set_rng_state, memory_allocated, max_memory_allocated, memory_reserved,
+        reset_peak_memory_stats, memory_stats, empty_cache, mem_get_info, get_device_name, Stream, Event,
+        current_stream, default_stream, stream)}
+
+
 def emulation_fixture(emulate: Callable[..., contextlib.AbstractContextManager], **faults: Any):
     """Build a pytest fixture that runs a test inside ``emulate(**faults)`` and yields the runtime."""
     import pytest

@@ -32,13 +32,12 @@ import torch
 
 from .base import (
     EMULATED_MARKER,
-    EmulatedEvent,
     EmulatedRuntime,
-    EmulatedStream,
     GraphRecorder,
     HostMemoryTable,
     Patcher,
     PinnedHost,
+    device_module_functions,
     missing_library_error,
 )
 
@@ -140,16 +139,6 @@ class NPUGraph:
         return self._rec.replays
 
 
-def _device_index(device: Any) -> int | None:
-    if device is None:
-        return None
-    if isinstance(device, int):
-        return device
-    if isinstance(device, str):
-        return int(device.split(":")[1]) if ":" in device else None
-    return getattr(device, "index", None)
-
-
 class NpuRuntime(EmulatedRuntime):
     """The emulated Ascend runtime; ``runtime.npurt`` is the host-registration binding."""
 
@@ -181,98 +170,16 @@ class NpuRuntime(EmulatedRuntime):
         m = types.ModuleType("torch_npu.npu")
         setattr(m, EMULATED_MARKER, True)
 
-        def is_available() -> bool:
-            rt.record("is_available")
-            return rt.device_count > 0
-
-        def device_count() -> int:
-            return rt.device_count
-
-        def current_device() -> int:
-            return rt.current
-
-        def set_device(device) -> None:
-            idx = _device_index(device)
-            if idx is None or not 0 <= idx < rt.device_count:
-                raise RuntimeError(f"Invalid device id {device!r}: {rt.device_count} NPU(s) visible")
-            rt.record("set_device", idx)
-            rt.current = idx
-
-        def synchronize(device=None) -> None:
-            rt.record("synchronize", _device_index(device))
-            rt.synchronize_all()
-
         def npurt():
             if rt.faults.npurt_init_fails:
                 raise RuntimeError("npurt: aclInit failed with error code 100000 (emulated fault)")
             rt.record("npurt")
             return rt.npurt
 
-        # the emulated device *is* the host: random numbers for "device" tensors come from the CPU
-        # generator, so the device RNG functions act on torch.default_generator
-        def manual_seed(seed: int) -> None:
-            rt.record("manual_seed", int(seed))
-            torch.manual_seed(int(seed))
-
-        def manual_seed_all(seed: int) -> None:
-            rt.record("manual_seed_all", int(seed))
-            torch.manual_seed(int(seed))
-
-        def initial_seed() -> int:
-            return torch.initial_seed()
-
-        def get_rng_state(device="npu") -> torch.Tensor:
-            return torch.get_rng_state()
-
-        def set_rng_state(new_state: torch.Tensor, device="npu") -> None:
-            torch.set_rng_state(new_state)
-
-        def memory_allocated(device=None) -> int:
-            return rt.memory.allocated
-
-        def max_memory_allocated(device=None) -> int:
-            return rt.memory.peak
-
-        def memory_reserved(device=None) -> int:
-            return rt.memory.reserved
-
-        def reset_peak_memory_stats(device=None) -> None:
-            rt.memory.reset_peak()
-
-        def memory_stats(device=None) -> dict:
-            return rt.memory.stats()
-
-        def empty_cache() -> None:
-            rt.record("empty_cache")
-            rt.memory.empty_cache()
-
-        def mem_get_info(device=None) -> tuple[int, int]:
-            total = 64 * 2**30
-            return total - rt.memory.reserved, total
-
-        def get_device_name(device=None) -> str:
-            return "Ascend910B (emulated)"
-
-        def Stream(device=None, priority: int = 0, **kwargs) -> EmulatedStream:  # noqa: N802
-            return EmulatedStream(rt, device, priority)
-
-        def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):  # noqa: N802
-            return EmulatedEvent(rt, enable_timing, blocking, interprocess)
-
-        def current_stream(device=None) -> EmulatedStream:
-            return rt.current_stream()
-
-        def default_stream(device=None) -> EmulatedStream:
-            return rt.default_stream()
-
-        def stream(s):
-            return rt.use_stream(s)
-
-        for fn in (is_available, device_count, current_device, set_device, synchronize, manual_seed,
-                   manual_seed_all, initial_seed, get_rng_state, set_rng_state, memory_allocated,
-                   max_memory_allocated, memory_reserved, reset_peak_memory_stats, memory_stats, empty_cache,
-                   mem_get_info, get_device_name, Stream, Event, current_stream, default_stream, stream):
-            setattr(m, fn.__name__, fn)
+        shared = device_module_functions(rt, device_name="Ascend910B (emulated)",
+                                         invalid_device="Invalid device id {device}: {count} NPU(s) visible")
+        for fname, fn in shared.items():
+            setattr(m, fname, fn)
         m.is_bf16_supported = lambda: True
         if not rt.faults.no_npurt:
             m.npurt = npurt

@@ -32,13 +32,12 @@ import torch
 
 from .base import (
     EMULATED_MARKER,
-    EmulatedEvent,
     EmulatedRuntime,
-    EmulatedStream,
     GraphRecorder,
     HostMemoryTable,
     Patcher,
     PinnedHost,
+    device_module_functions,
     missing_library_error,
 )
 
@@ -180,14 +179,6 @@ def _ds_lamb(rt, p, p_copy, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, max_coe
     return coeff
 
 
-def _device_index(device: Any) -> int | None:
-    if device is None or isinstance(device, int):
-        return device
-    if isinstance(device, str):
-        return int(device.split(":")[1]) if ":" in device else None
-    return getattr(device, "index", None)
-
-
 class SupaRuntime(EmulatedRuntime):
     name = "supa"
     FAULTS = {
@@ -217,27 +208,6 @@ class SupaRuntime(EmulatedRuntime):
         m = types.ModuleType("torch_supa.supa")
         setattr(m, EMULATED_MARKER, True)
 
-        def is_available() -> bool:
-            rt.record("is_available")
-            return rt.device_count > 0
-
-        def device_count() -> int:
-            return rt.device_count
-
-        def current_device() -> int:
-            return rt.current
-
-        def set_device(device) -> None:
-            idx = _device_index(device)
-            if idx is None or not 0 <= idx < rt.device_count:
-                raise RuntimeError(f"supa error: invalid device ordinal {device!r}")
-            rt.record("set_device", idx)
-            rt.current = idx
-
-        def synchronize(device=None) -> None:
-            rt.record("synchronize", _device_index(device))
-            rt.synchronize_all()
-
         def supart():
             rt.record("supart")
             return rt.supart
@@ -246,73 +216,14 @@ class SupaRuntime(EmulatedRuntime):
             if int(code) != SUPA_SUCCESS:
                 raise RuntimeError(f"SUPA error: {rt.supart.supaGetErrorString(code)} (code {int(code)})")
 
-        # the emulated device *is* the host: random numbers for "device" tensors come from the CPU
-        # generator, so the device RNG functions act on torch.default_generator
-        def manual_seed(seed: int) -> None:
-            rt.record("manual_seed", int(seed))
-            torch.manual_seed(int(seed))
-
-        def manual_seed_all(seed: int) -> None:
-            rt.record("manual_seed_all", int(seed))
-            torch.manual_seed(int(seed))
-
-        def initial_seed() -> int:
-            return torch.initial_seed()
-
-        def get_rng_state(device="supa") -> torch.Tensor:
-            return torch.get_rng_state()
-
-        def set_rng_state(new_state: torch.Tensor, device="supa") -> None:
-            torch.set_rng_state(new_state)
-
-        def memory_allocated(device=None) -> int:
-            return rt.memory.allocated
-
-        def max_memory_allocated(device=None) -> int:
-            return rt.memory.peak
-
-        def memory_reserved(device=None) -> int:
-            return rt.memory.reserved
-
-        def reset_peak_memory_stats(device=None) -> None:
-            rt.memory.reset_peak()
-
-        def memory_stats(device=None) -> dict:
-            return rt.memory.stats()
-
-        def empty_cache() -> None:
-            rt.record("empty_cache")
-            rt.memory.empty_cache()
-
-        def mem_get_info(device=None) -> tuple[int, int]:
-            total = 64 * 2**30
-            return total - rt.memory.reserved, total
-
-        def get_device_name(device=None) -> str:
-            return "Biren BR166 (emulated)"
-
-        def Stream(device=None, priority: int = 0, **kwargs) -> EmulatedStream:  # noqa: N802
-            return EmulatedStream(rt, device, priority)
-
-        def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):  # noqa: N802
-            return EmulatedEvent(rt, enable_timing, blocking, interprocess)
-
-        def current_stream(device=None) -> EmulatedStream:
-            return rt.current_stream()
-
-        def default_stream(device=None) -> EmulatedStream:
-            return rt.default_stream()
-
-        def stream(s):
-            return rt.use_stream(s)
-
         def _lazy_call(callback) -> None:
             callback()
 
-        for fn in (is_available, device_count, current_device, set_device, synchronize, check_error, manual_seed,
-                   manual_seed_all, initial_seed, get_rng_state, set_rng_state, memory_allocated,
-                   max_memory_allocated, memory_reserved, reset_peak_memory_stats, memory_stats, empty_cache,
-                   mem_get_info, get_device_name, Stream, Event, current_stream, default_stream, stream, _lazy_call):
+        shared = device_module_functions(rt, device_name="Biren BR166 (emulated)",
+                                         invalid_device="supa error: invalid device ordinal {device}")
+        for fname, fn in shared.items():
+            setattr(m, fname, fn)
+        for fn in (check_error, _lazy_call):
             setattr(m, fn.__name__, fn)
         if not rt.faults.no_supart:
             m.supart = supart
