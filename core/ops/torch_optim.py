@@ -92,8 +92,7 @@ def foreach_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps,
     p, g, m, v = _math(params), _math(grads), _math(exp_avgs), _math(exp_avg_sqs)
     if weight_decay and not adam_w_mode:
         g = torch._foreach_add(g, p, alpha=weight_decay)
-    torch._foreach_mul_(m, beta1)
-    torch._foreach_add_(m, g, alpha=1 - beta1)
+    torch._foreach_lerp_(m, g, 1 - beta1)
     torch._foreach_mul_(v, beta2)
     torch._foreach_addcmul_(v, g, g, value=1 - beta2)
     s = _step_float(step)
@@ -116,14 +115,12 @@ def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
     if not params:
         return
     p, g, m = _math(params), _math(grads), _math(exp_avgs)
-    direction = torch._foreach_mul(m, beta1)
-    torch._foreach_add_(direction, g, alpha=1 - beta1)
+    direction = torch._foreach_lerp(m, g, 1 - beta1)
     torch._foreach_sign_(direction)
     if weight_decay:
         torch._foreach_mul_(p, 1 - lr * weight_decay)
     torch._foreach_add_(p, direction, alpha=-lr)
-    torch._foreach_mul_(m, beta2)
-    torch._foreach_add_(m, g, alpha=1 - beta2)
+    torch._foreach_lerp_(m, g, 1 - beta2)
     _copy_back(params, p)
     _copy_back(exp_avgs, m)
 
@@ -138,8 +135,7 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
     bc1 = 1 - beta1**s if bias_correction else 1.0
     bc2 = 1 - beta2**s if bias_correction else 1.0
     p, g, m, v = _math(params), _math(grads), _math(exp_avgs), _math(exp_avg_sqs)
-    torch._foreach_mul_(m, beta1)
-    torch._foreach_add_(m, g, alpha=1 - beta1)
+    torch._foreach_lerp_(m, g, 1 - beta1)
     torch._foreach_mul_(v, beta2)
     torch._foreach_addcmul_(v, g, g, value=1 - beta2)
     denom = torch._foreach_div(v, bc2)
