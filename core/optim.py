@@ -4,6 +4,12 @@ Each ``step()`` groups parameters by (device type, step count) and calls the op
 registry once per group, so a 200-tensor model is one op call per device type.
 State is kept per parameter (``step``, ``exp_avg`` [, ``exp_avg_sq``]) in fp32 for
 16-bit parameters, and round-trips through ``state_dict()``.
+
+``capturable=True`` (Adam, Lamb) keeps each step count as a tensor on the parameter's device
+and hands the op that tensor, never a host number: ``step()`` then runs without a host sync
+and can be captured in a device graph (the replayed graph advances the count and the bias
+correction). The op receives the step tensor of the first parameter of each device batch:
+in a capturable run every parameter with a gradient is stepped together.
 """
 
 from __future__ import annotations
@@ -30,10 +36,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"invalid weight_decay {weight_decay!r}: must be >= 0")
 
-    def _init_state(self, p: torch.Tensor) -> dict:
+    def _init_state(self, p: torch.Tensor, capturable: bool) -> dict:
         st = self.state[p]
         if not st:
-            st["step"] = torch.zeros((), dtype=torch.float32)
+            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
             for name in self._state_names:
                 st[name] = torch.zeros_like(p, dtype=_state_dtype(p), memory_format=torch.preserve_format)
         return st
@@ -41,22 +47,29 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _groups(self, group):
         """Yield (step, params, grads, *state lists) batches for one param group."""
         batches = defaultdict(lambda: [[] for _ in range(2 + len(self._state_names))])
+        steps: dict = {}  # capturable: device -> the step tensor handed to the op
         for p in group["params"]:
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            st = self._init_state(p)
+            capturable = group.get("capturable", False)
+            st = self._init_state(p, capturable)
+            if capturable and st["step"].device != p.device:
+                st["step"] = st["step"].to(p.device)  # e.g. a state_dict loaded with host steps
             st["step"] += 1
             if p.numel() == 0:
                 continue
-            lists = batches[(p.device, int(st["step"].item()))]
+            key = (p.device, None) if capturable else (p.device, int(st["step"].item()))
+            if key not in batches and capturable:
+                steps[key] = st["step"]
+            lists = batches[key]
             lists[0].append(p)
             lists[1].append(p.grad)
             for i, name in enumerate(self._state_names):
                 lists[2 + i].append(st[name])
-        for (_device, step), lists in batches.items():
-            yield step, lists
+        for key, lists in batches.items():
+            yield steps.get(key, key[1]), lists
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -79,12 +92,13 @@ class FusedAdam(_FusedOptimizer):
     _state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 adam_w_mode=True, bias_correction=True):
+                 adam_w_mode=True, bias_correction=True, capturable=False):
         self._check_common(lr, betas, weight_decay)
         if not eps > 0:
             raise ValueError(f"invalid eps {eps!r}: must be > 0")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      adam_w_mode=adam_w_mode, bias_correction=bias_correction))
+                                      adam_w_mode=adam_w_mode, bias_correction=bias_correction,
+                                      capturable=capturable))
 
     def _apply(self, group, step, lists):
         b1, b2 = group["betas"]
@@ -113,7 +127,7 @@ class FusedLamb(_FusedOptimizer):
     _state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0,
-                 bias_correction=True, max_coeff=10.0, min_coeff=0.01):
+                 bias_correction=True, max_coeff=10.0, min_coeff=0.01, capturable=False):
         self._check_common(lr, betas, weight_decay)
         if not eps > 0:
             raise ValueError(f"invalid eps {eps!r}: must be > 0")
@@ -121,7 +135,7 @@ class FusedLamb(_FusedOptimizer):
             raise ValueError(f"invalid trust-ratio bounds min_coeff={min_coeff}, max_coeff={max_coeff}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       bias_correction=bias_correction, max_coeff=max_coeff,
-                                      min_coeff=min_coeff))
+                                      min_coeff=min_coeff, capturable=capturable))
 
     def _apply(self, group, step, lists):
         b1, b2 = group["betas"]

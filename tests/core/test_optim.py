@@ -105,3 +105,36 @@ def test_invalid_hyperparameters_are_rejected():
         FusedLion(p, betas=(0.9, 1.5))
     with pytest.raises(ValueError, match="trust-ratio"):
         FusedLamb(p, min_coeff=2.0, max_coeff=1.0)
+
+
+@pytest.mark.parametrize("opt_cls", [FusedAdam, FusedLamb])
+def test_capturable_passes_the_device_step_tensor_and_matches(opt_cls):
+    """capturable=True hands the op the step as a tensor (what a captured graph needs), same results."""
+    import polyaccel
+    from polyaccel.hookspecs import hookimpl
+
+    seen = []
+
+    class Recorder:
+        POLYACCEL_API_VERSION = "1.0"
+
+        @hookimpl
+        def polyaccel_register_ops(self, registry):
+            op = "fused_adam" if opt_cls is FusedAdam else "fused_lamb"
+            fn = getattr(ref, op)
+
+            def recording(*lists, step, **kw):
+                seen.append((isinstance(step, torch.Tensor), float(step)))
+                return fn(*lists, step=step, **kw)
+
+            registry.register(op, "recording", ("cpu",), lambda: recording, priority=99)
+
+    polyaccel.register_plugin("recorder", Recorder())
+    a, b = make_params(), None
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    run_steps([(a, opt_cls(a, lr=1e-2, weight_decay=0.01, capturable=True)),
+               (b, opt_cls(b, lr=1e-2, weight_decay=0.01))], steps=5)
+    assert [v for is_tensor, v in seen if is_tensor] == [1.0, 2.0, 3.0, 4.0, 5.0]  # capturable: a tensor
+    assert [v for is_tensor, v in seen if not is_tensor] == [1.0, 2.0, 3.0, 4.0, 5.0]  # default: a number
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
