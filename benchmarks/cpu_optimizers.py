@@ -64,7 +64,7 @@ def main(argv=None):
         t.add_column(col)
     for name, bl, b, o in rows:
         t.add_row(name, bl, f"{b * 1e3:.1f}", f"{o * 1e3:.1f}", f"{b / o:.2f}")
-    Console().print(t)
+    Console(width=120).print(t)
     return rows
 
 
