@@ -408,6 +408,65 @@ class GraphRecorder:
         self.captured = False
 
 
+class EmulatedGraph:
+    """A vendor's device-graph class (``torch.npu.NPUGraph``, ``torch.supa.SUPAGraph``) on a
+    :class:`GraphRecorder`: capture records, replay really recomputes. Subclasses set ``api_name``,
+    the name under which the runtime records the calls."""
+
+    api_name = "Graph"
+
+    def __init__(self, runtime: EmulatedRuntime):
+        self._rt = runtime
+        self._rec = GraphRecorder()
+        setattr(self, EMULATED_MARKER, True)
+
+    def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
+        self._rt.record(f"{self.api_name}.capture_begin")
+        self._rec.begin()
+
+    def capture_end(self) -> None:
+        self._rec.end()
+        self._rt.record(f"{self.api_name}.capture_end", len(self._rec.ops))
+
+    def replay(self) -> None:
+        self._rt.record(f"{self.api_name}.replay")
+        self._rec.replay()
+
+    def reset(self) -> None:
+        self._rec.reset()
+
+    def pool(self) -> tuple[int, int]:
+        return (id(self), 0)
+
+    @property
+    def replays(self) -> int:
+        return self._rec.replays
+
+
+def install_graph_api(module: Any, rt: EmulatedRuntime, graph_cls: type[EmulatedGraph]) -> None:
+    """Give an emulated ``torch.<device>`` module ``<api_name>()``, ``graph(g, pool, stream)`` and
+    ``graph_pool_handle()``; created graphs are kept in ``rt.graphs``."""
+
+    def make_graph() -> EmulatedGraph:
+        g = graph_cls(rt)
+        rt.graphs.append(g)
+        return g
+
+    @contextlib.contextmanager
+    def graph(device_graph: EmulatedGraph, pool=None, stream=None, capture_error_mode: str = "global"):
+        rt.record("graph", pool=pool, stream=stream)
+        with rt.use_stream(stream):
+            device_graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+            try:
+                yield device_graph
+            finally:
+                device_graph.capture_end()
+
+    setattr(module, graph_cls.api_name, make_graph)
+    module.graph = graph
+    module.graph_pool_handle = lambda: (id(rt), 1)
+
+
 # ------------------------------------------------------------------------- memory
 class MemoryCounters:
     """allocated / reserved / peak bytes, driven by the runtime's allocation calls."""

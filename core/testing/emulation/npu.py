@@ -23,7 +23,6 @@ Tensors stay on the CPU. ``emulate(**faults)`` is the entry point.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.machinery
 import types
 from typing import Any
@@ -32,12 +31,13 @@ import torch
 
 from .base import (
     EMULATED_MARKER,
+    EmulatedGraph,
     EmulatedRuntime,
-    GraphRecorder,
     HostMemoryTable,
     Patcher,
     PinnedHost,
     device_module_functions,
+    install_graph_api,
     missing_library_error,
 )
 
@@ -108,35 +108,10 @@ class _Npurt:
         return code
 
 
-class NPUGraph:
+class NPUGraph(EmulatedGraph):
     """``torch.npu.NPUGraph``: capture_begin/capture_end/replay/reset/pool."""
 
-    def __init__(self, runtime: NpuRuntime):
-        self._rt = runtime
-        self._rec = GraphRecorder()
-        setattr(self, EMULATED_MARKER, True)
-
-    def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
-        self._rt.record("NPUGraph.capture_begin")
-        self._rec.begin()
-
-    def capture_end(self) -> None:
-        self._rec.end()
-        self._rt.record("NPUGraph.capture_end", len(self._rec.ops))
-
-    def replay(self) -> None:
-        self._rt.record("NPUGraph.replay")
-        self._rec.replay()
-
-    def reset(self) -> None:
-        self._rec.reset()
-
-    def pool(self) -> tuple[int, int]:
-        return (id(self), 0)
-
-    @property
-    def replays(self) -> int:
-        return self._rec.replays
+    api_name = "NPUGraph"
 
 
 class NpuRuntime(EmulatedRuntime):
@@ -184,25 +159,7 @@ class NpuRuntime(EmulatedRuntime):
         if not rt.faults.no_npurt:
             m.npurt = npurt
         if not rt.faults.no_graphs:
-
-            def make_graph() -> NPUGraph:
-                g = NPUGraph(rt)
-                rt.graphs.append(g)
-                return g
-
-            @contextlib.contextmanager
-            def graph(npu_graph: NPUGraph, pool=None, stream=None, capture_error_mode: str = "global"):
-                rt.record("graph", pool=pool, stream=stream)
-                with rt.use_stream(stream):
-                    npu_graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
-                    try:
-                        yield npu_graph
-                    finally:
-                        npu_graph.capture_end()
-
-            m.NPUGraph = make_graph
-            m.graph = graph
-            m.graph_pool_handle = lambda: (id(rt), 1)
+            install_graph_api(m, rt, NPUGraph)
         return m
 
     def _build_torch_npu(self, npu_mod: types.ModuleType) -> types.ModuleType:

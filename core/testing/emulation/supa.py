@@ -22,7 +22,6 @@ Tensors stay on the CPU. ``emulate(**faults)`` is the entry point.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.machinery
 import math
 import types
@@ -32,12 +31,13 @@ import torch
 
 from .base import (
     EMULATED_MARKER,
+    EmulatedGraph,
     EmulatedRuntime,
-    GraphRecorder,
     HostMemoryTable,
     Patcher,
     PinnedHost,
     device_module_functions,
+    install_graph_api,
     missing_library_error,
 )
 
@@ -94,35 +94,10 @@ class _Supart:
         }.get(int(code), f"unknown error {code}")
 
 
-class SUPAGraph:
+class SUPAGraph(EmulatedGraph):
     """``torch.supa.SUPAGraph``."""
 
-    def __init__(self, runtime: SupaRuntime):
-        self._rt = runtime
-        self._rec = GraphRecorder()
-        setattr(self, EMULATED_MARKER, True)
-
-    def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
-        self._rt.record("SUPAGraph.capture_begin")
-        self._rec.begin()
-
-    def capture_end(self) -> None:
-        self._rec.end()
-        self._rt.record("SUPAGraph.capture_end", len(self._rec.ops))
-
-    def replay(self) -> None:
-        self._rt.record("SUPAGraph.replay")
-        self._rec.replay()
-
-    def reset(self) -> None:
-        self._rec.reset()
-
-    def pool(self) -> tuple[int, int]:
-        return (id(self), 0)
-
-    @property
-    def replays(self) -> int:
-        return self._rec.replays
+    api_name = "SUPAGraph"
 
 
 # -------------------------------------------------- torch_supa_ext.deepspeed kernels (DeepSpeed's math)
@@ -228,24 +203,7 @@ class SupaRuntime(EmulatedRuntime):
         if not rt.faults.no_supart:
             m.supart = supart
         if not rt.faults.no_graphs:
-
-            def make_graph() -> SUPAGraph:
-                g = SUPAGraph(rt)
-                rt.graphs.append(g)
-                return g
-
-            @contextlib.contextmanager
-            def graph(supa_graph: SUPAGraph, pool=None, stream=None, capture_error_mode: str = "global"):
-                rt.record("graph", pool=pool, stream=stream)
-                with rt.use_stream(stream):
-                    supa_graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
-                    try:
-                        yield supa_graph
-                    finally:
-                        supa_graph.capture_end()
-
-            m.SUPAGraph = make_graph
-            m.graph = graph
+            install_graph_api(m, rt, SUPAGraph)
         return m
 
     def _deepspeed_ops(self) -> types.SimpleNamespace:
