@@ -124,6 +124,9 @@ class Accelerator:
 
     # ------------------------------------------------------------------- device
     def device(self, index: int | None = None) -> torch.device:
+        """The torch device of this backend's tensors; the host under an emulated runtime."""
+        if self.is_emulated():
+            return torch.device("cpu")
         if index is None:
             index = self.current_device()
         return torch.device(self.device_type, index)
@@ -141,7 +144,7 @@ class Accelerator:
         self._device_module().synchronize(index)
 
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == self.device_type
+        return tensor.device.type == ("cpu" if self.is_emulated() else self.device_type)
 
     # ------------------------------------------------------ execution model
     def is_synchronized_device(self) -> bool:
@@ -262,20 +265,24 @@ class Accelerator:
 
     # ------------------------------------------------------------ pinned memory
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Return a page-locked copy of a host tensor (or the tensor if already pinned)."""
+        """Return a page-locked copy of a host tensor (or the tensor if already pinned).
+
+        Pins for torch's current accelerator, which is this backend's device once its runtime is
+        loaded (torch serves one accelerator per process; the device argument is deprecated).
+        """
         self.require("pinned")
+        if tensor.device.type != "cpu":
+            raise PolyaccelError(f"pin_memory needs a host (cpu) tensor, got one on {tensor.device}")
         if self.is_pinned(tensor):
             return tensor
-        return tensor.pin_memory(self.device())
+        return tensor.pin_memory()
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         if tensor.device.type != "cpu":
             return False
         if tensor.data_ptr() in self._host_regs:
             return True
-        if "pinned" not in self.capabilities():
-            return False
-        return tensor.is_pinned(self.device())
+        return "pinned" in self.capabilities() and bool(tensor.is_pinned())
 
     def empty_pinned(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """Allocate a host buffer suitable for fast DMA: pinned, else registered, else plain."""

@@ -159,19 +159,6 @@ class CudaAccelerator(Accelerator):
         return False
 
     # --------------------------------------------------------- pinned memory
-    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.require("pinned")
-        if self.is_pinned(tensor):
-            return tensor
-        return tensor.pin_memory()
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        if tensor.device.type != "cpu":
-            return False
-        if tensor.data_ptr() in self._host_regs:
-            return True
-        return bool(tensor.is_pinned())
-
     def pin_memory_alignment(self) -> int:
         """cudaHostRegister takes any address and length (it pins the pages covering them), so
         the exact range is registered: rounding out to pages would make neighbouring buffers that

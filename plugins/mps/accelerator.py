@@ -60,12 +60,6 @@ class MpsAccelerator(Accelerator):
         return self._caps
 
     # ---------------------------------------------------------------- device
-    def device(self, index: int | None = None) -> torch.device:
-        """Under emulation tensors live on the host (the stand-in runtime keeps them on the CPU)."""
-        if self.is_emulated():
-            return torch.device("cpu")
-        return torch.device("mps", 0 if index is None else index)
-
     def device_count(self) -> int:
         return int(torch.mps.device_count())
 
@@ -113,27 +107,6 @@ class MpsAccelerator(Accelerator):
                 "recommended_max": int(torch.mps.recommended_max_memory())}
 
     # --------------------------------------------------------- pinned memory
-    def _mps_is_torch_accelerator(self) -> bool:
-        acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        return acc is not None and acc.type == "mps"
-
-    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        """One copy into MPS's shared (CPU- and GPU-visible) allocator; pinned tensors are returned as they are."""
-        if tensor.device.type != "cpu":
-            raise PolyaccelError(f"pin_memory needs a host (cpu) tensor, got one on {tensor.device}")
-        if self.is_pinned(tensor):
-            return tensor
-        if self._mps_is_torch_accelerator():
-            return tensor.pin_memory()
-        return tensor.pin_memory(torch.device("mps"))
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        if tensor.device.type != "cpu":
-            return False
-        if self._mps_is_torch_accelerator():
-            return tensor.is_pinned()
-        return bool(tensor.is_pinned(torch.device("mps")))
-
     def register_host_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         raise Unsupported(self.name, "host_register", _UNIFIED)
 

@@ -62,30 +62,6 @@ class NpuAccelerator(Accelerator):
             raise Unsupported(self.name, "torch.npu", "import torch_npu on an Ascend host with CANN")
         return npu
 
-    # ------------------------------------------------------------------ device
-    def device(self, index: int | None = None) -> torch.device:
-        if self.is_emulated():
-            return torch.device("cpu")  # emulated tensors live on the host
-        if index is None:
-            index = self.current_device()
-        return torch.device("npu", index)
-
-    def on_accelerator(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == ("cpu" if self.is_emulated() else "npu")
-
-    # ------------------------------------------------------------ pinned
-    # torch_npu makes npu torch's current accelerator, so the plain calls pin for it
-    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.require("pinned")
-        if tensor.device.type != "cpu":
-            raise PolyaccelError(f"pin_memory needs a host (cpu) tensor, got one on {tensor.device}")
-        return tensor if self.is_pinned(tensor) else tensor.pin_memory()
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        if tensor.device.type != "cpu":
-            return False
-        return tensor.data_ptr() in self._host_regs or bool(tensor.is_pinned())
-
     # --------------------------------------------------------- host memory
     def pin_memory_alignment(self) -> int:
         return runtime.HOST_REGISTER_ALIGNMENT

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
 from polyaccel.errors import PolyaccelError, Unsupported
 
@@ -56,29 +55,6 @@ class SupaAccelerator(Accelerator):
         if supa is None and required:
             raise Unsupported(self.name, "torch.supa", "import torch_supa on a Biren host")
         return supa
-
-    def device(self, index: int | None = None) -> torch.device:
-        if self.is_emulated():
-            return torch.device("cpu")
-        if index is None:
-            index = self.current_device()
-        return torch.device("supa", index)
-
-    def on_accelerator(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == ("cpu" if self.is_emulated() else "supa")
-
-    # ------------------------------------------------------------ pinned
-    # torch_supa makes supa torch's current accelerator, so the plain calls pin for it
-    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.require("pinned")
-        if tensor.device.type != "cpu":
-            raise PolyaccelError(f"pin_memory needs a host (cpu) tensor, got one on {tensor.device}")
-        return tensor if self.is_pinned(tensor) else tensor.pin_memory()
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        if tensor.device.type != "cpu":
-            return False
-        return tensor.data_ptr() in self._host_regs or bool(tensor.is_pinned())
 
     # --------------------------------------------------------- host memory
     def _binding(self):

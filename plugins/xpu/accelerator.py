@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
-from polyaccel.errors import PolyaccelError, Unsupported
+from polyaccel.errors import Unsupported
 
 from . import ipex as ipex_mod
 from .comm import BackendChoice, choose_backend
@@ -106,42 +106,11 @@ class XpuAccelerator(Accelerator):
         return f"xpu ({torch.xpu.get_device_name(self.current_device())})"
 
     # ---------------------------------------------------------------- device
-    def device(self, index: int | None = None) -> torch.device:
-        """Under emulation tensors live on the host (the stand-in runtime keeps them on the CPU)."""
-        if self.is_emulated():
-            return torch.device("cpu")
-        return super().device(index)
-
     def default_stream(self, index: int | None = None):
         """torch.xpu has no ``default_stream()``: the current stream is the default one unless a side
         stream has been made current (the same answer DeepSpeed's xpu accelerator gives)."""
         self.require("streams")
         return torch.xpu.current_stream(index)
-
-    # --------------------------------------------------------- pinned memory
-    def _xpu_is_torch_accelerator(self) -> bool:
-        acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        return acc is not None and acc.type == "xpu"
-
-    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Page-locked copy through torch's XPU host allocator (no copy if already pinned)."""
-        self.require("pinned")
-        if tensor.device.type != "cpu":
-            raise PolyaccelError(f"pin_memory needs a host (cpu) tensor, got one on {tensor.device}")
-        if self.is_pinned(tensor):
-            return tensor
-        if self._xpu_is_torch_accelerator():
-            return tensor.pin_memory()
-        return tensor.pin_memory(torch.device("xpu"))
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        if tensor.device.type != "cpu":
-            return False
-        if tensor.data_ptr() in self._host_regs:
-            return True
-        if self._xpu_is_torch_accelerator():
-            return tensor.is_pinned()
-        return bool(tensor.is_pinned(torch.device("xpu")))
 
     # ---------------------------------------------------------------- graphs
     def _require_graphs(self) -> None:
