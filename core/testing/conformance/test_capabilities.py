@@ -138,6 +138,19 @@ def _odd_view(n: int = 1000, skip: int = 3) -> torch.Tensor:
     return torch.randn(n + skip)[skip:]
 
 
+def _page_isolated(like: torch.Tensor, align: int) -> torch.Tensor:
+    """An empty host tensor shaped like ``like`` whose aligned range lies inside its own allocation.
+
+    Two small allocations can share an alignment page; a runtime that registers whole pages
+    (Ascend: 4096 bytes) rightly refuses the second, overlapping range, so the buffer the check
+    registers next to ``buf`` must own its pages.
+    """
+    slack = -(-align // like.element_size())
+    storage = torch.empty(like.numel() + 2 * slack, dtype=like.dtype)
+    start = (-storage.data_ptr() % align) // like.element_size()
+    return storage[start:start + like.numel()].view(like.shape)
+
+
 @cap("host_register", "register_use_unregister")
 def test_host_register(conformance_target, conformance_row, monkeypatch):
     acc = conformance_target.accelerator
@@ -182,7 +195,7 @@ def test_host_register(conformance_target, conformance_row, monkeypatch):
     try:
         dev = acc.device()
         on_device = buf.to(dev, non_blocking=True)
-        landing = torch.empty_like(before)
+        landing = _page_isolated(before, align)
         acc.register_host_memory(landing)
         try:
             landing.copy_(on_device * 1.0, non_blocking=True)
