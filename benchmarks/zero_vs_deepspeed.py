@@ -7,11 +7,15 @@ the same AdamW / clipping config. The driver prints, per stage, the largest per-
 difference (parity) and the median step time of each framework with the ratio
 ``deepspeed / polyaccel`` (above 1: polyaccel is faster; the target is >= 1).
 
-DeepSpeed lives only in its own virtual environment, never in polyaccel's. Set-up (once):
+DeepSpeed lives only in its own virtual environment, never in polyaccel's. Set-up (once), in a
+per-user folder (not the shared temp dir, where another local user could plant the interpreter
+this script runs):
 
-    python3.11 -m venv /tmp/dsvenv
-    /tmp/dsvenv/bin/pip install -c constraints.txt torch==2.13.0+cpu transformers==5.24.0
-    DS_BUILD_OPS=0 /tmp/dsvenv/bin/pip install -c constraints.txt deepspeed==0.19.8
+    python3.11 -m venv ~/.cache/polyaccel/deepspeed-venv
+    ~/.cache/polyaccel/deepspeed-venv/bin/pip install -c constraints.txt torch==2.13.0+cpu transformers==5.24.0
+    DS_BUILD_OPS=0 ~/.cache/polyaccel/deepspeed-venv/bin/pip install -c constraints.txt deepspeed==0.19.8
+
+(``$XDG_CACHE_HOME`` replaces ``~/.cache`` when set; ``--ds-python`` names another interpreter.)
 
 (``DS_BUILD_OPS=0``: no ops are compiled at install time; DeepSpeed JIT-builds its CPU Adam op
 into ``~/.cache/torch_extensions`` on first use, about a minute once. The first DeepSpeed run
@@ -39,7 +43,15 @@ import tempfile
 import time
 from pathlib import Path
 
-DEFAULT_DS_PYTHON = "/tmp/dsvenv/bin/python"
+
+def _default_ds_python() -> str:
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "polyaccel", "deepspeed-venv", "bin", "python")
+
+
+DEFAULT_DS_PYTHON = _default_ds_python()
 
 # ------------------------------------------------------------------ shared by both workers
 

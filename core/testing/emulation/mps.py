@@ -18,6 +18,10 @@ What that does not prove: that Metal's compiler accepts the source, the GPU's pa
 execution and fast-math rounding, and performance. Supported subset: kernels written out
 as ``kernel void name(...)`` (no templates or macro-generated kernels) with a 1-D grid.
 Tensors stay on the CPU.
+
+Compiled libraries are cached per user (``$POLYACCEL_METAL_EMULATION_CACHE``, else
+``$XDG_CACHE_HOME/polyaccel/metal-emulation`` or ``~/.cache/polyaccel/metal-emulation``); a
+cache folder or library that another user could have written is refused, never loaded.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -36,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ...errors import PolyaccelError
 from .base import EMULATED_MARKER, EmulatedEvent, EmulatedRuntime, Patcher, PinnedHost
 
 RECOMMENDED_MAX_MEMORY = 48 * 2**30
@@ -140,12 +146,101 @@ def _launcher(name: str, params: list[KernelParam]) -> str:
             f"    for (unsigned long long i = 0; i < n; ++i) {name}({', '.join(args)});\n}}\n")
 
 
+#: environment variable naming the folder compiled shader libraries are cached in
+CACHE_ENV = "POLYACCEL_METAL_EMULATION_CACHE"
+
+
+class UnsafeCacheError(PolyaccelError):
+    """The shader cache folder, or a library in it, could have been written by another user."""
+
+
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/polyaccel/metal-emulation``, else ``~/.cache/polyaccel/metal-emulation``."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # the XDG spec: a relative value is ignored
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "polyaccel", "metal-emulation")
+
+
+def _uid() -> int | None:
+    """The current user's uid; None where the platform has no POSIX owners (no checks there)."""
+    return os.getuid() if hasattr(os, "getuid") else None
+
+
+def _mode(st: os.stat_result) -> str:
+    return oct(stat.S_IMODE(st.st_mode))
+
+
+def _check_cache_folder(folder: str, configured: str | None) -> None:
+    """Refuse ``folder`` unless only the current user (and root) can change what it holds."""
+    uid = _uid()
+    if uid is None:
+        return
+    origin = (f"{CACHE_ENV}={configured}" if configured
+              else f"the default, under $XDG_CACHE_HOME or ~/.cache; {CACHE_ENV} overrides it")
+    where = f"the emulated Metal shader cache folder {folder} ({origin})"
+    elsewhere = f"or set {CACHE_ENV} to a folder of your own (it is created with mode 0700)"
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeCacheError(f"refusing {where}: it is not a folder. Remove it, {elsewhere}.")
+    if st.st_uid != uid:
+        raise UnsafeCacheError(
+            f"refusing {where}: it is owned by uid {st.st_uid}, not by the current user (uid {uid}), so a "
+            f"library in it could have been planted by someone else. Remove that folder (as its owner or "
+            f"root), {elsewhere}.")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeCacheError(
+            f"refusing {where}: it is group/world-writable (mode {_mode(st)}), so another user could plant a "
+            f"library in it. Run `chmod 700 {folder}`, {elsewhere}.")
+    parent = folder
+    while True:
+        parent, child = os.path.split(parent)
+        if not child:
+            break
+        pst = os.lstat(parent)
+        if pst.st_uid not in (uid, 0):
+            problem = f"is owned by uid {pst.st_uid} (neither the current user, uid {uid}, nor root)"
+        elif pst.st_mode & stat.S_IWOTH and not pst.st_mode & stat.S_ISVTX:
+            problem = f"is world-writable without the sticky bit (mode {_mode(pst)})"
+        else:
+            continue
+        raise UnsafeCacheError(
+            f"refusing {where}: the folder above it, {parent}, {problem}, so another user could replace the "
+            f"cache folder. Set {CACHE_ENV} to a folder that only you (and root) can change.")
+
+
+def _check_cached_library(path: str) -> bool:
+    """False when ``path`` does not exist; raises unless it is a regular file only the current user can write."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    uid = _uid()
+    if uid is None:
+        return True
+    fix = "Delete it; the library is rebuilt on the next run."
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeCacheError(f"refusing to load the cached emulated Metal library {path}: it is not a regular "
+                               f"file (a symbolic link or another kind of entry). {fix}")
+    if st.st_uid != uid:
+        raise UnsafeCacheError(f"refusing to load the cached emulated Metal library {path}: it is owned by uid "
+                               f"{st.st_uid}, not by the current user (uid {uid}). {fix}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeCacheError(f"refusing to load the cached emulated Metal library {path}: it is "
+                               f"group/world-writable (mode {_mode(st)}). {fix}")
+    return True
+
+
 class _HostBuild:
     """Compiles translated sources for the host, cached on disk by the hash of compiler + source.
 
-    The cache (``$POLYACCEL_METAL_EMULATION_CACHE``, else a per-user folder in the temp dir) is
-    shared by processes; a library is written under a temporary name and renamed into place,
-    so a concurrent reader never loads a half-written file.
+    The cache (``$POLYACCEL_METAL_EMULATION_CACHE``, else :func:`default_cache_dir`) is per user
+    and shared by that user's processes. The folder is created with mode 0700 and refused
+    (:class:`UnsafeCacheError`) when another user owns it, it is group/world-writable, or a
+    folder above it is one others can change; a cached library is loaded only when it is a
+    regular file of the current user's that no one else can write. A library is written under a
+    temporary name in the cache folder and renamed into place, so a concurrent reader never
+    loads a half-written file.
     """
 
     def __init__(self) -> None:
@@ -160,37 +255,58 @@ class _HostBuild:
         return cxx
 
     @staticmethod
+    def key(cxx: str, cpp: str) -> str:
+        """The cached library's file stem for ``cpp`` compiled by ``cxx``."""
+        return hashlib.sha256(f"{cxx}\0{cpp}".encode()).hexdigest()[:24]
+
+    @staticmethod
     def cache_dir() -> str:
-        folder = os.environ.get("POLYACCEL_METAL_EMULATION_CACHE") or os.path.join(
-            tempfile.gettempdir(), f"polyaccel-metal-emulation-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
-        os.makedirs(folder, exist_ok=True)
+        """The checked cache folder (created with mode 0700 when missing); raises :class:`UnsafeCacheError`."""
+        configured = os.environ.get(CACHE_ENV) or None
+        folder = os.path.abspath(os.path.expanduser(configured or default_cache_dir()))
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+        folder = os.path.realpath(folder)
+        _check_cache_folder(folder, configured)
         return folder
 
     def build(self, cpp: str) -> ctypes.CDLL:
         cxx = self.compiler()
-        key = hashlib.sha256(f"{cxx}\0{cpp}".encode()).hexdigest()[:24]
+        key = self.key(cxx, cpp)
         with self._lock:
             lib = self._libs.get(key)
             if lib is not None:
                 return lib
-            out = os.path.join(self.cache_dir(), f"{key}.so")
-            if not os.path.exists(out):
-                part = f"{out}.{os.getpid()}.tmp"
-                with tempfile.TemporaryDirectory(prefix="polyaccel-metal-") as tmp:
-                    src = os.path.join(tmp, "kernel.cpp")
-                    with open(src, "w") as f:
-                        f.write(cpp)
-                    proc = subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes",
-                                           "-o", part, src], capture_output=True, text=True)
-                if proc.returncode != 0:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(part)
-                    raise RuntimeError(f"emulated Metal: the shader does not compile (as C++ for the host):\n"
-                                       f"{proc.stderr[-4000:]}")
-                os.replace(part, out)
+            folder = self.cache_dir()
+            out = os.path.join(folder, f"{key}.so")
+            if not _check_cached_library(out):
+                self._compile(cxx, cpp, folder, key, out)
+                _check_cached_library(out)
             lib = ctypes.CDLL(out)
             self._libs[key] = lib
             return lib
+
+    @staticmethod
+    def _compile(cxx: str, cpp: str, folder: str, key: str, out: str) -> None:
+        fd, part = tempfile.mkstemp(prefix=f".{key}.", suffix=".so.tmp", dir=folder)
+        os.close(fd)
+        try:
+            with tempfile.TemporaryDirectory(prefix="polyaccel-metal-") as tmp:
+                src = os.path.join(tmp, "kernel.cpp")
+                with open(src, "w") as f:
+                    f.write(cpp)
+                proc = subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes",
+                                       "-o", part, src], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"emulated Metal: the shader does not compile (as C++ for the host):\n"
+                                   f"{proc.stderr[-4000:]}")
+            os.chmod(part, 0o700)
+            os.replace(part, out)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
+            raise
 
 
 _BUILD = _HostBuild()
