@@ -1,0 +1,201 @@
+"""The expert-parallel MoE block that replaces a detected HF block.
+
+Forward, for the T tokens of this rank:
+
+1. the block's own router module (kept as is, so transformers' output recorders still see
+   its logits) gives the logits; :func:`route` picks top-k experts and weights with the
+   family's rule;
+2. the T*k assignments are sorted expert-major (stable), and the routed rows gathered;
+3. with ep > 1: one ``all_to_all_single`` exchanges the per-expert counts, a variable-split
+   ``all_to_all_single`` dispatches the rows (its backward is the reverse exchange), and the
+   received rows, ordered [source rank][local expert], are regrouped per local expert;
+4. the local experts run as ``grouped_mm`` -> ``swiglu`` -> ``grouped_mm`` from the op registry
+   (whichever builder serves the device), with 64-bit cumulative offsets;
+5. the results go home by the reverse all-to-all, are weighted by the router weights and
+   summed per token; shared experts (with Qwen's sigmoid gate) are added.
+
+Dropless: no capacity, every assignment is computed. With ep 1 no collective is issued.
+
+Gradients: expert parameters see the tokens of the whole EP group. Their backward is scaled
+by 1/ep, so a parameter's local gradient is the EP group's *average*, like every other
+parameter's local gradient is its rank's: averaging over ``expert_data`` (experts) and over
+``data`` (everything else) then gives the gradient of the global mean loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from polyaccel import ops
+
+from .detect import MoELayerSpec
+from .dispatch import AllToAllV, ScaleGrad, exchange_counts
+from .presets import Routing
+
+
+def route(logits: torch.Tensor, r: Routing, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) from router logits [T, E].
+
+    Mirrors transformers' routers: scores in float32; softmax or sigmoid; the correction bias and
+    group limits change which experts are chosen, never the weights; optional renormalisation
+    (sigmoid scores get DeepSeek's 1e-20 guard) and scaling.
+    """
+    s = logits.float()
+    scores = torch.softmax(s, dim=-1) if r.score_func == "softmax" else torch.sigmoid(s)
+    if bias is None and not r.num_groups:
+        weights, idx = torch.topk(scores, r.top_k, dim=-1)
+    else:
+        choice = scores + bias.float() if bias is not None else scores
+        if r.num_groups:
+            T, E = choice.shape
+            grouped = choice.view(T, r.num_groups, E // r.num_groups)
+            if r.group_score == "top2_sum":
+                gscore = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            else:
+                gscore = grouped.amax(dim=-1)
+            gidx = torch.topk(gscore, k=r.limited_groups, dim=-1, sorted=False)[1]
+            gmask = torch.zeros_like(gscore).scatter_(1, gidx, 1)
+            smask = gmask.unsqueeze(-1).expand(T, r.num_groups, E // r.num_groups).reshape(T, E)
+            choice = choice.masked_fill(~smask.bool(), float("-inf"))
+        idx = torch.topk(choice, k=r.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, idx)
+    if r.route_norm:
+        denom = weights.sum(dim=-1, keepdim=True)
+        if r.score_func == "sigmoid":
+            denom = denom + 1e-20
+        weights = weights / denom
+    if r.scale != 1.0:
+        weights = weights * r.scale
+    return weights, idx
+
+
+class GroupedExperts(torch.nn.Module):
+    """This rank's experts as transformers-5 fused 3-D parameters (same names and orientation).
+
+    ``gate_up_proj`` [E_local, 2F, H] (gate rows first, then up) and ``down_proj``
+    [E_local, H, F]; with ``transposed``, [E_local, H, 2F] and [E_local, F, H].
+    ``first_expert`` is the global index of local expert 0.
+    """
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, *, transposed: bool, first_expert: int,
+                 num_experts: int, requires_grad: bool = True):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=requires_grad)
+        self.down_proj = torch.nn.Parameter(down, requires_grad=requires_grad)
+        self.transposed = transposed
+        self.first_expert = first_expert
+        self.num_experts = num_experts  # global count
+        self.num_local_experts = gate_up.shape[0]
+
+    def weights(self, grad_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1 [E_local, H, 2F], w2 [E_local, F, H]) in grouped_mm's [experts, in, out] orientation (views)."""
+        gu, down = self.gate_up_proj, self.down_proj
+        if grad_scale != 1.0:
+            gu, down = ScaleGrad.apply(gu, grad_scale), ScaleGrad.apply(down, grad_scale)
+        if self.transposed:
+            return gu, down
+        return gu.transpose(1, 2), down.transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        last = self.first_expert + self.num_local_experts - 1
+        return f"experts {self.first_expert}-{last} of {self.num_experts}, transposed={self.transposed}"
+
+
+def run_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts on rows sorted by local expert: grouped_mm -> swiglu -> grouped_mm."""
+    offsets = torch.cumsum(counts.to(torch.int64), dim=0)
+    h = ops.grouped_mm(x, w1, offsets)
+    gate, up = h.chunk(2, dim=-1)
+    return ops.grouped_mm(ops.swiglu(gate, up), w2, offsets)
+
+
+class AutoEPMoE(torch.nn.Module):
+    """A MoE block with its experts placed over the expert-parallel group (see the module docstring)."""
+
+    def __init__(self, spec: MoELayerSpec, router: torch.nn.Module, experts: GroupedExperts,
+                 shared: torch.nn.Module | None, shared_gate: torch.nn.Module | None, *,
+                 group=None, ep_size: int = 1, ep_rank: int = 0):
+        super().__init__()
+        self.spec = spec
+        self.routing = spec.routing
+        self.ep_size = ep_size
+        self.ep_rank = ep_rank
+        self.group = group
+        self.num_experts = spec.num_experts
+        self.jitter_noise = spec.jitter_noise
+        self.add_module(spec.router_name, router)
+        self.add_module(spec.experts_name, experts)
+        if shared is not None:
+            self.add_module(spec.shared_name, shared)
+        if shared_gate is not None:
+            self.add_module(spec.shared_gate_name, shared_gate)
+        #: what the last forward dispatched (detached; for tests and monitoring)
+        self.last_dispatch: dict | None = None
+
+    @property
+    def router(self) -> torch.nn.Module:
+        return getattr(self, self.spec.router_name)
+
+    @property
+    def local_experts(self) -> GroupedExperts:
+        return getattr(self, self.spec.experts_name)
+
+    def extra_repr(self) -> str:
+        return f"ep {self.ep_rank}/{self.ep_size}, {self.routing.describe()}"
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        if self.training and self.jitter_noise > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        out = self.router(x)
+        logits = out[0] if isinstance(out, tuple) else out
+        bias = getattr(self.router, "e_score_correction_bias", None) if self.routing.correction_bias else None
+        weights, idx = route(logits, self.routing, bias)
+        y = self._routed(x, weights, idx)
+        if self.spec.shared_name is not None:
+            s = getattr(self, self.spec.shared_name)(x)
+            if self.spec.shared_gate_name is not None:
+                s = torch.sigmoid(getattr(self, self.spec.shared_gate_name)(x)) * s
+            y = y + s
+        y = y.reshape(-1, shape[-1]) if self.spec.flat_output else y.reshape(shape)
+        if self.spec.returns_router_logits:
+            return y, logits
+        return y
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        T, k = idx.shape
+        E, ep = self.num_experts, self.ep_size
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # expert-major; within an expert, token order
+        w_sorted = weights.reshape(-1).index_select(0, order).to(x.dtype)
+        routed = x.index_select(0, order // k)
+        if self.routing.score_apply == "pre":
+            routed = routed * w_sorted.unsqueeze(-1)
+        counts = torch.bincount(flat, minlength=E)
+        experts = self.local_experts
+        w1, w2 = experts.weights(1.0 / ep)
+        if ep == 1:
+            y = run_experts(routed, w1, w2, counts)
+            self.last_dispatch = {"counts": counts.detach(), "received": counts.detach(), "send": None, "recv": None}
+        else:
+            recv, send_rows, recv_rows = exchange_counts(counts, ep, self.group)
+            received = AllToAllV.apply(routed, recv_rows, send_rows, self.group)  # [source][local expert] order
+            n_local = E // ep
+            local_ids = torch.arange(n_local, device=x.device).repeat(ep)
+            row_expert = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=sum(recv_rows))
+            perm = torch.argsort(row_expert, stable=True)
+            y_local = run_experts(received.index_select(0, perm), w1, w2, recv.sum(0))
+            y_src = y_local.index_select(0, _inverse(perm))
+            y = AllToAllV.apply(y_src, send_rows, recv_rows, self.group)
+            self.last_dispatch = {"counts": counts.detach(), "received": recv.sum(0).detach(), "send": send_rows,
+                                  "recv": recv_rows}
+        if self.routing.score_apply == "post":
+            y = y * w_sorted.unsqueeze(-1)
+        y = y.index_select(0, _inverse(order))  # back to (token, slot) order
+        return y.view(T, k, -1).sum(dim=1)
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
