@@ -60,6 +60,7 @@ from __future__ import annotations
 
 from .config import ZeroConfig, parse_config
 from .engine import ZeroEngine
+from .leaves import ScheduleMismatch, set_leaf_modules
 
 
 def initialize(model, config=None, **kwargs) -> ZeroEngine:
@@ -67,4 +68,4 @@ def initialize(model, config=None, **kwargs) -> ZeroEngine:
     return ZeroEngine(model, config, **kwargs)
 
 
-__all__ = ["ZeroConfig", "ZeroEngine", "initialize", "parse_config"]
+__all__ = ["ScheduleMismatch", "ZeroConfig", "ZeroEngine", "initialize", "parse_config", "set_leaf_modules"]

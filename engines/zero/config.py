@@ -24,6 +24,7 @@ _TOP_KEYS = {
 _ZERO_KEYS = {
     "stage", "reduce_bucket_size", "overlap_comm", "contiguous_gradients", "stage3_prefetch_bucket_size",
     "prefetch_bucket_size", "stage3_param_persistence_threshold", "offload_optimizer", "offload_param",
+    "stage3_leaf_modules", "stage3_check_schedule",
 }
 _OFFLOAD_KEYS = {"device", "pin_memory"}
 _BF16_KEYS = {"enabled"}
@@ -87,6 +88,9 @@ class ZeroConfig:
     contiguous_gradients: bool = True
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
+    #: class names or module paths whose whole subtree is gathered at once (see ``stage3``)
+    stage3_leaf_modules: tuple[str, ...] = ()
+    stage3_check_schedule: bool = True
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     gradient_accumulation_steps: int = 1
@@ -227,6 +231,14 @@ def parse_config(config: dict | None, world_size: int = 1) -> ZeroConfig:
     if "stage3_param_persistence_threshold" in zero:
         out["stage3_param_persistence_threshold"] = _int(
             "zero_optimization.stage3_param_persistence_threshold", zero["stage3_param_persistence_threshold"], 0)
+    if "stage3_leaf_modules" in zero:
+        leaves = zero["stage3_leaf_modules"]
+        if not isinstance(leaves, (list, tuple)) or not all(isinstance(x, str) and x for x in leaves):
+            raise ConfigError("config key 'zero_optimization.stage3_leaf_modules' must be a list of module class "
+                              f"names or module paths (strings), got {leaves!r}")
+        out["stage3_leaf_modules"] = tuple(leaves)
+    if "stage3_check_schedule" in zero:
+        out["stage3_check_schedule"] = _bool("zero_optimization.stage3_check_schedule", zero["stage3_check_schedule"])
     out["offload_optimizer"] = _offload("zero_optimization.offload_optimizer", zero.get("offload_optimizer"))
     out["offload_param"] = _offload("zero_optimization.offload_param", zero.get("offload_param"))
     if out["offload_param"].enabled and stage != 3:

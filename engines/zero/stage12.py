@@ -2,8 +2,8 @@
 
 Gradients are reduce-scattered bucket by bucket (see :class:`~.partition.FlatLayout` for
 why a bucket's reduce-scatter lands exactly in each rank's partition). Stage 2 does it from
-per-parameter post-accumulate hooks during every backward and drops each gradient once it
-is copied into its bucket; stage 1 keeps full gradients in ``param.grad`` until the
+per-parameter post-accumulate hooks during every backward, in the rank-independent order of
+:class:`~.bucket_order.BucketOrder`, and drops each gradient once it is copied into its bucket; stage 1 keeps full gradients in ``param.grad`` until the
 accumulation boundary and reduces them there. After the optimizer step each rank writes its
 updated slice into the flat buffer and one ``all_gather_into_tensor`` per bucket rebuilds
 the parameters in place.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .bucket_order import BucketOrder
 from .partition import FlatLayout
 
 
@@ -43,8 +44,12 @@ class FlatPartitioner:
         self.grad = alloc_master(lay.partition_size, master_dtype)
         self.grad.zero_()
         self._buffers: dict[int, torch.Tensor] = {}
-        self._remaining = list(lay.bucket_fill)
-        self._reduced: set[int] = set()
+        members = [[] for _ in lay.buckets]
+        for i, ks in enumerate(lay.param_buckets):
+            if self.params[i].numel():
+                for k in ks:
+                    members[k].append(i)
+        self.order = BucketOrder(members)
         self._pending: list = []
         self._hooks = []
         if stage == 2:
@@ -65,15 +70,13 @@ class FlatPartitioner:
         for k in self.layout.param_buckets[i]:
             po, bo, n = self.layout.overlap(i, k)
             self._buffer(k)[bo:bo + n].add_(g[po:po + n])
-            if k not in self._reduced:
-                self._remaining[k] -= n
-                if self._remaining[k] == 0:
-                    self._reduce(k)
         p.grad = None
+        for k in self.order.arrive(i):
+            self._reduce(k)
 
     def _reduce(self, k: int) -> None:
-        buf = self._buffers.pop(k)
-        self._reduced.add(k)
+        buf = self._buffer(k)
+        del self._buffers[k]
         b = self.layout.buckets[k]
         out = torch.empty(b.chunk(self.world), dtype=self.compute_dtype, device=self.device)
         if self.stream is not None:
@@ -101,14 +104,8 @@ class FlatPartitioner:
         """After each backward (stage 2): reduce what the hooks left (unused params, leftovers)."""
         if self.stage != 2:
             return
-        unreduced = sorted(set(range(len(self.layout.buckets))) - self._reduced)
-        reopened = sorted(k for k in self._buffers if k in self._reduced)  # grads that came after their reduce
-        for k in unreduced + reopened:
-            self._buffer(k)
-            self._reduce(k)
+        self.order.finish(self._reduce, lambda flags: self.coll.all_reduce(flags, op="max"))
         self._finish()
-        self._remaining = list(self.layout.bucket_fill)
-        self._reduced.clear()
 
     def reduce_at_boundary(self) -> None:
         """At the accumulation boundary (stage 1): reduce the full gradients bucket by bucket."""
@@ -123,7 +120,6 @@ class FlatPartitioner:
                 buf[bo:bo + n].copy_(p.grad.detach().reshape(-1)[po:po + n])
             self._reduce(k)
         self._finish()
-        self._reduced.clear()
         for p in self.params:
             p.grad = None
 

@@ -10,9 +10,10 @@ owns parameters:
   parameters in the recorded order, within ``stage3_prefetch_bucket_size`` elements;
 - forward post-hook: release them, and wrap the outputs in an identity autograd function whose
   backward gathers them again before the module's own backward runs;
-- a post-accumulate-grad hook per trainable parameter: move its gradient into the reduce
-  bucket (reduce-scattered, ``reduce_bucket_size`` elements at a time, into each rank's fp32
-  gradient partition) and release the parameter.
+- a post-accumulate-grad hook per trainable parameter: hold its gradient for its reduce
+  bucket and release the parameter. Buckets are fixed groups of about ``reduce_bucket_size``
+  gathered elements, reduce-scattered into each rank's fp32 gradient partition in the
+  rank-independent order of :class:`~.bucket_order.BucketOrder`.
 
 Parameters of at most ``stage3_param_persistence_threshold`` elements stay gathered all the
 time (their optimizer state is still partitioned; they are re-gathered after each step).
@@ -23,14 +24,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .bucket_order import BucketOrder
+from .leaves import ScheduleMismatch, find_leaf_modules
 from .partition import ShardLayout
 
 
 class _Info:
     __slots__ = ("name", "param", "shape", "numel", "shard_size", "shard", "persistent", "index", "active",
-                 "inflight")
+                 "inflight", "order")
 
-    def __init__(self, name, param, shard_size, shard, persistent, index):
+    def __init__(self, name, param, shard_size, shard, persistent, index, order):
         self.name = name
         self.param = param
         self.shape = tuple(param.shape)
@@ -41,6 +44,7 @@ class _Info:
         self.index = index  # position in the optimizer partition layout, None for frozen params
         self.active = 0
         self.inflight = None
+        self.order = order  # position among all parameters, the same on every rank
 
 
 class _Gather:
@@ -96,6 +100,7 @@ class ShardedParameters:
         self.stream = reduction_stream
         self.accelerator = accelerator
         self.offload_param = config.offload_param.enabled
+        self.check_schedule = config.stage3_check_schedule and self.world > 1
         threshold = config.stage3_param_persistence_threshold
         self.layout = ShardLayout([n for n, _ in trainable], [tuple(p.shape) for _, p in trainable], self.world)
         self.infos: dict[int, _Info] = {}
@@ -110,7 +115,7 @@ class ShardedParameters:
             flat = F.pad(p.detach().reshape(-1), (0, s * world - n))
             shard.copy_(flat[rank * s:(rank + 1) * s])
             persistent = n <= threshold or n == 0
-            info = _Info(name, p, s, shard, persistent, idx if idx < len(trainable) else None)
+            info = _Info(name, p, s, shard, persistent, idx if idx < len(trainable) else None, idx)
             self.infos[id(p)] = info
             if not persistent:
                 p.data = torch.empty(0, dtype=compute_dtype, device=device)
@@ -124,10 +129,19 @@ class ShardedParameters:
 
         self._module_params: dict[int, list[_Info]] = {}
         self._hooks = []
-        for module in model.modules():
-            infos = [self.infos[id(p)] for p in module.parameters(recurse=False)]
+        self.leaves = find_leaf_modules(model, config.stage3_leaf_modules)
+        inside = {id(m) for leaf in self.leaves.values() for m in leaf.modules() if m is not leaf}
+        leaf_ids = {id(m) for m in self.leaves.values()}
+        self._owner: dict[int, str] = {}  # info order -> path of the module whose hooks gather it
+        for path, module in model.named_modules():
+            if id(module) in inside:
+                continue
+            infos = list({id(p): self.infos[id(p)]
+                          for p in module.parameters(recurse=id(module) in leaf_ids)}.values())
             if not infos:
                 continue
+            for info in infos:
+                self._owner.setdefault(info.order, path)
             self._module_params[id(module)] = infos
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(module.register_forward_hook(self._post_forward))
@@ -135,9 +149,10 @@ class ShardedParameters:
             if info.index is not None and info.numel:
                 self._hooks.append(info.param.register_post_accumulate_grad_hook(
                     lambda p, info=info: self._on_grad(info)))
-        # grad bucket: (info, full grad) in arrival order
-        self._bucket: list[tuple[_Info, torch.Tensor]] = []
-        self._bucket_elems = 0
+        self._by_index = {i.index: i for i in self.infos.values() if i.index is not None}
+        self._buckets = self._grad_buckets()
+        self.order = BucketOrder(self._buckets)
+        self._grads: dict[int, torch.Tensor] = {}  # layout index -> full gradient waiting for its bucket
         self._pending = []
         # module order trace for prefetching
         self._trace: list[int] = []
@@ -153,6 +168,8 @@ class ShardedParameters:
         if not infos:
             return None
         total = sum(i.shard_size for i in infos)
+        if self.check_schedule:
+            self._agree_on_gather(infos, total)
         inp = torch.cat([i.shard.to(self.device, non_blocking=True) for i in infos])
         out = torch.empty(total * self.world, dtype=self.compute_dtype, device=self.device)
         work = self.coll.all_gather(out, inp, async_op=async_op)
@@ -160,6 +177,34 @@ class ShardedParameters:
         for i in infos:
             i.inflight = g
         return g
+
+    def _agree_on_gather(self, infos: list[_Info], total: int) -> None:
+        """Compare what every rank is about to gather (one small all-gather); a difference means a module
+        ran on some ranks and not on others, and would mismatch the gather itself."""
+        key = torch.tensor([infos[0].order, len(infos), total], dtype=torch.int64, device=self.device)
+        out = torch.empty(3 * self.world, dtype=torch.int64, device=self.device)
+        self.coll.all_gather(out, key)
+        rows = [tuple(r) for r in out.view(self.world, 3).tolist()]
+        if all(r == rows[0] for r in rows):
+            return
+        ordered = sorted(self.infos.values(), key=lambda i: i.order)
+        seen = {}
+        for r, row in enumerate(rows):
+            seen.setdefault(row, []).append(r)
+        what = "; ".join(f"rank(s) {ranks} gather {self._describe(ordered[row[0]])}" for row, ranks in seen.items())
+        mine = self._owner.get(infos[0].order, "")
+        parent = mine.rsplit(".", 1)[0] if "." in mine else mine
+        raise ScheduleMismatch(
+            f"ZeRO stage 3: the ranks disagree about which parameters to gather next ({what}). A module ran on some "
+            "ranks and not on others (data-dependent control flow, such as MoE experts that run only when tokens are "
+            "routed to them), so the parameter gathers no longer line up. Fix: mark the module that always runs "
+            "around the conditional part as a leaf, whose whole subtree is gathered at once: "
+            f"zero_optimization.stage3_leaf_modules=[{parent or '<module path or class name>'!r}] or "
+            "polyaccel.engines.zero.set_leaf_modules(model, [...]).")
+
+    def _describe(self, info: _Info) -> str:
+        path = self._owner.get(info.order, "?")
+        return f"module {path!r} ({info.name})"
 
     def _materialise(self, infos: list[_Info]) -> None:
         self._launch_gather(infos, async_op=False)
@@ -260,25 +305,43 @@ class ShardedParameters:
         return rebuild(output)
 
     # --------------------------------------------------------------- gradients
+    def _grad_buckets(self) -> list[list[int]]:
+        """Fixed reduction buckets: trainable parameters in reverse registration order (roughly the order
+        backward produces them), about ``reduce_bucket_size`` gathered elements each."""
+        buckets, current, elems = [], [], 0
+        for index in sorted(self._by_index, reverse=True):
+            info = self._by_index[index]
+            if not info.numel:
+                continue
+            current.append(index)
+            elems += info.shard_size * self.world
+            if elems >= self.bucket_size:
+                buckets.append(current)
+                current, elems = [], 0
+        if current:
+            buckets.append(current)
+        return buckets
+
     def _on_grad(self, info: _Info) -> None:
         p = info.param
-        self._bucket.append((info, p.grad.detach().reshape(-1)))
-        self._bucket_elems += info.shard_size * self.world
+        g = p.grad.detach().reshape(-1)
+        held = self._grads.get(info.index)
+        self._grads[info.index] = g if held is None else held + g
         p.grad = None
         self._release(info)
-        if self._bucket_elems >= self.bucket_size:
-            self._reduce_bucket()
+        for k in self.order.arrive(info.index):
+            self._reduce_bucket(k)
 
-    def _reduce_bucket(self) -> None:
-        if not self._bucket:
-            return
-        entries, self._bucket, self._bucket_elems = self._bucket, [], 0
-        total = sum(i.shard_size for i, _ in entries)
-        inp = torch.empty(self.world, total, dtype=self.compute_dtype, device=self.device)
+    def _reduce_bucket(self, k: int) -> None:
+        entries = [self._by_index[i] for i in self._buckets[k]]
+        total = sum(i.shard_size for i in entries)
+        inp = torch.zeros(self.world, total, dtype=self.compute_dtype, device=self.device)
         col = 0
-        for info, g in entries:
+        for info in entries:
             s = info.shard_size
-            inp[:, col:col + s].copy_(F.pad(g, (0, s * self.world - info.numel)).view(self.world, s))
+            g = self._grads.pop(info.index, None)
+            if g is not None:  # no gradient here this backward: zeros
+                inp[:, col:col + s].copy_(F.pad(g, (0, s * self.world - info.numel)).view(self.world, s))
             col += s
         out = torch.empty(total, dtype=self.compute_dtype, device=self.device)
         if self.stream is not None:
@@ -299,7 +362,7 @@ class ShardedParameters:
                 work.wait()
             out = out.to(self.grad.device, self.grad.dtype)
             col = 0
-            for info, _ in entries:
+            for info in entries:
                 s = info.shard_size
                 off = self.layout.part_offsets[info.index]
                 self.grad[off:off + s].add_(out[col:col + s])
@@ -307,7 +370,7 @@ class ShardedParameters:
         self._pending.clear()
 
     def end_backward(self) -> None:
-        self._reduce_bucket()
+        self.order.finish(self._reduce_bucket, lambda flags: self.coll.all_reduce(flags, op="max"))
         self._finish_reductions()
         for info in self.infos.values():  # frozen params, unused params and stale prefetches
             if info.inflight is not None:

@@ -188,7 +188,8 @@ def test_collective_schedule(results, name):
             assert buckets >= 3
         elif kw["stage"] == 2:
             assert ops["forward"] == []
-            assert ops["backward"] == ["reduce_scatter_tensor"] * buckets and buckets >= 3
+            # every bucket once, in bucket order, then the agreement on buckets reopened by late gradients
+            assert ops["backward"] == ["reduce_scatter_tensor"] * buckets + ["all_reduce"] and buckets >= 3
             assert ops["step"] == ["all_reduce"] + ["all_gather_into_tensor"] * buckets
         else:
             persistent = kw.get("persistence", 0)
@@ -198,8 +199,14 @@ def test_collective_schedule(results, name):
             assert any(forward_async)
             # every partitioned parameter is gathered in forward and again in backward (its shard each time)
             assert nbytes["forward"]["all_gather_into_tensor"] >= sum(math.ceil(n / WORLD) for n in big) * size
-            assert set(ops["backward"]) == {"all_gather_into_tensor", "reduce_scatter_tensor"}
+            assert set(ops["backward"]) == {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"}
+            assert ops["backward"].count("all_reduce") == 1  # the agreement on reopened buckets
             assert nbytes["backward"]["reduce_scatter_tensor"] >= sum(trainable) * size
             assert ops["backward"].count("reduce_scatter_tensor") >= 3
-            expected_step = ["all_reduce"] + (["all_gather_into_tensor"] if persistent else [])
+            # each gather is preceded by the check that every rank gathers the same parameters
+            check = 3 * torch.tensor([], dtype=torch.int64).element_size()
+            for phase in ("forward", "backward"):
+                gathers = [b for op, b in sched[phase] if op == "all_gather_into_tensor"]
+                assert gathers[0::2] == [check] * (len(gathers) // 2) and len(gathers) % 2 == 0, phase
+            expected_step = ["all_reduce"] + (["all_gather_into_tensor"] * 2 if persistent else [])
             assert ops["step"] == expected_step

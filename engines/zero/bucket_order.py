@@ -1,0 +1,81 @@
+"""When a gradient bucket may be reduced: the same order on every rank, whatever the local gradients.
+
+Every rank must issue the same collectives in the same order. During backward, gradients
+arrive in an order that depends on the rank's data (an MoE expert that got no token here
+produces no gradient here, a data-dependent branch skips parameters), so "reduce a bucket
+as soon as it is complete here" lets ranks disagree about which bucket the n-th
+reduce-scatter carries: a size mismatch when buckets differ in length, silently mixed
+gradients when they do not.
+
+The rule, for buckets numbered 0..K-1 in a layout every rank shares:
+
+- during backward, bucket k is reduced only when it is complete *and* every bucket before
+  it has been reduced, so the early reductions are a prefix 0..j of the bucket order on
+  every rank (j may differ; nothing after a gap is reduced early);
+- at the end of backward the rest, j+1..K-1, are reduced in order: parameters that got no
+  gradient contribute zeros;
+- a gradient that arrives after its bucket was reduced (a parameter whose gradient hook
+  fires twice in one backward, as with reentrant activation checkpointing of a shared
+  weight) reopens the bucket; the ranks agree on the reopened buckets with one small
+  all-reduce and reduce those again, in order.
+
+So each rank issues exactly K reductions per backward, in bucket order, plus the agreement
+and one more per reopened bucket, identically everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class BucketOrder:
+    """Tracks arrivals of parameter gradients and says which buckets to reduce, and when."""
+
+    def __init__(self, bucket_members: Sequence[Sequence[int]]):
+        self._members = [frozenset(m) for m in bucket_members]
+        self._buckets_of: dict[int, list[int]] = {}
+        for k, members in enumerate(self._members):
+            for i in members:
+                self._buckets_of.setdefault(i, []).append(k)
+        self.reset()
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._members)
+
+    def reset(self) -> None:
+        self._missing = [set(m) for m in self._members]
+        self._next = 0
+        self._reopened: set[int] = set()
+
+    def is_reduced(self, k: int) -> bool:
+        return k < self._next
+
+    def arrive(self, i: int) -> list[int]:
+        """Parameter ``i`` got its gradient; returns the buckets that may be reduced now, in order."""
+        for k in self._buckets_of.get(i, ()):
+            if k < self._next:
+                self._reopened.add(k)
+            else:
+                self._missing[k].discard(i)
+        ready = []
+        while self._next < len(self._members) and not self._missing[self._next]:
+            ready.append(self._next)
+            self._next += 1
+        return ready
+
+    def finish(self, reduce: Callable[[int], None], agree: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """End of backward: ``reduce`` the buckets not reduced yet, in order; then agree on the reopened buckets
+        (``agree`` is an all-reduce with max) and reduce those again, in order. Resets for the next backward."""
+        for k in range(self._next, len(self._members)):
+            reduce(k)
+        reopened = sorted(self._reopened)
+        if agree is not None and self._members:
+            flags = torch.zeros(len(self._members), dtype=torch.int32)
+            flags[reopened] = 1
+            reopened = agree(flags).nonzero().flatten().tolist()
+        for k in reopened:
+            reduce(k)
+        self.reset()

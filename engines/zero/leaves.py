@@ -1,0 +1,75 @@
+"""Stage-3 leaf modules: subtrees gathered as one unit, for modules whose inside runs conditionally.
+
+Stage 3 gathers a module's parameters when the module runs. If a submodule runs on some
+ranks and not on others (an MoE expert that got no token here, a data-dependent branch),
+the ranks would issue different gathers. A *leaf* module has no hooks inside it: its whole
+subtree is gathered before it runs and released after, on every rank, whatever runs inside.
+
+Leaves are, outermost first:
+
+- modules named in ``zero_optimization.stage3_leaf_modules`` (a class name such as
+  ``"MixtralSparseMoeBlock"`` or a module path such as ``"model.layers.0.mlp"``);
+- modules marked with :func:`set_leaf_modules`;
+- automatically, any module with a ``torch.nn.ModuleList`` child named ``experts`` (the
+  per-expert layout of MoE blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+from polyaccel.errors import ConfigError, PolyaccelError
+
+_MARK = "_polyaccel_zero_leaf"
+
+
+class ScheduleMismatch(PolyaccelError, RuntimeError):
+    """Ranks were about to issue different parameter gathers; raised on every rank before the gather."""
+
+
+def set_leaf_modules(model: torch.nn.Module, targets) -> list[str]:
+    """Mark modules of ``model`` as stage-3 leaves: classes, class names or module paths. Returns the paths
+    marked; a target that matches nothing is an error naming it."""
+    paths = []
+    for path, module in _match(model, list(targets)).items():
+        setattr(module, _MARK, True)
+        paths.append(path)
+    return paths
+
+
+def _match(model: torch.nn.Module, targets: list) -> dict[str, torch.nn.Module]:
+    modules = dict(model.named_modules())
+    found: dict[str, torch.nn.Module] = {}
+    for target in targets:
+        if isinstance(target, type):
+            hits = {p: m for p, m in modules.items() if isinstance(m, target)}
+        elif isinstance(target, str):
+            hits = {p: m for p, m in modules.items() if p == target or type(m).__name__ == target}
+        else:
+            raise ConfigError(f"a stage-3 leaf module is given as a class, a class name or a module path, "
+                              f"got {target!r}")
+        if not hits:
+            classes = sorted({type(m).__name__ for m in modules.values()})
+            raise ConfigError(
+                f"stage-3 leaf module {getattr(target, '__name__', target)!r} matches no module of the model; "
+                f"give a module path (e.g. 'model.layers.0.mlp') or one of its classes: {', '.join(classes)}")
+        found.update(hits)
+    return found
+
+
+def _is_expert_block(module: torch.nn.Module) -> bool:
+    experts = getattr(module, "experts", None)
+    return isinstance(experts, torch.nn.ModuleList) and any(True for _ in experts.parameters())
+
+
+def find_leaf_modules(model: torch.nn.Module, names=()) -> dict[str, torch.nn.Module]:
+    """The outermost leaves of ``model``, by path."""
+    chosen = {id(m) for m in _match(model, list(names)).values()}
+    leaves: dict[str, torch.nn.Module] = {}
+    covered: set[int] = set()
+    for path, module in model.named_modules():
+        if id(module) in covered:
+            continue
+        if id(module) in chosen or getattr(module, _MARK, False) or _is_expert_block(module):
+            leaves[path] = module
+            covered.update(id(m) for m in module.modules())
+    return leaves
