@@ -3,7 +3,8 @@
 Gradients are reduce-scattered bucket by bucket (see :class:`~.partition.FlatLayout` for
 why a bucket's reduce-scatter lands exactly in each rank's partition). Stage 2 does it from
 per-parameter post-accumulate hooks during every backward, in the rank-independent order of
-:class:`~.bucket_order.BucketOrder`, and drops each gradient once it is copied into its bucket; stage 1 keeps full gradients in ``param.grad`` until the
+:class:`~.bucket_order.BucketOrder`, and drops each gradient once it is copied into its
+bucket; stage 1 keeps full gradients in ``param.grad`` until the
 accumulation boundary and reduces them there. After the optimizer step each rank writes its
 updated slice into the flat buffer and one ``all_gather_into_tensor`` per bucket rebuilds
 the parameters in place.
