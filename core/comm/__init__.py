@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from . import emulation
+from . import emulation, peers
 from .errors import TIMEOUT_ENV, CommArgumentError, CommError, CommTimeoutError, PeerLostError, translate
 from .handles import CommHandle, wait_all
 from .hooks import EMULATIONS, CommHooks, resolve_hooks
@@ -128,6 +128,7 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
             accelerator.set_device(local_rank)
             kwargs["device_id"] = accelerator.device(local_rank)
         dist.init_process_group(**kwargs)
+        peers.publish()
     _session = _Session(accelerator, hooks, limit, owned)
     _timeout_s = limit.total_seconds()
     _install(hooks)

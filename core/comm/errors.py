@@ -44,9 +44,13 @@ def translate(op: str, exc: BaseException, timeout_s: float | None = None) -> Ba
     raw = str(exc).strip()
     low = raw.lower()
     if any(m in low for m in _PEER_LOST_MARKS):
+        from .peers import describe_lost
+
+        lost = describe_lost()
         return PeerLostError(
             f"polyaccel.comm.{op}: a peer closed its connection before the call completed "
-            f"(a rank exited, crashed, or gave up after its own timeout). torch said: {raw}",
+            f"(a rank exited, crashed, or gave up after its own timeout){': ' + lost if lost else ''}. "
+            f"torch said: {raw}",
             op=op,
         )
     if any(m in low for m in _TIMEOUT_MARKS):

@@ -34,6 +34,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -86,7 +87,12 @@ class RankOutcome:
 
 # ------------------------------------------------------------------------------------------ child side
 def _rank_main(fn, rank: int, world_size: int, args: tuple, env: dict, port: int, backend: str,
-               comm_timeout, conn, dump_path: str, dump_after: float) -> None:
+               comm_timeout, conn, dump_path: str, dump_after: float, stderr_path: str) -> None:
+    # the rank's stderr goes to a file the parent reads back: a rank killed by an abort in C++
+    # (gloo's size checks) leaves its last words there, not in a Python traceback
+    err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(err, 2)
+    os.close(err)
     os.environ.clear()
     os.environ.update(env)
     os.environ.update({
@@ -145,14 +151,16 @@ def _check_fn(fn) -> None:
         )
 
 
-def _read(conn, rank: int, proc) -> RankOutcome:
+def _read(conn, rank: int, proc, stderr_path: str) -> RankOutcome:
     try:
         msg = conn.recv()
     except (EOFError, OSError):
         proc.join(1.0)
+        last = _tail(stderr_path)
+        words = f"; its last words on stderr:\n{last}" if last else " and wrote nothing to stderr"
         return RankOutcome(rank, False, exc_type="RankDied",
-                           message=f"rank {rank} exited with code {proc.exitcode} without reporting a result",
-                           traceback="(no Python traceback: the process ended abruptly)\n", when=time.time())
+                           message=f"rank {rank} exited with code {proc.exitcode} without reporting a result{words}",
+                           traceback=f"(no Python traceback: the process ended abruptly)\n{last}\n", when=time.time())
     if msg[0] == "ok":
         return RankOutcome(rank, True, value=pickle.loads(msg[1]))
     _, exc_type, text, tb, original, when = msg
@@ -163,6 +171,26 @@ def _read(conn, rank: int, proc) -> RankOutcome:
         except Exception:  # noqa: BLE001
             exception = None
     return RankOutcome(rank, False, exc_type=exc_type, message=text, traceback=tb, exception=exception, when=when)
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "\n".join(f.read().rstrip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _forward_stderr(paths: list[str]) -> None:
+    """Hand what the ranks wrote to stderr on to ours, so nothing they said is lost."""
+    for rank, path in enumerate(paths):
+        try:
+            with open(path, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if text.strip():
+            sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()))
 
 
 def _kill(procs) -> None:
@@ -206,7 +234,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, backend: str = 
     child_env.update(env or {})
     dump_after = max(0.5, timeout - min(2.0, timeout * 0.1))
     tmpdir = tempfile.mkdtemp(prefix="polyaccel-ranks-")
-    procs, readers, dumps = [], {}, []
+    procs, readers, dumps, errs = [], {}, [], []
     outcomes: dict[int, RankOutcome] = {}
     first_failure: int | None = None
     try:
@@ -214,10 +242,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, backend: str = 
             reader, writer = ctx.Pipe(duplex=False)
             dump = os.path.join(tmpdir, f"rank{rank}.stack")
             dumps.append(dump)
+            errs.append(os.path.join(tmpdir, f"rank{rank}.stderr"))
             proc = ctx.Process(
                 target=_rank_main, name=f"polyaccel-rank{rank}", daemon=False,  # ranks may start workers
                 args=(fn, rank, world_size, args, child_env, store.port, backend, comm_timeout, writer, dump,
-                      dump_after),
+                      dump_after, errs[rank]),
             )
             proc.start()
             writer.close()
@@ -231,7 +260,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, backend: str = 
             pending = [c for c, r in readers.items() if r not in outcomes]
             for conn in wait_ready(pending, timeout=deadline - now):
                 rank = readers[conn]
-                outcome = _read(conn, rank, procs[rank])
+                outcome = _read(conn, rank, procs[rank], errs[rank])
                 outcomes[rank] = outcome
                 if not outcome.ok and first_failure is None:
                     first_failure = rank
@@ -244,6 +273,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, backend: str = 
             conn.close()
         del store
 
+    _forward_stderr(errs)
     try:
         if first_failure is not None:
             primary = min((o for o in outcomes.values() if not o.ok), key=lambda o: (o.secondary, o.when, o.rank))
@@ -258,7 +288,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, backend: str = 
             )
         return [outcomes[r].value for r in range(world_size)]
     finally:
-        for d in dumps:
+        for d in dumps + errs:
             try:
                 os.unlink(d)
             except OSError:
