@@ -39,8 +39,21 @@ Config (DeepSpeed's key names; unknown keys are rejected, the caller's dict is n
 loss_scale_window, hysteresis, min_loss_scale}``, ``optimizer.{type: adam|adamw|lion|lamb,
 params: {lr, betas, eps, weight_decay, adam_w_mode, bias_correction, max_coeff, min_coeff}}``,
 ``zero_optimization.{stage: 1|2|3, reduce_bucket_size, overlap_comm, contiguous_gradients,
-stage3_prefetch_bucket_size, stage3_param_persistence_threshold, offload_optimizer: {device:
+stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_leaf_modules: [class
+name or module path, ...], stage3_check_schedule: bool, offload_optimizer: {device:
 none|cpu, pin_memory}, offload_param: {device: none|cpu, pin_memory} (stage 3)}``.
+
+Invariant: every rank issues the same collectives in the same order, whatever its local
+gradients and control flow. Ranks may disagree about which parameters got a gradient (an MoE
+expert that got no token on this rank, a data-dependent branch): gradient buckets are
+reduced in bucket order, early only as a prefix of that order, and the rest after backward
+(:mod:`.bucket_order`). In stage 3 a module that runs on some ranks only would make the
+parameter gathers differ: mark the module around it as a leaf (gathered as a whole; MoE
+blocks with an ``experts`` ModuleList are leaves automatically, see :mod:`.leaves`), and
+before each gather the ranks check that they gather the same parameters
+(``stage3_check_schedule``, default true: one small all-gather per gather), so an unmarked
+one fails with :class:`ScheduleMismatch` naming the module and the fix instead of a
+mismatched collective.
 As in DeepSpeed, optimizer type ``adam`` uses decoupled weight decay unless ``adam_w_mode`` is false.
 
 Without bf16/fp16 the model keeps its dtype; a float64 model trains with float64 master
