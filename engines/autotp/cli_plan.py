@@ -1,0 +1,73 @@
+"""Print AutoTP's tensor-parallel plan for a model: module -> style -> per-rank shard sizes.
+
+MODEL is a family name (llama, llama-tied, mistral, qwen3, phi3, gpt2: the family's default
+transformers config, i.e. the released model's shapes) or a directory holding a config.json.
+The model is built on the meta device: no weights are read or allocated, nothing is downloaded.
+Plan inference and its checks run as in training, so a --tp the heads cannot take, an unknown
+plan style or a rule that matches nothing fails here with the same message.
+
+Shard sizes are along the split dimension: output features for column layers, input features
+for row layers, vocabulary rows for vocab layers; fused weights show each sub-weight (q+k+v,
+gate+up). Layers that differ only in their number are folded into one line (--full lists each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+HELP = "print the AutoTP plan (module -> style -> per-rank shard sizes) for a model"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, metavar="NAME",
+                        help="family name (llama, llama-tied, mistral, qwen3, phi3, gpt2) or a directory with "
+                             "config.json")
+    parser.add_argument("--tp", type=int, default=2, metavar="N", help="tensor-parallel degree (default 2)")
+    parser.add_argument("--tiny", action="store_true", help="the small test-sized config of the family instead")
+    parser.add_argument("--config", default=None, metavar="JSON",
+                        help="extra tensor_parallel keys as JSON, e.g. '{\"preset_model\": \"phi3\"}'")
+    parser.add_argument("--full", action="store_true", help="one line per module (no folding of layers)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _model(args):
+    import torch
+
+    from .models import FAMILIES, build, full_config, tiny_config
+
+    if os.path.isdir(args.model) or args.model.endswith(".json"):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = os.path.dirname(args.model) or "." if args.model.endswith(".json") else args.model
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(cfg)
+    if args.model not in FAMILIES:
+        from polyaccel.errors import ConfigError
+
+        raise ConfigError(f"--model {args.model!r}: choose one of {', '.join(FAMILIES)} or a directory with a "
+                          "config.json")
+    cfg = tiny_config(args.model) if args.tiny else full_config(args.model)
+    with torch.device("meta"):
+        return build(cfg, args.model)
+
+
+def run(args) -> int:
+    from polyaccel.errors import PolyaccelError
+
+    from .plan import infer_plan
+
+    try:
+        section = json.loads(args.config) if args.config else {}
+        if not isinstance(section, dict):
+            raise PolyaccelError("--config must be a JSON object")
+        section = {**section, "autotp_size": args.tp}
+        plan = infer_plan(_model(args), args.tp, section)
+    except (PolyaccelError, OSError, ValueError) as exc:
+        print(f"polyaccel autotp-plan: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.format(compact=not args.full))
+    return 0
