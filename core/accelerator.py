@@ -5,6 +5,11 @@ its hardware does differently. Defaults delegate to torch's device-generic APIs
 (``torch.get_device_module(device_type)``), so a backend that torch already knows
 needs very little code.
 
+A backend whose tensors live in host memory (``device_type = "cpu"``: a plugin that presents
+the host, or a runtime reached through host tensors) gets working defaults too: one device
+per process, program-order execution, and torch's default generator for RNG. Such a plugin
+needs to define only its identity and :meth:`Accelerator.probe`.
+
 Rules for growing this class (see DESIGN.md "The contract is versioned"): new methods
 always get a default implementation — never add an abstract method — and optional
 features are declared through :meth:`Accelerator.capabilities`. A feature that is not
@@ -14,6 +19,7 @@ claimed raises :class:`polyaccel.Unsupported`; nothing here is a silent no-op.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -125,22 +131,40 @@ class Accelerator:
     # ------------------------------------------------------------------- device
     def device(self, index: int | None = None) -> torch.device:
         """The torch device of this backend's tensors; the host under an emulated runtime."""
-        if self.is_emulated():
+        if self.is_emulated() or self.device_type == "cpu":
             return torch.device("cpu")
         if index is None:
             index = self.current_device()
         return torch.device(self.device_type, index)
 
     def device_count(self) -> int:
+        """Devices this process can use; the host is one device per process."""
+        if self.device_type == "cpu":
+            return 1
         return int(self._device_module().device_count())
 
     def current_device(self) -> int:
-        return int(self._device_module().current_device())
+        """The current device index (0 for the host).
+
+        torch's device modules answer an int, a device string (``torch.cpu`` says ``"cpu"``)
+        or a ``torch.device``; all of them are turned into an index here.
+        """
+        if self.device_type == "cpu":
+            return 0
+        return _device_index(self._device_module().current_device())
 
     def set_device(self, index: int) -> None:
+        """Make ``index`` current. The host accepts 0, and this process's LOCAL_RANK (one device per rank)."""
+        if self.device_type == "cpu":
+            if index not in (0, int(os.environ.get("LOCAL_RANK", 0))):
+                raise ValueError(f"{self.name} has one host device per process; cannot select device {index}")
+            return
         self._device_module().set_device(index)
 
     def synchronize(self, index: int | None = None) -> None:
+        """Wait for the device's queued work; host work is complete when each call returns."""
+        if self.device_type == "cpu":
+            return
         self._device_module().synchronize(index)
 
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
@@ -148,18 +172,19 @@ class Accelerator:
 
     # ------------------------------------------------------ execution model
     def is_synchronized_device(self) -> bool:
-        """Device work runs in host order; no side streams are needed."""
-        return False
+        """Device work runs in host order; no side streams are needed (True for the host)."""
+        return self.device_type == "cpu"
 
     def use_host_timers(self) -> bool:
         return self.is_synchronized_device()
 
     def resolves_data_dependency(self) -> bool:
-        """The runtime orders cross-stream data dependencies by itself."""
-        return False
+        """The runtime orders cross-stream data dependencies by itself (True for the host)."""
+        return self.device_type == "cpu"
 
     def handles_memory_backpressure(self) -> bool:
-        return False
+        """The allocator copes with memory pressure by itself (True for the host)."""
+        return self.device_type == "cpu"
 
     # ---------------------------------------------------------- streams/events
     def Stream(self, *args, **kwargs):
@@ -186,20 +211,39 @@ class Accelerator:
         return self._device_module().stream(stream)
 
     # --------------------------------------------------------------------- RNG
+    # Guarded by "rng". The host's generator is torch's default one (torch.cpu has no RNG API).
     def manual_seed(self, seed: int) -> None:
+        self.require("rng")
+        if self.device_type == "cpu":
+            torch.manual_seed(seed)
+            return
         self._device_module().manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
+        self.require("rng")
+        if self.device_type == "cpu":
+            torch.manual_seed(seed)
+            return
         self._device_module().manual_seed_all(seed)
 
     def initial_seed(self) -> int:
+        self.require("rng")
+        if self.device_type == "cpu":
+            return int(torch.initial_seed())
         return int(self._device_module().initial_seed())
 
     def get_rng_state(self, index: int | None = None) -> torch.Tensor:
+        self.require("rng")
+        if self.device_type == "cpu":
+            return torch.get_rng_state()
         mod = self._device_module()
         return mod.get_rng_state() if index is None else mod.get_rng_state(index)
 
     def set_rng_state(self, state: torch.Tensor, index: int | None = None) -> None:
+        self.require("rng")
+        if self.device_type == "cpu":
+            torch.set_rng_state(state)
+            return
         mod = self._device_module()
         if index is None:
             mod.set_rng_state(state)
@@ -390,6 +434,18 @@ class Accelerator:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} device_type={self.device_type!r}>"
+
+
+def _device_index(current: Any) -> int:
+    """An index from what a torch device module's ``current_device()`` returns (int, str or device)."""
+    if isinstance(current, bool):
+        raise TypeError(f"current_device() returned {current!r}, not a device index")
+    if isinstance(current, int):
+        return current
+    if isinstance(current, (str, torch.device)):
+        index = torch.device(current).index
+        return 0 if index is None else int(index)
+    return int(current)
 
 
 #: Buffers whose unregistration failed: kept referenced so the memory is never freed.

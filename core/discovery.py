@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import os
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,17 @@ FAILED = "failed"
 BLOCKED = "blocked"
 INCOMPATIBLE = "incompatible"
 DUPLICATE = "duplicate"
+#: a plugin without an accelerator (op builders, comm or report hooks only): loaded, nothing to select
+LOADED = "loaded"
+
+#: statuses of plugins whose hooks are registered and whose op builders are used
+LOADED_STATUSES = (SELECTED, AVAILABLE, UNAVAILABLE, LOADED)
+
+#: how a name claimed by several plugins is settled, in the words every loser's reason uses
+NAME_PRECEDENCE = (
+    "polyaccel's own plugins first, then other distributions in alphabetical order of their "
+    "distribution names, then plugins passed to polyaccel.register_plugin()"
+)
 
 
 @dataclass
@@ -44,10 +56,17 @@ class PluginRecord:
     probe: ProbeResult | None = None
     plugin: Any = None
     emulated: bool = False
+    #: the distribution the entry point comes from (None: registered, or unknown)
+    dist_name: str | None = None
 
     @property
     def priority(self) -> int:
         return self.accelerator_cls.priority if self.accelerator_cls else 0
+
+    @property
+    def by_name_only(self) -> bool:
+        """An available accelerator with a negative priority: never auto-selected, only by name."""
+        return self.accelerator_cls is not None and self.status == AVAILABLE and self.priority < 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -94,6 +113,9 @@ class PluginSet:
         for r in self.records.values():
             extra = f": {r.reason}" if r.reason else ""
             emu = " [emulated]" if r.emulated else ""
+            if r.by_name_only:
+                extra += (f" (priority {r.priority}: selectable by name only, "
+                          f"POLYACCEL_ACCELERATOR={r.accelerator_cls.name})")
             lines.append(f"  - {r.name}: {r.status}{emu}{extra}")
         return "\n".join(lines)
 
@@ -145,10 +167,61 @@ def _accelerator_classes(pm: pluggy.PluginManager, plugin: Any) -> list[type[Acc
     return classes
 
 
+def _normalize(dist_name: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist_name).lower()
+
+
+def _entry_point_candidates() -> list[tuple[str, str, Any, str | None]]:
+    """Every entry point of the group as (name, source, loader, distribution name), in precedence order.
+
+    The order is fixed by :data:`NAME_PRECEDENCE`, never by install or metadata order: the
+    ``polyaccel`` distribution first, then the others sorted by normalized distribution name;
+    entry points of one distribution keep the order of its metadata.
+    """
+    found = []
+    seen_eps: set[tuple[str, str]] = set()
+    for index, ep in enumerate(md.entry_points(group=ENTRY_POINT_GROUP)):
+        if (ep.name, ep.value) in seen_eps:
+            continue  # the same distribution visible twice on sys.path
+        seen_eps.add((ep.name, ep.value))
+        dist = getattr(ep, "dist", None)
+        dist_name = None
+        where = ""
+        if dist is not None:
+            dist_name = dist.name
+            where = f" ({dist.name} {dist.version})"
+        norm = _normalize(dist_name) if dist_name else "\uffff"  # unknown distribution: last
+        key = (0 if norm == "polyaccel" else 1, norm, index)
+        found.append((key, ep.name, f"entry point {ep.value}{where}", ep.load, dist_name))
+    found.sort(key=lambda item: item[0])
+    return [item[1:] for item in found]
+
+
+def _blocked_reason(name: str, source: str, allow: list[str] | None, block: set[str]) -> str | None:
+    if name in block:
+        return "listed in POLYACCEL_DISABLE_PLUGINS"
+    if allow is not None and name not in allow and source != "registered":
+        return f"not in POLYACCEL_PLUGINS={','.join(allow)}"
+    return None
+
+
+def _record_key(result: PluginSet, name: str) -> str:
+    """``name``, or ``name#N`` (unused) when a record already holds ``name``."""
+    if name not in result.records:
+        return name
+    n = len(result.records)
+    while f"{name}#{n}" in result.records:
+        n += 1
+    return f"{name}#{n}"
+
+
 def discover(extra_plugins: list[tuple[str, Any]] | None = None) -> PluginSet:
     """Load entry-point plugins (subject to the env switches) plus explicitly registered ones.
 
-    Never raises because of a plugin: every failure is recorded on its record.
+    Never raises because of a plugin: every failure is recorded on its record. Blocked
+    plugins are recorded as blocked before any name clash is considered; among the rest,
+    a plugin name claimed twice goes to the first in :data:`NAME_PRECEDENCE` order, and
+    the other is recorded as a duplicate whose reason names the winner.
     """
     pm = new_plugin_manager()
     result = PluginSet(pm)
@@ -156,36 +229,41 @@ def discover(extra_plugins: list[tuple[str, Any]] | None = None) -> PluginSet:
     block = set(_env_list("POLYACCEL_DISABLE_PLUGINS") or [])
     autoload = os.environ.get("POLYACCEL_DISABLE_PLUGIN_AUTOLOAD", "").strip() not in ("1", "true", "yes")
 
-    candidates: list[tuple[str, str, Any]] = []  # (name, source, loader)
+    candidates: list[tuple[str, str, Any, str | None]] = []  # (name, source, loader, dist)
     if autoload:
-        seen_eps: set[tuple[str, str]] = set()
-        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-            if (ep.name, ep.value) in seen_eps:
-                continue  # the same distribution visible twice on sys.path
-            seen_eps.add((ep.name, ep.value))
-            dist = getattr(ep, "dist", None)
-            where = f" ({dist.name} {dist.version})" if dist is not None else ""
-            candidates.append((ep.name, f"entry point {ep.value}{where}", ep.load))
+        candidates += _entry_point_candidates()
     for name, obj in extra_plugins or []:
-        candidates.append((name, "registered", lambda obj=obj: obj))
+        candidates.append((name, "registered", lambda obj=obj: obj, None))
 
-    for name, source, loader in candidates:
-        if name in result.records:
-            first = result.records[name]
-            dup = PluginRecord(name=f"{name}#{len(result.records)}", source=source)
+    winners: dict[str, PluginRecord] = {}  # plugin name -> the record that holds it
+    blocked_names: set[str] = set()
+    for name, source, loader, dist_name in candidates:
+        blocked = _blocked_reason(name, source, allow, block)
+        if blocked is not None:
+            rec = PluginRecord(name=_record_key(result, name), source=source, dist_name=dist_name)
+            rec.status = BLOCKED
+            rec.reason = blocked
+            result.records[rec.name] = rec
+            blocked_names.add(name)
+            continue
+        if name in winners:
+            first = winners[name]
+            dup = PluginRecord(name=_record_key(result, name), source=source, dist_name=dist_name)
             dup.status = DUPLICATE
-            dup.reason = f"plugin name {name!r} already provided by {first.source}; this one is ignored"
+            dup.reason = (
+                f"plugin name {name!r} is also provided by {first.source}, which wins "
+                f"({NAME_PRECEDENCE}); this one is ignored"
+            )
             result.records[dup.name] = dup
             continue
-        rec = PluginRecord(name=name, source=source)
+        if name in result.records:  # held by a blocked record: the plugin that loads gets the plain name
+            key = _record_key(result, name)
+            held = result.records.pop(name)
+            held.name = key
+            result.records[key] = held
+        rec = PluginRecord(name=name, source=source, dist_name=dist_name)
         result.records[name] = rec
-        if name in block or (allow is not None and name not in allow and source != "registered"):
-            rec.status = BLOCKED
-            rec.reason = (
-                "listed in POLYACCEL_DISABLE_PLUGINS" if name in block else "not in POLYACCEL_PLUGINS"
-            )
-            pm.set_blocked(name)
-            continue
+        winners[name] = rec
         try:
             plugin = loader()
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a plugin must never break discovery
@@ -209,23 +287,29 @@ def discover(extra_plugins: list[tuple[str, Any]] | None = None) -> PluginSet:
             rec.reason = f"could not register hooks: {_short_error(exc)}"
             continue
         _attach_accelerators(result, rec, classes)
+    for name in blocked_names - set(winners):
+        pm.set_blocked(name)
     return result
 
 
 def _attach_accelerators(result: PluginSet, rec: PluginRecord, classes: list[type[Accelerator]]):
     """The plugin's first accelerator lives on its record; further ones get records of their own."""
     taken = {r.accelerator_cls.name: r for r in result.records.values() if r.accelerator_cls}
+    if not classes:
+        rec.status = LOADED
+        rec.reason = "provides no accelerator (nothing to select); its hooks are in use"
     for i, cls in enumerate(classes):
         target = rec
         if i > 0:
-            target = PluginRecord(name=cls.name, source=rec.source, plugin=rec.plugin)
+            target = PluginRecord(name=cls.name, source=rec.source, plugin=rec.plugin, dist_name=rec.dist_name)
             target.api_version = rec.api_version
             if cls.name in result.records:
                 target.name = f"{cls.name}#{len(result.records)}"
             result.records[target.name] = target
         if cls.name in taken:
             target.status = DUPLICATE
-            target.reason = f"accelerator name {cls.name!r} already provided by {taken[cls.name].source}"
+            target.reason = (f"accelerator name {cls.name!r} is also provided by {taken[cls.name].source}, "
+                             f"which wins ({NAME_PRECEDENCE}); this one is ignored")
             continue
         if api_major(cls.api_version) != api_major(API_VERSION):
             target.status = INCOMPATIBLE
@@ -255,6 +339,33 @@ def probe_all(result: PluginSet) -> None:
         rec.accelerator = acc
         rec.probe = probe
         rec.emulated = bool(probe.emulated)
+        rec.reason = probe.reason or ""
         if not probe.available:
             rec.status = UNAVAILABLE
             rec.reason = probe.reason or "probe() reported unavailable"
+
+
+def isolate(result: PluginSet, rec: PluginRecord, reason: str) -> None:
+    """Take a loaded plugin out of use after one of its set-up hooks raised.
+
+    Every record of the plugin (one per accelerator it provides) becomes ``failed`` with
+    ``reason``, and its hooks are unregistered, so neither its accelerator nor its comm or
+    report hooks are used. A plugin whose accelerator is already selected cannot be taken
+    back: it keeps that status and the reason says what is missing.
+    """
+    same = [r for r in result.records.values()
+            if r is rec or (rec.plugin is not None and r.plugin is rec.plugin and r.status in LOADED_STATUSES)]
+    if any(r.status == SELECTED for r in same):
+        for r in same:
+            r.reason = f"{reason}; its accelerator was already selected, so it stays in use without its op builders"
+        return
+    for r in same:
+        what = "its accelerator is not used and " if r.accelerator_cls is not None else ""
+        before = f" (before that it was {r.status}: {r.reason})" if r.status == UNAVAILABLE and r.reason else ""
+        r.status = FAILED
+        r.reason = f"{reason}; the plugin is isolated: {what}none of its op builders are used{before}"
+    try:
+        if result.pm.get_plugin(rec.name) is not None:
+            result.pm.unregister(name=rec.name)
+    except Exception:  # noqa: BLE001 - isolation must not fail on pluggy's bookkeeping
+        pass

@@ -32,10 +32,13 @@ def polyaccel_accelerators():
 
 @hookspec
 def polyaccel_register_ops(registry):
-    """Add op builders to ``registry`` (a :class:`polyaccel.ops.OpRegistry`).
+    """Add op builders to ``registry`` with ``registry.add(OpBuilder(...))``.
 
-    Any plugin may serve any device type: a third party's faster CUDA quantizer
-    simply registers a builder with a higher priority than ours.
+    Called once per process, at discovery (after the probes, before selection). Any plugin
+    may serve any device type: a third party's faster CUDA quantizer simply registers a
+    builder with a higher priority than ours. All or nothing: if the hook raises, the
+    builders it added are dropped and the plugin is isolated (status ``failed``, with the
+    error, in ``polyaccel report`` and ``polyaccel.ops.explain``).
     """
 
 

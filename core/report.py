@@ -44,8 +44,13 @@ def build_report() -> dict[str, Any]:
         "selected": None,
         "selection_error": selection_error,
         "ops": {},
+        "op_registration_errors": {},
         "extra": {},
     }
+    from . import ops
+
+    # plugins whose polyaccel_register_ops raised: isolated, with their dropped builders
+    out["op_registration_errors"] = ops.registry.plugin_failures()
     if selected is not None:
         out["selected"] = {
             "name": selected.name,
@@ -60,8 +65,6 @@ def build_report() -> dict[str, Any]:
             out["selected"]["comm"] = resolve_hooks(selected, ps).as_dict()
         except Exception as exc:  # noqa: BLE001
             out["selected"]["comm"] = {"error": str(exc)}
-        from . import ops
-
         for op in ops.registry.ops():
             try:
                 cands = ops.registry.candidates(op, selected.device_type)

@@ -45,13 +45,21 @@ def reset() -> None:
 
 
 def plugins() -> PluginSet:
-    """Discover and probe all plugins once; later calls return the same set."""
+    """Discover, probe and register the op builders of all plugins once; later calls return the same set.
+
+    Op registration is part of discovery, before any selection: a plugin whose
+    ``polyaccel_register_ops`` raises is isolated like one whose other hooks raise, so it
+    is never selected and ``polyaccel report`` shows why.
+    """
     global _plugins
     with _lock:
         if _plugins is None:
             ps = discovery.discover(list(_extra_plugins))
             discovery.probe_all(ps)
             _plugins = ps
+            from . import ops
+
+            ops.registry.ops()  # populates the registry (calls every polyaccel_register_ops)
         return _plugins
 
 
@@ -85,6 +93,21 @@ def _select_by_name(ps: PluginSet, name: str, origin: str) -> Accelerator:
 def _select_by_priority(ps: PluginSet) -> Accelerator:
     usable = [r for r in ps.accelerators() if r.status == AVAILABLE and r.priority >= 0]
     if not usable:
+        by_name = [r for r in ps.accelerators() if r.by_name_only]
+        if by_name:
+            names = [r.accelerator_cls.name for r in by_name]
+            listed = ", ".join(f"{r.accelerator_cls.name!r} (priority {r.priority})" for r in by_name)
+            one = names[0] if len(names) == 1 else "<name>"
+            raise SelectionError(
+                f"no accelerator can be selected automatically: the available "
+                f"{'accelerator' if len(names) == 1 else 'accelerators'} {listed} "
+                f"{'is' if len(names) == 1 else 'are'} selectable by name only (a negative priority "
+                f"means never auto-selected). Select {'it' if len(names) == 1 else 'one'} with "
+                f"POLYACCEL_ACCELERATOR={one} or polyaccel.set_accelerator({one!r})"
+                + (f" ({', '.join(names)})" if len(names) > 1 else "")
+                + ", or install a backend plugin that is selected automatically "
+                "(for example `pip install polyaccel[cpu]`).\n" + _explain(ps)
+            )
         raise SelectionError(
             "no accelerator is available. Install a backend plugin (for example "
             "`pip install polyaccel[cpu]`) or check the reasons below.\n" + _explain(ps)

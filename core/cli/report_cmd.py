@@ -1,9 +1,11 @@
 """Show what polyaccel found on this machine.
 
 Lists versions, every plugin discovered through the `polyaccel.plugins` entry points
-with its status (selected / available / unavailable / failed / blocked /
+with its status (selected / available / unavailable / loaded / failed / blocked /
 incompatible / duplicate) and the reason, the selected accelerator's capabilities,
-and for every op the builder chosen for that device and why.
+and for every op the builder chosen for that device and why. A plugin whose
+polyaccel_register_ops hook raised is listed as failed, with the error and the
+builders that were dropped.
 
 Environment: POLYACCEL_ACCELERATOR, POLYACCEL_PLUGINS, POLYACCEL_DISABLE_PLUGINS,
 POLYACCEL_DISABLE_PLUGIN_AUTOLOAD, POLYACCEL_OP_OVERRIDES (see the README).
@@ -40,13 +42,18 @@ def _print_rich(rep) -> None:
     t = Table(title="plugins", show_lines=False)
     for col in ("name", "status", "prio", "device", "api", "reason / source"):
         t.add_column(col)
-    style = {"selected": "bold green", "available": "green", "unavailable": "yellow"}
+    style = {"selected": "bold green", "available": "green", "unavailable": "yellow", "loaded": "green",
+             "blocked": "yellow"}
     for p in rep["plugins"]:
         st = p["status"] + (" (emulated)" if p["emulated"] else "")
         t.add_row(p["name"], f"[{style.get(p['status'], 'red')}]{st}[/]",
                   str(p["priority"] if p["priority"] is not None else "-"), str(p["device_type"] or "-"),
                   str(p["api_version"] or "-"), escape(p["reason"] or p["source"]))
     con.print(t)
+    for name, info in (rep.get("op_registration_errors") or {}).items():
+        dropped = ", ".join(info["dropped_builders"]) or "none"
+        con.print(f"[red]op builders of {escape(name)} ignored[/]: {escape(info['reason'])} "
+                  f"(dropped: {escape(dropped)})")
     sel = rep["selected"]
     if sel is None:
         con.print(f"[bold red]no accelerator selected[/]: {rep['selection_error']}")

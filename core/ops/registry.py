@@ -29,7 +29,11 @@ def _always_compatible(accelerator) -> tuple[bool, str]:
 class OpBuilder:
     """One way to provide ``op`` on ``device_types``.
 
-    ``loader`` is called at most once, on first use, and returns the op's callable.
+    ``loader`` takes no argument, is called at most once, on first use, and returns the
+    op's callable: a function with exactly the signature of the op's reference in
+    :mod:`polyaccel.ops.reference` (docs/plugin-authoring.md lists them). A loader that
+    raises, or returns something that is not callable, fails the builder: the registry
+    falls through to the next candidate and ``explain`` shows why.
     ``compatible(accelerator)`` answers (ok, reason) cheaply, without loading; the
     accelerator passed is the one serving the device type (None if none is usable).
     """
@@ -67,11 +71,20 @@ class OpBuilder:
     def load(self) -> Callable[..., Any]:
         if self._loaded is None:
             try:
-                self._loaded = self.loader()
+                fn = self.loader()
+                if not callable(fn):
+                    raise TypeError(f"its loader returned {_short_repr(fn)}, not the op's callable "
+                                    "(a loader must return the function that runs the op)")
             except Exception as exc:
                 self._load_error = exc
                 raise OpError(f"op builder {self.name!r} for {self.op!r} failed to load: {exc}") from exc
+            self._loaded = fn
         return self._loaded
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass
@@ -114,12 +127,14 @@ def _override_from_env() -> dict[str, str]:
 class OpRegistry:
     """All builders of all plugins, and the per-(op, device type) choice."""
 
-    def __init__(self, accelerator_for: Callable[[str], Any] | None = None):
+    def __init__(self, accelerator_for: Callable[[str], Any] | None = None, lock=None):
         self._builders: dict[str, list[OpBuilder]] = {}
         self._cache: dict[tuple[str, str], Callable[..., Any]] = {}
         self._chosen: dict[tuple[str, str], OpBuilder] = {}
         self._overrides: dict[str, str] = {}
-        self._lock = threading.RLock()
+        #: plugin -> (why its op registration failed, [(op, builder name) it had added])
+        self._failures: dict[str, tuple[str, list[tuple[str, str]]]] = {}
+        self._lock = lock if lock is not None else threading.RLock()
         self._populated = False
         self._populate: Callable[[OpRegistry], None] | None = None
         self._accelerator_for = accelerator_for or (lambda device_type: None)
@@ -139,8 +154,29 @@ class OpRegistry:
         """Shorthand for ``add(OpBuilder(op, name, device_types, loader, **kw))``."""
         return self.add(OpBuilder(op=op, name=name, device_types=tuple(device_types), loader=loader, **kw))
 
+    def discard(self, builders) -> None:
+        """Remove these builder objects (a plugin's, when its registration failed)."""
+        drop = {id(b) for b in builders}
+        with self._lock:
+            for op in list(self._builders):
+                self._builders[op] = [b for b in self._builders[op] if id(b) not in drop]
+            self._cache.clear()
+            self._chosen.clear()
+
+    def record_plugin_failure(self, plugin: str, reason: str, dropped: list[tuple[str, str]]) -> None:
+        """Remember that ``plugin``'s builders are ignored and why (shown by :meth:`explain`)."""
+        with self._lock:
+            self._failures[plugin] = (reason, list(dropped))
+
+    def plugin_failures(self) -> dict[str, dict[str, Any]]:
+        """Plugins whose op registration failed: name -> ``{reason, dropped_builders}``."""
+        self._ensure()
+        return {p: {"reason": r, "dropped_builders": [f"{name} ({op})" for op, name in d]}
+                for p, (r, d) in self._failures.items()}
+
     def reset(self) -> None:
         with self._lock:
+            self._failures.clear()
             self._builders.clear()
             self._cache.clear()
             self._chosen.clear()
@@ -263,4 +299,8 @@ class OpRegistry:
                 f" {mark} {b.name:<28} plugin={b.plugin or '-':<10} kind={b.kind:<9} "
                 f"priority={b.priority:<4} {c.reason}"
             )
+        for plugin, info in self.plugin_failures().items():
+            dropped = info["dropped_builders"]
+            lines.append(f" !! plugin {plugin!r}: builders ignored: {info['reason']}"
+                         + (f" (dropped: {', '.join(dropped)})" if dropped else ""))
         return "\n".join(lines)

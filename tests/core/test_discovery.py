@@ -138,8 +138,9 @@ def test_broken_plugins_are_isolated_with_reasons(install, capsys):
     assert st["probefail"][0] == "failed" and "driver crashed" in st["probefail"][1]
     assert st["noversion"][0] == "incompatible" and "POLYACCEL_API_VERSION" in st["noversion"][1]
     assert st["exits"][0] == "failed" and "SystemExit" in st["exits"][1]
+    # the name "good" is claimed by distributions pa-good and pa-dup: the alphabetically first wins
     dups = [v for k, v in st.items() if k.startswith("good#")]
-    assert dups and dups[0][0] == "duplicate" and "already provided" in dups[0][1]
+    assert dups and dups[0][0] == "duplicate" and "(pa-dup 1.0), which wins" in dups[0][1]
     # and the good one still works, selected by priority
     assert st["good"][0] == "selected"
     assert rep["selected"]["name"] == "good"

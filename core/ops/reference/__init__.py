@@ -3,7 +3,7 @@
 from .grouped_mm import grouped_mm
 from .optimizers import fused_adam, fused_lamb, fused_lion
 from .quantize import QuantizedTensor, dequantize, quantize
-from .swiglu import swiglu, swiglu_backward, swiglu_forward
+from .swiglu import make_swiglu, swiglu, swiglu_backward, swiglu_forward
 
 __all__ = [
     "QuantizedTensor",
@@ -12,8 +12,35 @@ __all__ = [
     "fused_lamb",
     "fused_lion",
     "grouped_mm",
+    "make_swiglu",
+    "op_reference_markdown",
     "quantize",
     "swiglu",
     "swiglu_backward",
     "swiglu_forward",
 ]
+
+
+def _signature(fn) -> str:
+    import inspect
+
+    sig = inspect.signature(fn)
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return f"{fn.__name__}{sig.replace(parameters=params, return_annotation=inspect.Signature.empty)}"
+
+
+def op_reference_markdown() -> str:
+    """The signature and semantics of every op, from these functions' docstrings, as Markdown.
+
+    docs/plugin-authoring.md carries this text (a test checks it is current); regenerate it
+    with ``python -m polyaccel.ops.reference``.
+    """
+    import inspect
+
+    from ..builtin import REFERENCE_OPS
+
+    parts = []
+    for op, attr in REFERENCE_OPS.items():
+        fn = globals()[attr]
+        parts.append(f"#### `{op}`\n\n```python\n{_signature(fn)}\n```\n\n{inspect.cleandoc(fn.__doc__)}\n")
+    return "\n".join(parts)

@@ -34,7 +34,19 @@ def check_grouped_mm_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``out[rows of e] = x[rows of e] @ weight[e]``; rows past the last offset are zero."""
+    """Grouped matmul for expert layers; returns a new `[tokens, out]` tensor of `x`'s dtype.
+
+    Called as `fn(x, weight, offsets)`. `x` is `[tokens, in]` with the rows sorted by
+    expert, `weight` is `[experts, in, out]` of `x`'s dtype, and `offsets` (int32 or int64,
+    one per expert, non-decreasing, the last at most `tokens`) is the end row of each
+    expert: expert `e` owns rows `offsets[e-1]:offsets[e]` (from 0 for the first). Then
+
+        out[rows of e] = x[rows of e] @ weight[e]
+        out[offsets[-1]:] = 0
+
+    Experts may own no rows. Offsets are read as 64-bit, so row counts past 2**31 work.
+    Differentiable with respect to `x` and `weight`.
+    """
     off = check_grouped_mm_args(x, weight, offsets).tolist()
     outs = []
     start = 0

@@ -42,6 +42,26 @@ def check_lists(name: str, *lists) -> None:
 
 def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
                adam_w_mode=True, bias_correction=True):
+    """One Adam / AdamW step over lists of tensors, in place. Returns None.
+
+    `params`, `grads`, `exp_avgs` (first moments) and `exp_avg_sqs` (second moments) are
+    equally long lists of tensors on one device, element-wise equal in shape; every other
+    argument is keyword-only (`polyaccel.ops` passes them by name). `step` is the step
+    number after incrementing (1 on the first step): an int or a 0-d tensor (a captured
+    device graph advances it on the device). Per tensor, in fp32 for 16-bit tensors and in
+    the tensor's own dtype otherwise (the states may be fp32 for 16-bit params):
+
+        g = grad + weight_decay * p                      # L2, only when not adam_w_mode
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step  # 1, 1 when not bias_correction
+        p = p * (1 - lr * weight_decay)                  # decoupled, only when adam_w_mode
+        p = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+
+    `p`, `m` and `v` are written back into `params`, `exp_avgs` and `exp_avg_sqs` (rounded
+    to each tensor's dtype); `grads` are only read; zero-size tensors are left alone. The
+    same update as `torch.optim.AdamW` (adam_w_mode) and `torch.optim.Adam`.
+    """
     check_lists("fused_adam", params, grads, exp_avgs, exp_avg_sqs)
     s = _step_value(step)
     bc1 = 1.0 - beta1 ** s if bias_correction else 1.0
@@ -64,6 +84,19 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
 
 
 def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
+    """One Lion step over lists of tensors, in place. Returns None.
+
+    `params`, `grads` and `exp_avgs` (momentum) as in `fused_adam`; the hyperparameters
+    are keyword-only, and there is no step count. Per tensor, with fp32 math for 16-bit
+    tensors:
+
+        update = sign(beta1 * m + (1 - beta1) * grad)
+        p = p * (1 - lr * weight_decay) - lr * update
+        m = beta2 * m + (1 - beta2) * grad
+
+    `p` and `m` are written back in place; `grads` are only read; zero-size tensors are
+    left alone.
+    """
     check_lists("fused_lion", params, grads, exp_avgs)
     for p, g, m in zip(params, grads, exp_avgs, strict=True):
         if p.numel() == 0:
@@ -83,7 +116,22 @@ def lamb_trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, min_coeff: floa
 
 def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
                bias_correction=True, max_coeff=10.0, min_coeff=0.01):
-    """LAMB: Adam direction plus decoupled decay, scaled per tensor by the trust ratio."""
+    """One LAMB step over lists of tensors, in place. Returns None.
+
+    Arguments as in `fused_adam` (lists first, then keyword-only hyperparameters; `step`
+    an int or a 0-d tensor); `max_coeff` and `min_coeff` bound the trust ratio. Per tensor,
+    with fp32 math for 16-bit tensors:
+
+        m = beta1 * m + (1 - beta1) * grad
+        v = beta2 * v + (1 - beta2) * grad * grad
+        bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step  # 1, 1 when not bias_correction
+        u = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p
+        trust = clamp(norm(p) / norm(u), min_coeff, max_coeff)  # 1 when either norm is 0
+        p = p - lr * trust * u
+
+    The norms are each tensor's own (not the whole list's). `p`, `m` and `v` are written
+    back in place; `grads` are only read; zero-size tensors are left alone.
+    """
     check_lists("fused_lamb", params, grads, exp_avgs, exp_avg_sqs)
     s = _step_value(step)
     bc1 = 1.0 - beta1 ** s if bias_correction else 1.0

@@ -28,6 +28,13 @@ FP8_MAX = 448.0
 
 @dataclass
 class QuantizedTensor:
+    """What ``quantize`` returns and ``dequantize`` takes.
+
+    ``data``: the codes, flat (int8 / uint8 / float8_e4m3fn; int4 packed two per uint8);
+    ``scales``: fp32, one per group; ``zero_points``: uint8 per group, None when symmetric;
+    ``mode``, ``group_size``, and the input's ``shape`` and ``dtype``.
+    """
+
     data: torch.Tensor
     scales: torch.Tensor
     zero_points: torch.Tensor | None
@@ -99,6 +106,31 @@ def _ieee_div(t: torch.Tensor, divisor: float) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, mode: str = "int8", group_size: int = 128, symmetric: bool = True) -> QuantizedTensor:
+    """Group-wise quantization of `x`; returns a `QuantizedTensor`. `x` is not modified.
+
+    `polyaccel.ops.quantize` validates the arguments (`check_quantize_args`) and calls a
+    builder's function as `fn(x, mode=mode, group_size=group_size, symmetric=symmetric)`.
+    `x` is a contiguous, non-empty float tensor (fp32, fp16, bf16 or fp64) whose element
+    count `group_size` divides; `mode` is "int8", "int4" (even `group_size`) or "fp8"
+    (symmetric only). `x` is flattened and cut into groups of `group_size` elements; each
+    group gets an fp32 scale and, when asymmetric, a uint8 zero point; math in fp32:
+
+        symmetric intB (B = 8 or 4):
+            qmax = 2**(B-1) - 1;  scale = max(|x|) / qmax
+            q = clamp(round(x / scale), -qmax, qmax)
+        asymmetric intB:
+            lo, hi = min(min(x), 0), max(max(x), 0);  scale = (hi - lo) / (2**B - 1)
+            zero_point = clamp(round(-lo / scale), 0, 2**B - 1)
+            q = clamp(round(x / scale) + zero_point, 0, 2**B - 1)
+        fp8:
+            scale = max(|x|) / 448;  q = clamp(x / scale, -448, 448) cast to float8_e4m3fn
+        a group whose values are all zero gets scale 1
+
+    Wire format (fixed, compared exactly): `data` is flat `torch.int8` (symmetric int8),
+    `torch.uint8` (asymmetric int8; int4 packed two per byte, element 2i in the low
+    nibble, two's complement when symmetric) or `torch.float8_e4m3fn`; `scales` fp32 with
+    one entry per group; `zero_points` uint8 per group or None; `shape` and `dtype` of `x`.
+    """
     check_quantize_args(x, mode, group_size, symmetric)
     g = x.reshape(-1, group_size).float()
     if mode == "fp8":
@@ -129,6 +161,12 @@ def quantize(x: torch.Tensor, mode: str = "int8", group_size: int = 128, symmetr
 
 
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensor a `QuantizedTensor` stands for: a new tensor of `qt.shape`.
+
+    Called as `fn(qt, dtype=dtype)`. Per group, in fp32: `(q - zero_point) * scale`
+    (symmetric: `q * scale`), reshaped to `qt.shape` and cast to `dtype`, or to `qt.dtype`
+    when `dtype` is None. `qt`'s tensors are on the device; nothing is modified in place.
+    """
     dtype = dtype or qt.dtype
     if qt.mode == "int4":
         q = unpack_int4(qt.data, signed=qt.symmetric).float()

@@ -34,7 +34,13 @@ def check_swiglu_args(gate: torch.Tensor, up: torch.Tensor) -> None:
 
 
 def make_swiglu(forward, backward):
-    """Build an autograd-aware swiglu from a forward and a backward kernel."""
+    """Build an autograd-aware swiglu op from a forward and a backward kernel.
+
+    ``forward(gate, up) -> out`` and ``backward(grad_out, gate, up) -> (d_gate, d_up)``
+    compute the reference's math (:func:`swiglu_forward`, :func:`swiglu_backward`) any way
+    they like. The returned ``swiglu(gate, up)`` checks its arguments, saves the inputs
+    for backward and is what a swiglu builder's loader returns.
+    """
 
     class _SwiGLU(torch.autograd.Function):
         @staticmethod
@@ -55,3 +61,16 @@ def make_swiglu(forward, backward):
 
 
 swiglu = make_swiglu(swiglu_forward, swiglu_backward)
+swiglu.__doc__ = """SwiGLU, `silu(gate) * up`, differentiable; returns a new tensor.
+
+    Called as `fn(gate, up)`: two tensors of one shape, dtype and device, floating point
+    (zero-size allowed). The result has that shape and dtype; math in fp32 for 16-bit
+    inputs. Gradients flow to both inputs, with `sig = sigmoid(gate)`:
+
+        out    = gate * sig * up
+        d_gate = grad_out * up * sig * (1 + gate * (1 - sig))
+        d_up   = grad_out * gate * sig
+
+    Build a builder's function with `make_swiglu(forward, backward)` (from
+    `polyaccel.ops.reference`): it supplies the argument checks and the autograd wiring.
+    """

@@ -13,11 +13,11 @@ from polyaccel.ops.reference.quantize import unpack_int4
 from polyaccel.testing.numerics import assert_close_to_reference, tolerances
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-#: dtypes each op is defined for (optimizers keep fp32 math; fp64 params are not part of their contract)
+#: dtypes each op is defined for (the optimizers: fp32 math for 16-bit params, fp64 math for fp64 params)
 OP_DTYPES = {
-    "fused_adam": (torch.float32, torch.bfloat16, torch.float16),
-    "fused_lion": (torch.float32, torch.bfloat16, torch.float16),
-    "fused_lamb": (torch.float32, torch.bfloat16, torch.float16),
+    "fused_adam": FLOATS,
+    "fused_lion": FLOATS,
+    "fused_lamb": FLOATS,
     "quantize": FLOATS,
     "dequantize": FLOATS,
     "swiglu": FLOATS,
@@ -71,7 +71,9 @@ def _grads(dtype):
 
 def check_optimizer(op: str, fn, device: torch.device, dtype: torch.dtype) -> None:
     reference = getattr(ref, op)
-    state_dtypes = [dtype] if dtype == torch.float32 else [torch.float32, dtype]
+    # 16-bit params are checked with fp32 states and with states of their own dtype; fp32 and fp64
+    # params keep states of their own dtype (what polyaccel.optim allocates)
+    state_dtypes = [dtype] if dtype in (torch.float32, torch.float64) else [torch.float32, dtype]
     for state_dtype in state_dtypes:
         for kw in _OPT_ARGS[op]:
             params, states = _opt_lists(op, dtype, state_dtype)

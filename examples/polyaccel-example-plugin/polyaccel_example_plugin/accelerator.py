@@ -1,10 +1,14 @@
-"""The example accelerator: the host CPU under its own name, with recorded graphs."""
+"""The example accelerator: the host CPU under its own name, with recorded graphs.
+
+Its tensors are host tensors (``device_type = "cpu"``), so the base class's host defaults
+serve it: one device per process, program-order execution (``synchronize`` has nothing to
+wait for), and torch's default generator for the ``rng`` capability. It defines only its
+identity, its probe, what it claims, and what backs the one capability the base cannot
+provide on the host: graphs.
+"""
 
 from __future__ import annotations
 
-import os
-
-import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
 
 from .graphs import RecordedGraph
@@ -24,44 +28,6 @@ class ExampleAccelerator(Accelerator):
 
     def capabilities(self) -> frozenset[str]:
         return frozenset({"rng", "fp64", "bf16", "fp16", "graphs"})
-
-    # ----------------------------------------------------------------- device
-    def device(self, index: int | None = None) -> torch.device:
-        return torch.device("cpu")
-
-    def device_count(self) -> int:
-        return 1
-
-    def current_device(self) -> int:
-        return 0
-
-    def set_device(self, index: int) -> None:
-        if index not in (0, int(os.environ.get("LOCAL_RANK", 0))):
-            raise ValueError(f"the example device has one device per process; cannot select device {index}")
-
-    def synchronize(self, index: int | None = None) -> None:
-        """Host work is complete when each call returns: nothing to wait for."""
-
-    def is_synchronized_device(self) -> bool:
-        return True
-
-    # -------------------------------------------------------------------- RNG
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    manual_seed_all = manual_seed
-
-    def initial_seed(self) -> int:
-        return torch.initial_seed()
-
-    def get_rng_state(self, index: int | None = None) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    def set_rng_state(self, state: torch.Tensor, index: int | None = None) -> None:
-        torch.set_rng_state(state)
-
-    def empty_cache(self) -> None:
-        """The host allocator keeps no device cache."""
 
     # ----------------------------------------------------------------- graphs
     def create_graph(self) -> RecordedGraph:

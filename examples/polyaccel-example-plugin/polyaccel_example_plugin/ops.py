@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from polyaccel.ops import OpBuilder
-from polyaccel.ops.reference.swiglu import make_swiglu
+from polyaccel.ops.reference import make_swiglu
 
 
 def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -69,3 +69,17 @@ def test_passes_the_conformance_suite():
     run = run_suite("example")
     assert run.error() is None, run.output[-3000:]
     assert run.ok, [r for r in run.rows() if r["status"] == "FAIL"]
+
+
+def test_host_defaults_come_from_the_base_class():
+    """The accelerator defines no device or RNG methods: polyaccel's host defaults serve it."""
+    acc = ExampleAccelerator()
+    assert acc.device() == torch.device("cpu") and acc.device_count() == 1 and acc.current_device() == 0
+    acc.set_device(0)
+    with pytest.raises(ValueError, match="one host device per process"):
+        acc.set_device(5)
+    acc.manual_seed(7)
+    first = torch.randn(5)
+    acc.manual_seed(7)
+    assert torch.equal(first, torch.randn(5))
+    assert acc.is_synchronized_device()

@@ -18,6 +18,8 @@ on the device, so a steady-state step is one table lookup on the host and one ke
 * Full chunks take an unmasked, vectorised path; only a tensor's last chunk is masked.
 * LAMB runs three launches: Adam moments plus per-chunk partial norms, a deterministic
   per-tensor reduction into trust ratios, and the parameter update.
+* float64 params (with float64 grads and states) keep float64 math, as the op's contract says:
+  they go to torch's own kernels (:mod:`polyaccel.ops.torch_optim`), the rest to Triton.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+from polyaccel.ops import torch_optim
+from polyaccel.ops.reference.optimizers import check_lists
 
 from .chunk_table import table_for
 
@@ -342,9 +346,25 @@ def _step_args(step, bias_correction: bool, beta1: float, beta2: float, device):
     return None, False, 1.0 - beta1 ** s, 1.0 - beta2 ** s, log_b1, log_b2
 
 
+def _split_fp64(op: str, lists):
+    """(the lists without float64 params, the float64 params' lists or None)."""
+    if not any(p.dtype == torch.float64 for p in lists[0]):
+        return lists, None
+    check_lists(op, *lists)
+    wide = [i for i, p in enumerate(lists[0]) if p.dtype == torch.float64]
+    narrow = [i for i, p in enumerate(lists[0]) if p.dtype != torch.float64]
+    return tuple([lst[i] for i in narrow] for lst in lists), tuple([lst[i] for i in wide] for lst in lists)
+
+
 def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
                adam_w_mode=True, bias_correction=True):
     """In-place Adam/AdamW over lists of tensors in one launch per dtype combination."""
+    (params, grads, exp_avgs, exp_avg_sqs), wide = _split_fp64("fused_adam", (params, grads, exp_avgs, exp_avg_sqs))
+    if wide is not None:
+        torch_optim.fused_adam(*wide, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                               step=step, adam_w_mode=adam_w_mode, bias_correction=bias_correction)
+        if not params:
+            return
     table = table_for("fused_adam", (params, grads, exp_avgs, exp_avg_sqs))
     if table is None:
         return
@@ -363,6 +383,11 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
 
 def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
     """In-place Lion over lists of tensors in one launch per dtype combination."""
+    (params, grads, exp_avgs), wide = _split_fp64("fused_lion", (params, grads, exp_avgs))
+    if wide is not None:
+        torch_optim.fused_lion(*wide, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+        if not params:
+            return
     table = table_for("fused_lion", (params, grads, exp_avgs))
     if table is None:
         return
@@ -378,11 +403,17 @@ def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
 def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
                bias_correction=True, max_coeff=10.0, min_coeff=0.01):
     """In-place LAMB: moments + partial norms, per-tensor trust ratios, update (three launches)."""
+    if not 0 < min_coeff <= max_coeff:
+        raise ValueError(f"fused_lamb: need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
+    (params, grads, exp_avgs, exp_avg_sqs), wide = _split_fp64("fused_lamb", (params, grads, exp_avgs, exp_avg_sqs))
+    if wide is not None:
+        torch_optim.fused_lamb(*wide, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                               step=step, bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff)
+        if not params:
+            return
     table = table_for("fused_lamb", (params, grads, exp_avgs, exp_avg_sqs))
     if table is None:
         return
-    if not 0 < min_coeff <= max_coeff:
-        raise ValueError(f"fused_lamb: need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
     step_t, on_dev, bc1, bc2, lb1, lb2 = _step_args(step, bias_correction, beta1, beta2, table.device)
     for grp in table.groups:
         block, iters, warps = grp.config

@@ -128,6 +128,28 @@ def test_fused_lamb_matches_float64_reference(p_dtype, state_dtype, bias_correct
     _check([lists[0], lists[2], lists[3]], [want[0], want[2], want[3]], ["params", "exp_avgs", "exp_avg_sqs"])
 
 
+@pytest.mark.parametrize("op", ["fused_adam", "fused_lion", "fused_lamb"])
+def test_float64_params_keep_float64_math_beside_triton_ones(op):
+    """float64 params (the op's contract: fp64 math) go to torch's kernels; the fp32 ones in the same call to Triton."""
+    n_states = 1 if op == "fused_lion" else 2
+    wide = _make([33, 0, 129], torch.float64, torch.float64, n_states, seed=21)
+    narrow = _make([64, 7], torch.float32, torch.float32, n_states, seed=22)
+    lists = [[*w, *n] for w, n in zip(wide, narrow, strict=True)]  # one call, both kinds
+    want = [[t.clone() for t in lst] for lst in wide]
+    want_narrow = _f64(narrow)
+    kw = {"fused_adam": dict(ADAM_HP, weight_decay=0.1, step=3), "fused_lion": dict(lr=1e-2, beta1=0.9, beta2=0.99,
+          weight_decay=0.1), "fused_lamb": dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.05,
+                                                step=3)}[op]
+    getattr(K, op)(*lists, **kw)
+    getattr(ref, op)(*want, **kw)
+    getattr(ref, op)(*want_narrow, **kw)
+    for k in (0, *range(2, 2 + n_states)):
+        for got, exp in zip(lists[k][:3], want[k], strict=True):
+            assert got.dtype == torch.float64
+            torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-14)
+    _check([lists[0][3:]], [want_narrow[0]], ["fp32 params"])
+
+
 def test_lamb_trust_ratio_sums_more_chunks_than_one_reduction_block():
     """A tensor spanning > 128 programs exercises the reduction kernel's loop; clamping both ways."""
     chunk_table.set_launch_config(16, 1, 1)
