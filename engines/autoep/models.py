@@ -39,7 +39,8 @@ def tiny_config(family: str, *, vocab: int = 61, hidden: int = 32, layers: int =
     cfg_cls, _ = _classes(family)
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=64, num_experts_per_tok=top_k,
-                  experts_implementation="eager", tie_word_embeddings=False, attention_dropout=0.0)
+                  experts_implementation="eager", tie_word_embeddings=False, attention_dropout=0.0,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=None)
     if family == "mixtral":
         kw = dict(num_local_experts=experts, intermediate_size=ffn, router_jitter_noise=0.0)
     elif family == "qwen2_moe":

@@ -192,7 +192,7 @@ class AutoEPMoE(torch.nn.Module):
         if self.routing.score_apply == "post":
             y = y * w_sorted.unsqueeze(-1)
         y = y.index_select(0, _inverse(order))  # back to (token, slot) order
-        return y.view(T, k, -1).sum(dim=1)
+        return y.view(T, k, y.shape[-1]).sum(dim=1)
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
