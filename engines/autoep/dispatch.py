@@ -28,19 +28,6 @@ class AllToAllV(torch.autograd.Function):
         return back, None, None, None
 
 
-class ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
-
 def exchange_counts(counts: torch.Tensor, ep: int, group) -> tuple[torch.Tensor, list[int], list[int]]:
     """One ``all_to_all_single`` of the per-expert counts.
 

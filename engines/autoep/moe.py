@@ -16,10 +16,11 @@ Forward, for the T tokens of this rank:
 
 Dropless: no capacity, every assignment is computed. With ep 1 no collective is issued.
 
-Gradients: expert parameters see the tokens of the whole EP group. Their backward is scaled
-by 1/ep, so a parameter's local gradient is the EP group's *average*, like every other
-parameter's local gradient is its rank's: averaging over ``expert_data`` (experts) and over
-``data`` (everything else) then gives the gradient of the global mean loss.
+Gradients: an expert parameter's local gradient already sums the contributions of every
+rank of its EP group (their tokens came through the all-to-all, and so does the gradient of
+each rank's loss). Summing it over ``expert_data`` then covers the whole data-parallel batch,
+exactly as summing a dense parameter's gradient over ``data`` does; both are divided by the
+data-parallel size for the mean loss (what the ZeRO engine does with a mesh).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from polyaccel import ops
 
 from .detect import MoELayerSpec
-from .dispatch import AllToAllV, ScaleGrad, exchange_counts
+from .dispatch import AllToAllV, exchange_counts
 from .presets import Routing
 
 
@@ -86,11 +87,9 @@ class GroupedExperts(torch.nn.Module):
         self.num_experts = num_experts  # global count
         self.num_local_experts = gate_up.shape[0]
 
-    def weights(self, grad_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w1 [E_local, H, 2F], w2 [E_local, F, H]) in grouped_mm's [experts, in, out] orientation (views)."""
         gu, down = self.gate_up_proj, self.down_proj
-        if grad_scale != 1.0:
-            gu, down = ScaleGrad.apply(gu, grad_scale), ScaleGrad.apply(down, grad_scale)
         if self.transposed:
             return gu, down
         return gu.transpose(1, 2), down.transpose(1, 2)
@@ -173,7 +172,7 @@ class AutoEPMoE(torch.nn.Module):
             routed = routed * w_sorted.unsqueeze(-1)
         counts = torch.bincount(flat, minlength=E)
         experts = self.local_experts
-        w1, w2 = experts.weights(1.0 / ep)
+        w1, w2 = experts.weights()
         if ep == 1:
             y = run_experts(routed, w1, w2, counts)
             self.last_dispatch = {"counts": counts.detach(), "received": counts.detach(), "send": None, "recv": None}

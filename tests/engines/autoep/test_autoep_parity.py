@@ -4,7 +4,8 @@ One spawned run does every case: tiny Mixtral (8 experts, top-2), Qwen2-MoE (sha
 + sigmoid gate), Qwen3-MoE, DeepSeek-V3 (sigmoid, grouped routing, correction bias), OLMoE,
 GLM-4-MoE and a transformers-4 style ModuleList block, at ep 1, 2 and 4 (expert_data 4, 2, 1);
 skewed routing; and 10 AdamW steps of a whole model at ep 2 x expert_data 2 with gradients
-reduced by hand (expert grads over expert_data, the rest over data). The parent compares each
+reduced by hand (expert grads summed over expert_data, the rest over data, both divided by the
+data-parallel size). The parent compares each
 rank's block output, router logits, input gradient and (reduced) parameter gradients with
 the HF block run on all ranks' tokens in one process.
 """
@@ -52,7 +53,12 @@ TRAIN_STEPS = 10
 
 
 def _reduce(grad: torch.Tensor, param, mesh) -> torch.Tensor:
-    """Average a local gradient over the parameter's replicas group (what the engine does)."""
+    """Sum a local gradient over the parameter's replicas group, divided by the data-parallel size.
+
+    What the ZeRO engine does with a mesh: dense gradients are averaged over ``data``; an
+    expert's local gradient already holds its whole EP group's tokens, so its sum over
+    ``expert_data`` covers every data-parallel rank's batch once.
+    """
     from polyaccel import comm
     from polyaccel.parallel import get_layout
 
@@ -60,8 +66,7 @@ def _reduce(grad: torch.Tensor, param, mesh) -> torch.Tensor:
     g = grad.clone()
     if mesh.size(dim) > 1:
         comm.all_reduce(g, group=mesh.group(dim))
-        g /= mesh.size(dim)
-    return g
+    return g / mesh.size("data")
 
 
 def _block_case(rank, mesh, family, ep, sizes, skewed, model_kw, extra):
