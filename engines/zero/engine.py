@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import os
 import socket
+from dataclasses import dataclass
 
 import torch
 from polyaccel.errors import ConfigError
+from polyaccel.parallel import get_layout
 
 from .collectives import Collectives, comm
 from .config import ZeroConfig, parse_config
@@ -15,6 +17,30 @@ from .loss_scaler import LossScaler
 from .offload import HostBuffers
 from .optimizer import PartitionOptimizer
 from .stage12 import FlatPartitioner
+
+DEFAULT_KEY = ("data", None, None)
+
+
+def group_key(layout) -> tuple:
+    """(replicas dimension, grad_sum dimension, split dimension): parameters that share it share a partition."""
+    return (layout.replicas, layout.grad_sum, layout.split.dim if layout.split is not None else None)
+
+
+@dataclass
+class ParamGroup:
+    """Parameters with one kind of layout: their partition group, partitioner and optimizer.
+
+    ``copies``: how many ranks outside the partition group hold the same elements (tensor ranks holding
+    a replicated parameter), so the gradient norm counts each element once.
+    """
+
+    key: tuple
+    entries: list
+    coll: Collectives
+    partitioner: object
+    optimizer: PartitionOptimizer
+    copies: int
+    grad_sum: Collectives | None
 
 
 def _free_port() -> int:
@@ -38,7 +64,7 @@ def _ensure_comm() -> bool:
 class ZeroEngine:
     """See :mod:`polyaccel.engines.zero` for the contract."""
 
-    def __init__(self, model: torch.nn.Module, config: dict | None = None, *, group=None):
+    def __init__(self, model: torch.nn.Module, config: dict | None = None, *, group=None, mesh=None):
         import polyaccel
 
         if not isinstance(model, torch.nn.Module):
@@ -46,9 +72,12 @@ class ZeroEngine:
         self.accelerator = polyaccel.get_accelerator()
         self._owns_comm = _ensure_comm()
         self.device = self.accelerator.device()
-        self.coll = Collectives(self.device, group)
+        if mesh is not None and group is not None:
+            raise ConfigError("pass either group= or mesh= to the ZeRO engine, not both")
+        self.coll = Collectives(self.device, group)  # every rank the engine spans: global decisions, barriers
         self.rank, self.world_size = self.coll.rank, self.coll.world
-        self.config: ZeroConfig = parse_config(config, self.world_size)
+        data_ranks = mesh.size("data") if mesh is not None else self.world_size
+        self.config: ZeroConfig = parse_config(config, data_ranks)
         cfg = self.config
         self.stage = cfg.stage
 
@@ -84,23 +113,10 @@ class ZeroEngine:
         if cfg.overlap_comm and self.accelerator.has("streams") and not self.accelerator.is_synchronized_device():
             stream = self.accelerator.Stream()
         self.reduction_stream = stream
-        if self.stage in (1, 2):
-            self.partitioner = FlatPartitioner(
-                self.trainable, stage=self.stage, coll=self.coll, device=self.device,
-                compute_dtype=self.compute_dtype, master_dtype=self.master_dtype,
-                bucket_size=cfg.reduce_bucket_size, overlap_comm=cfg.overlap_comm, alloc_master=alloc_master,
-                reduction_stream=stream, accelerator=self.accelerator)
-        else:
-            from .stage3 import ShardedParameters
-
-            self.partitioner = ShardedParameters(
-                model, self.trainable, self.frozen, coll=self.coll, device=self.device,
-                compute_dtype=self.compute_dtype, master_dtype=self.master_dtype, config=cfg,
-                alloc_master=alloc_master, host=self.host, reduction_stream=stream, accelerator=self.accelerator)
-        layout = self.partitioner.layout
-        self.optimizer = PartitionOptimizer(
-            cfg.optimizer, self.partitioner.master, alloc_master, segment_ids=layout.segment_ids(self.rank),
-            num_segments=len(layout.names), all_reduce=self.coll.all_reduce)
+        self.mesh = mesh
+        self.groups = self._build_groups(model, alloc_master, stream)
+        first = self.groups[0]
+        self.partitioner, self.optimizer = first.partitioner, first.optimizer
         self.scaler = LossScaler(cfg.fp16)
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.global_steps = 0
@@ -109,6 +125,56 @@ class ZeroEngine:
         self.last_grad_norm: float | None = None
 
     # ------------------------------------------------------------------ set-up
+    def _build_groups(self, model, alloc_master, stream) -> list[ParamGroup]:
+        """One partitioner and optimizer per kind of parameter layout (see :mod:`polyaccel.parallel`)."""
+        cfg = self.config
+        by_key: dict[tuple, list] = {}
+        for name, p in self.trainable:
+            by_key.setdefault(group_key(get_layout(p)), []).append((name, p))
+        keys = sorted(by_key, key=lambda k: (k != DEFAULT_KEY, tuple(x or "" for x in k)))
+        if self.mesh is None and keys != [DEFAULT_KEY] and by_key:
+            raise ConfigError("some parameters carry a tensor- or expert-parallel layout but the engine has no mesh; "
+                              "let polyaccel.initialize apply the layers from the config, or pass mesh=")
+        if self.mesh is not None and cfg.optimizer.type == "lamb" and keys != [DEFAULT_KEY]:
+            raise ConfigError("optimizer.type 'lamb' is not supported with tensor or expert parallelism: its trust "
+                              "ratio needs the norm of each whole parameter, which is split over ranks here; "
+                              "use adam, adamw or lion")
+        if not keys:
+            keys = [DEFAULT_KEY]
+        eager = len(keys) == 1  # several process groups: reduce after backward, group by group, in one order
+        # the mean over every data-parallel rank's batch: an expert's gradient is summed over its expert_data
+        # replicas but already holds the tokens of the whole expert group (they came through the all-to-all)
+        divisor = self.mesh.size("data") if self.mesh is not None else None
+        groups = []
+        for key in keys:
+            entries = by_key.get(key, [])
+            coll = self.coll if self.mesh is None else Collectives(self.device, self.mesh.group(key[0]))
+            frozen = self.frozen if key == keys[0] else []
+            if self.stage in (1, 2):
+                part = FlatPartitioner(
+                    entries, stage=self.stage, coll=coll, device=self.device, compute_dtype=self.compute_dtype,
+                    master_dtype=self.master_dtype, bucket_size=cfg.reduce_bucket_size, overlap_comm=cfg.overlap_comm,
+                    alloc_master=alloc_master, reduction_stream=stream, accelerator=self.accelerator, eager=eager,
+                    divisor=divisor)
+            else:
+                from .stage3 import ShardedParameters
+
+                part = ShardedParameters(
+                    model, entries, frozen, coll=coll, device=self.device, compute_dtype=self.compute_dtype,
+                    master_dtype=self.master_dtype, config=cfg, alloc_master=alloc_master, host=self.host,
+                    reduction_stream=stream, accelerator=self.accelerator, eager=eager, divisor=divisor)
+            layout = part.layout
+            opt = PartitionOptimizer(
+                cfg.optimizer, part.master, alloc_master, segment_ids=layout.segment_ids(coll.rank),
+                num_segments=len(layout.names), all_reduce=coll.all_reduce)
+            copies = 1
+            if self.mesh is not None:
+                split = self.mesh.size(key[2]) if key[2] else 1
+                copies = self.world_size // (coll.world * split)
+            grad_sum = Collectives(self.device, self.mesh.group(key[1])) if key[1] else None
+            groups.append(ParamGroup(key, entries, coll, part, opt, copies, grad_sum))
+        return groups
+
     def _compute_dtype(self, model: torch.nn.Module) -> torch.dtype:
         cfg = self.config
         if cfg.bf16:
@@ -146,7 +212,8 @@ class ZeroEngine:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
         scale = self.scaler.scale / self.gradient_accumulation_steps
         (loss * scale).backward(retain_graph=retain_graph)
-        self.partitioner.end_backward()
+        for g in self.groups:
+            g.partitioner.end_backward()
         return loss
 
     @torch.no_grad()
@@ -156,12 +223,16 @@ class ZeroEngine:
         self.micro_steps += 1
         if not boundary:
             return False
-        self.partitioner.reduce_at_boundary()
-        grad = self.partitioner.grad
+        for g in self.groups:
+            g.partitioner.reduce_at_boundary()
+            if g.grad_sum is not None:  # partial gradients of a replicated parameter: summed over that dimension
+                g.partitioner.grad.copy_(g.grad_sum.all_reduce(g.partitioner.grad))
+        grads = [g.partitioner.grad for g in self.groups]
         self.global_steps += 1
         if self.scaler.enabled:
             used = self.scaler.scale  # the scale this step's gradients carry
-            bad = torch.tensor([0.0 if bool(torch.isfinite(grad).all()) else 1.0], dtype=torch.float32)
+            finite = all(bool(torch.isfinite(grad).all()) for grad in grads)
+            bad = torch.tensor([0.0 if finite else 1.0], dtype=torch.float32)
             overflow = bool(self.coll.all_reduce(bad, op="max").item() > 0)
             self.scaler.update(overflow)
             if overflow:
@@ -172,21 +243,24 @@ class ZeroEngine:
             scale = 1.0 / used
         else:
             scale = 1.0
-        # the global norm (reported, and used for clipping) from the partitions' squared norms
-        sq = grad.double().square().sum().reshape(1)
+        # the global norm (reported, and used for clipping) from the partitions' squared norms; an element held
+        # by several ranks outside its partition group (a parameter replicated over tensor ranks) counts once
+        sq = sum(g.partitioner.grad.double().square().sum().reshape(1).cpu() / g.copies for g in self.groups)
         norm = math.sqrt(float(self.coll.all_reduce(sq).item())) * scale
         self.last_grad_norm = norm
         if self.config.gradient_clipping > 0:
             scale *= min(1.0, self.config.gradient_clipping / (norm + 1e-6))
-        if scale != 1.0:
-            grad.mul_(scale)
-        self.optimizer.step(grad)
-        self.partitioner.publish()
+        for g in self.groups:
+            if scale != 1.0:
+                g.partitioner.grad.mul_(scale)
+            g.optimizer.step(g.partitioner.grad)
+            g.partitioner.publish()
         self.zero_grad()
         return True
 
     def zero_grad(self) -> None:
-        self.partitioner.zero_grad()
+        for g in self.groups:
+            g.partitioner.zero_grad()
 
     # --------------------------------------------------------------- inspection
     @property
@@ -201,15 +275,19 @@ class ZeroEngine:
         return self.optimizer.lr
 
     def set_lr(self, lr: float) -> None:
-        self.optimizer.lr = float(lr)
+        for g in self.groups:
+            g.optimizer.lr = float(lr)
 
     def optimizer_state_elements(self) -> int:
         """Elements of optimizer state (master copy + moments) this rank holds."""
-        return self.partitioner.master.numel() + self.optimizer.state_elements()
+        return sum(g.partitioner.master.numel() + g.optimizer.state_elements() for g in self.groups)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter (gathered, compute dtype) by name: a collective in stage 3."""
-        full = self.partitioner.full_params()
+        """Every parameter (gathered over its partition group, compute dtype) by name: a collective in stage 3.
+        A parameter split over tensor or expert ranks appears as this rank's piece."""
+        full = {}
+        for g in self.groups:
+            full.update(g.partitioner.full_params())
         for name, p in self.frozen:
             if name not in full:
                 full[name] = p.detach().clone()
@@ -228,7 +306,8 @@ class ZeroEngine:
 
     def destroy(self) -> None:
         """Remove hooks, release registered host memory, and tear down comm if the engine set it up."""
-        self.partitioner.remove_hooks()
+        for g in self.groups:
+            g.partitioner.remove_hooks()
         self.host.release()
         if self._owns_comm:
             comm().destroy()

@@ -21,8 +21,11 @@ from .partition import FlatLayout
 class FlatPartitioner:
     def __init__(self, entries: list[tuple[str, torch.nn.Parameter]], *, stage: int, coll, device: torch.device,
                  compute_dtype: torch.dtype, master_dtype: torch.dtype, bucket_size: int, overlap_comm: bool,
-                 alloc_master, reduction_stream=None, accelerator=None):
+                 alloc_master, reduction_stream=None, accelerator=None, eager: bool = True,
+                 divisor: int | None = None):
         self.stage = stage
+        self.eager = eager  # False: reduce every bucket after backward (the engine orders several groups)
+        self.divisor = divisor or coll.world  # gradients are averaged over this many data-parallel ranks
         self.coll = coll
         self.world, self.rank = coll.world, coll.rank
         self.device = device
@@ -72,8 +75,9 @@ class FlatPartitioner:
             po, bo, n = self.layout.overlap(i, k)
             self._buffer(k)[bo:bo + n].add_(g[po:po + n])
         p.grad = None
-        for k in self.order.arrive(i):
-            self._reduce(k)
+        if self.eager:
+            for k in self.order.arrive(i):
+                self._reduce(k)
 
     def _reduce(self, k: int) -> None:
         buf = self._buffer(k)
@@ -84,10 +88,10 @@ class FlatPartitioner:
             cur = self.accelerator.current_stream()
             self.stream.wait_stream(cur)
             with self.accelerator.stream(self.stream):
-                buf.div_(self.world)
+                buf.div_(self.divisor)
                 work = self.coll.reduce_scatter(out, buf, async_op=False)
         else:
-            buf.div_(self.world)
+            buf.div_(self.divisor)
             work = self.coll.reduce_scatter(out, buf, async_op=self.overlap)
         self._pending.append((k, work, out, buf))
 

@@ -89,7 +89,8 @@ class _PreBackward(torch.autograd.Function):
 
 class ShardedParameters:
     def __init__(self, model, trainable, frozen, *, coll, device, compute_dtype, master_dtype, config,
-                 alloc_master, host, reduction_stream=None, accelerator=None):
+                 alloc_master, host, reduction_stream=None, accelerator=None, eager: bool = True,
+                 divisor: int | None = None):
         self.coll = coll
         self.world, self.rank = coll.world, coll.rank
         self.device = device
@@ -100,6 +101,8 @@ class ShardedParameters:
         self.stream = reduction_stream
         self.accelerator = accelerator
         self.offload_param = config.offload_param.enabled
+        self.eager = eager  # False: reduce every bucket after backward (the engine orders several groups)
+        self.divisor = divisor or coll.world  # gradients are averaged over this many data-parallel ranks
         self.check_schedule = config.stage3_check_schedule and self.world > 1
         threshold = config.stage3_param_persistence_threshold
         self.layout = ShardLayout([n for n, _ in trainable], [tuple(p.shape) for _, p in trainable], self.world)
@@ -136,8 +139,8 @@ class ShardedParameters:
         for path, module in model.named_modules():
             if id(module) in inside:
                 continue
-            infos = list({id(p): self.infos[id(p)]
-                          for p in module.parameters(recurse=id(module) in leaf_ids)}.values())
+            infos = list({id(p): self.infos[id(p)] for p in module.parameters(recurse=id(module) in leaf_ids)
+                          if id(p) in self.infos}.values())
             if not infos:
                 continue
             for info in infos:
@@ -329,8 +332,9 @@ class ShardedParameters:
         self._grads[info.index] = g if held is None else held + g
         p.grad = None
         self._release(info)
-        for k in self.order.arrive(info.index):
-            self._reduce_bucket(k)
+        if self.eager:
+            for k in self.order.arrive(info.index):
+                self._reduce_bucket(k)
 
     def _reduce_bucket(self, k: int) -> None:
         entries = [self._by_index[i] for i in self._buckets[k]]
@@ -347,10 +351,10 @@ class ShardedParameters:
         if self.stream is not None:
             self.stream.wait_stream(self.accelerator.current_stream())
             with self.accelerator.stream(self.stream):
-                inp.div_(self.world)
+                inp.div_(self.divisor)
                 work = self.coll.reduce_scatter(out, inp.view(-1), async_op=False)
         else:
-            inp.div_(self.world)
+            inp.div_(self.divisor)
             work = self.coll.reduce_scatter(out, inp.view(-1), async_op=self.overlap)
         self._pending.append((entries, work, out, inp))
 
