@@ -513,7 +513,9 @@ def infer_plan(model: nn.Module, tp: int, section: dict | TPConfig | None = None
     # ---- the user's rules, per module and per parameter (a fused expert weight is a parameter)
     user: dict[str, _Rule] = {}
     used = {(i, j): False for i, s in enumerate(cfg.layer_specs) for j in range(len(s.compiled))}
-    for name in list(modules) + list(params):
+    # bare parameters: those not held by a module AutoTP splits (a fused 3-D expert weight, say)
+    bare = [n for n in params if n.rpartition(".")[0] not in kinds]
+    for name in list(modules) + bare:
         for i, spec in enumerate(cfg.layer_specs):
             hits = [j for j, p in enumerate(spec.compiled)
                     if (spec.model_types is None or (model_type or "").lower() in spec.model_types)
@@ -536,7 +538,7 @@ def infer_plan(model: nn.Module, tp: int, section: dict | TPConfig | None = None
     # ---- the HF plan, against module and parameter names
     if hf:
         compiled = [(k, _glob(k), v) for k, v in hf.items()]
-        for name in list(modules) + list(params):
+        for name in list(modules) + bare:
             if not name:
                 continue
             for key, pat, style in compiled:
