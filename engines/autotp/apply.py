@@ -231,7 +231,7 @@ def _install_vocab_loss(model: nn.Module, plan: TPPlan) -> None:
         plan.notes.append(f"{owner_name or type(owner).__name__} does not compute its loss through loss_function: "
                           "its logits are gathered whole")
         return
-    owner.loss_function = causal_lm_loss(owner.loss_function)
+    owner.loss_function = causal_lm_loss(owner.loss_function, head)
 
     def keep_local_with_labels(_module, args, kwargs):
         head.keep_local = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None

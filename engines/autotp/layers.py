@@ -252,7 +252,8 @@ class VocabParallelLMHead(_TPBase):
 
     Returns the full logits (gathered), except for the one call after :attr:`keep_local` is set
     (AutoTP sets it when the model is called with labels): then this rank's columns of the logits
-    come back, tagged for the vocab-parallel cross-entropy, and the full logits never exist.
+    come back for the vocab-parallel cross-entropy (:attr:`local_pending` says so until the loss
+    takes them), and the full logits never exist.
     """
 
     style = "vocab_head"
@@ -260,23 +261,38 @@ class VocabParallelLMHead(_TPBase):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.keep_local = False
+        self.local_pending = False
         sizes = self.split.sections[0]
         self.vocab_start = sum(sizes[: self.tp_rank])
         self._out_split = Split(self.split.dim, 0, self.split.sections, self.split.rank)
+        self.shard = VocabShard(self.group, self._out_split, self.vocab_start, self.full_out_features)
 
     def forward(self, x):
         logits = self._matmul(copy_to_tp(x, self.group), self.bias)
-        if self.keep_local:
-            self.keep_local = False
-            setattr(logits, SHARD_ATTR, VocabShard(self.group, self._out_split, self.vocab_start,
-                                                   self.full_out_features))
+        self.local_pending, self.keep_local = self.keep_local, False
+        if self.local_pending:
+            setattr(logits, SHARD_ATTR, self.shard)
             return logits
         return gather_last_dim(logits, self.group, self._out_split)
 
+    def take_local(self, logits: torch.Tensor) -> VocabShard | None:
+        """The shard info if ``logits`` are this head's pending split logits (consumed), else None."""
+        if self.local_pending and logits.shape[-1] == self.out_features:
+            self.local_pending = False
+            return self.shard
+        return None
 
-def gather_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Full logits from a rank's vocab-parallel piece (a no-op for logits that are whole)."""
+
+def gather_logits(logits: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
+    """Full logits from this rank's vocab-parallel piece (a no-op for logits that are whole).
+
+    The piece is recognised by the tag the lm_head puts on it, or, when something in between
+    returned a new tensor, by the width of ``model``'s vocab-parallel lm_head."""
     shard = vocab_shard_of(logits)
+    if shard is None and model is not None:
+        heads = [m for m in getattr(model, "module", model).modules() if isinstance(m, VocabParallelLMHead)]
+        if heads and logits.shape[-1] == heads[0].out_features != heads[0].full_out_features:
+            shard = heads[0].shard
     if shard is None:
         return logits
     return gather_last_dim(logits, shard.group, shard.split)

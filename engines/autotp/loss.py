@@ -20,8 +20,6 @@ import torch
 import torch.nn.functional as F
 from polyaccel import comm
 
-from .layers import vocab_shard_of
-
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
@@ -91,13 +89,14 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
     return total / (tgt != ignore_index).sum()
 
 
-def causal_lm_loss(fallback):
-    """A Hugging Face ``loss_function`` that runs the vocab-parallel loss on split logits and
-    ``fallback`` (the model's own loss function) on whole ones."""
+def causal_lm_loss(fallback, head):
+    """A Hugging Face ``loss_function`` that runs the vocab-parallel loss on the split logits
+    ``head`` (a :class:`~.layers.VocabParallelLMHead`) just produced, and ``fallback`` (the
+    model's own loss function) on whole ones."""
 
     def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,
                       shift_labels=None, **kwargs):
-        shard = vocab_shard_of(logits)
+        shard = head.take_local(logits)
         if shard is None:
             return fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                             ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
