@@ -363,7 +363,7 @@ def isolate(result: PluginSet, rec: PluginRecord, reason: str) -> None:
         what = "its accelerator is not used and " if r.accelerator_cls is not None else ""
         before = f" (before that it was {r.status}: {r.reason})" if r.status == UNAVAILABLE and r.reason else ""
         r.status = FAILED
-        r.reason = f"{reason}; the plugin is isolated: {what}none of its op builders are used{before}"
+        r.reason = f"{reason}; the plugin is isolated: {what}its op builders are dropped{before}"
     try:
         if result.pm.get_plugin(rec.name) is not None:
             result.pm.unregister(name=rec.name)

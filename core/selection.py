@@ -6,6 +6,7 @@ plugin (a tie between two available plugins is an error that says how to choose)
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
@@ -15,6 +16,7 @@ from .accelerator import Accelerator
 from .discovery import AVAILABLE, SELECTED, PluginRecord, PluginSet
 from .errors import SelectionError
 
+_log = logging.getLogger("polyaccel")
 _lock = threading.RLock()
 _plugins: PluginSet | None = None
 _selected: Accelerator | None = None
@@ -60,6 +62,9 @@ def plugins() -> PluginSet:
             from . import ops
 
             ops.registry.ops()  # populates the registry (calls every polyaccel_register_ops)
+            for rec in ps.records.values():
+                if rec.status == discovery.FAILED:
+                    _log.warning("polyaccel: plugin %r (%s) failed: %s", rec.name, rec.source, rec.reason)
         return _plugins
 
 

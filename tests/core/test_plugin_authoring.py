@@ -151,6 +151,15 @@ def test_raising_op_hook_isolates_the_plugin_in_report_json_and_explain(install,
     assert "acme kernel table is corrupt" in ops.explain("fused_adam", "cpu")  # every explain shows it
 
 
+def test_raising_op_hook_is_logged_once_at_discovery(install, caplog):
+    install("acme-polyaccel", "acme", RAISING_OPS)
+    with caplog.at_level("WARNING", logger="polyaccel"):
+        selection.plugins()
+        selection.plugins()
+    hits = [r.getMessage() for r in caplog.records if "acme kernel table is corrupt" in r.getMessage()]
+    assert len(hits) == 1 and "plugin 'acme'" in hits[0] and "isolated" in hits[0]
+
+
 def test_raising_op_hook_shows_in_the_human_report_and_blocks_selection_by_name(install, capsys, monkeypatch):
     install("acme-polyaccel", "acme", RAISING_OPS)
     monkeypatch.setenv("COLUMNS", "400")  # one line per row: the reason is not folded
