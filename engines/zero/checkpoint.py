@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from polyaccel.errors import PolyaccelError
+from polyaccel.parallel import get_layout
 from safetensors.torch import save_file
 
 from .consolidate import (
@@ -33,6 +34,8 @@ from .consolidate import (
     META,
     MODEL_STATES,
     full_tensors,
+    full_tensors_any,
+    group_id,
     layout_from_meta,
     rank_file,
     read_meta,
@@ -84,6 +87,25 @@ def _layout_meta(engine) -> dict:
     return meta
 
 
+def _is_grouped(engine) -> bool:
+    """Version 2 (per-rank group records) whenever a mesh or several parameter groups are involved."""
+    return engine.mesh is not None or len(engine.groups) > 1
+
+
+def _group_meta(engine, g) -> dict:
+    lay = g.partitioner.layout
+    splits = {}
+    for name, p in g.entries:
+        sp = get_layout(p).split
+        if sp is not None:
+            splits[name] = {"dim": sp.dim, "axis": sp.axis, "sections": [list(x) for x in sp.sections], "rank": sp.rank}
+    out = {"key": list(g.key), "names": lay.names, "shapes": [list(x) for x in lay.shapes],
+           "ranks": g.coll.global_ranks(), "splits": splits}
+    if isinstance(lay, FlatLayout):
+        out["bucket_chunk"] = lay.bucket_chunk
+    return out
+
+
 def _model_states(engine) -> dict[str, torch.Tensor]:
     """Frozen parameters (gathered in stage 3) and persistent buffers, on the host."""
     out = {}
@@ -119,11 +141,22 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
         staging.mkdir()
     coll.barrier()
 
-    tensors = {"master": engine.partitioner.master.detach().cpu()}
-    for name, t in engine.optimizer.state.items():
-        tensors[name] = t.detach().cpu()
-    _write_atomic(staging / rank_file(rank),
-                  lambda tmp: save_file(tensors, str(tmp), metadata={"rank": str(rank), "format": FORMAT}))
+    grouped = _is_grouped(engine)
+    if grouped:
+        tensors, groups = {}, []
+        for g in engine.groups:
+            gid = group_id(g.key)
+            tensors[f"{gid}/master"] = g.partitioner.master.detach().cpu()
+            for name, t in g.optimizer.state.items():
+                tensors[f"{gid}/{name}"] = t.detach().cpu()
+            groups.append(_group_meta(engine, g))
+        file_meta = {"rank": str(rank), "format": FORMAT, "groups": json.dumps(groups)}
+    else:
+        tensors = {"master": engine.partitioner.master.detach().cpu()}
+        for name, t in engine.optimizer.state.items():
+            tensors[name] = t.detach().cpu()
+        file_meta = {"rank": str(rank), "format": FORMAT}
+    _write_atomic(staging / rank_file(rank), lambda tmp: save_file(tensors, str(tmp), metadata=file_meta))
     if rank == 0:
         _write_atomic(staging / MODEL_STATES, lambda tmp: save_file(model_states, str(tmp), metadata={"format": "pt"}))
     _fault("rank_files")
@@ -131,14 +164,16 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
 
     if rank == 0:
         meta = {
-            "format": FORMAT, "version": 1, "tag": tag, "zero_stage": engine.stage, "world_size": engine.world_size,
+            "format": FORMAT, "version": 2 if grouped else 1, "tag": tag, "zero_stage": engine.stage,
+            "world_size": engine.world_size,
             "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
             "skipped_steps": engine.skipped_steps, "optimizer_type": engine.config.optimizer.type,
             "optimizer_step": engine.optimizer.step_count, "lr": engine.optimizer.lr,
             "state_names": sorted(engine.optimizer.state), "loss_scaler": engine.scaler.state_dict(),
             "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
             "master_dtype": str(engine.master_dtype).removeprefix("torch."),
-            "layout": _layout_meta(engine), "frozen": [n for n, _ in engine.frozen], "aliases": engine.aliases,
+            "layout": None if grouped else _layout_meta(engine), "frozen": [n for n, _ in engine.frozen],
+            "aliases": engine.aliases,
             "state_dict_keys": list(engine.module.state_dict().keys()), "config": engine.config.raw,
             "client_state": json.loads(client_json),
         }
@@ -169,6 +204,58 @@ def load(engine, load_dir, tag=None):
         raise PolyaccelError(
             f"checkpoint {folder} holds {meta['optimizer_type']!r} optimizer state; this engine uses "
             f"{engine.config.optimizer.type!r} (set optimizer.type to match)")
+    if _is_grouped(engine) or meta.get("version", 1) >= 2:
+        _load_grouped(engine, folder, meta)
+    else:
+        _load_flat(engine, folder, meta)
+    _load_model_states(engine, read_model_states(folder))
+    for g in engine.groups:
+        g.partitioner.publish()
+        g.partitioner.zero_grad()
+    engine.global_steps = meta["global_steps"]
+    engine.micro_steps = meta["micro_steps"]
+    engine.skipped_steps = meta["skipped_steps"]
+    for g in engine.groups:
+        g.optimizer.step_count = meta["optimizer_step"]
+        g.optimizer.lr = meta["lr"]
+    engine.scaler.load_state_dict(meta["loss_scaler"])
+    engine.coll.barrier()
+    return meta["client_state"]
+
+
+def _load_grouped(engine, folder: Path, meta: dict) -> None:
+    """Any layout into any layout: full tensors from the checkpoint, cut to this rank's pieces and partitions."""
+    keys = ["master", *sorted(engine.optimizer.state)]
+    for k in keys:
+        full = full_tensors_any(folder, meta, k)
+        for g in engine.groups:
+            lay = g.partitioner.layout
+            missing = set(lay.names) - set(full)
+            if missing:
+                raise PolyaccelError(f"checkpoint {folder} lacks trainable parameters {sorted(missing)[:5]}")
+            local = {}
+            for name, p in g.entries:
+                t = full[name]
+                sp = get_layout(p).split
+                if sp is not None:
+                    if t.shape[sp.axis] != sp.full_length:
+                        raise PolyaccelError(
+                            f"checkpoint {folder}: {name!r} has {t.shape[sp.axis]} rows along axis {sp.axis} but the "
+                            f"model splits {sp.full_length} over {sp.dim}; was it saved from another model?")
+                    t = sp.piece(t)
+                if tuple(t.shape) != tuple(p.shape) and p.numel() == t.numel() and engine.stage < 3:
+                    raise PolyaccelError(f"checkpoint {folder}: {name!r} has shape {tuple(t.shape)}, the model "
+                                         f"expects {tuple(p.shape)}")
+                local[name] = t
+            target = g.partitioner.master if k == "master" else g.optimizer.state[k]
+            rank = g.coll.rank
+            if isinstance(lay, FlatLayout):
+                target.copy_(lay.partition_of(lay.flatten(local, target.dtype), rank))
+            else:
+                target.copy_(lay.partition_of(local, rank, target.dtype))
+
+
+def _load_flat(engine, folder: Path, meta: dict) -> None:
     lay = engine.partitioner.layout
     same = (meta["world_size"] == engine.world_size and meta["zero_stage"] in ((1, 2) if engine.stage < 3 else (3,))
             and _layout_meta(engine) == meta["layout"])
@@ -193,17 +280,6 @@ def load(engine, load_dir, tag=None):
             else:
                 part = lay.partition_of(full, engine.rank, dtype)
             targets[k].copy_(part)
-    _load_model_states(engine, read_model_states(folder))
-    engine.partitioner.publish()
-    engine.partitioner.zero_grad()
-    engine.global_steps = meta["global_steps"]
-    engine.micro_steps = meta["micro_steps"]
-    engine.skipped_steps = meta["skipped_steps"]
-    engine.optimizer.step_count = meta["optimizer_step"]
-    engine.optimizer.lr = meta["lr"]
-    engine.scaler.load_state_dict(meta["loss_scaler"])
-    engine.coll.barrier()
-    return meta["client_state"]
 
 
 def _load_model_states(engine, states: dict[str, torch.Tensor]) -> None:

@@ -23,6 +23,12 @@ class Collectives:
         self.rank = c.get_rank(group)
         self.world = c.get_world_size(group)
 
+    def global_ranks(self) -> list[int]:
+        """The world ranks of this group, in group-rank order."""
+        import torch.distributed as dist
+
+        return list(range(self.world)) if self.group is None else dist.get_process_group_ranks(self.group)
+
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         c = comm()
         return c.reduce_scatter_tensor(out, inp, op=c.ReduceOp.SUM, group=self.group, async_op=async_op)

@@ -85,6 +85,88 @@ def full_tensors(folder: Path, meta: dict, key: str) -> dict[str, torch.Tensor]:
     return layout.unflatten_partitions(parts)
 
 
+def group_id(key) -> str:
+    """Name of a parameter group in rank files: its layout key, e.g. ``data|-|tensor``."""
+    return "|".join(x or "-" for x in key)
+
+
+def rank_groups(folder: Path, rank: int) -> list[dict]:
+    """The groups a rank saved (version-2 checkpoints): key, names, local shapes, partition ranks, splits."""
+    path = folder / rank_file(rank)
+    if not path.is_file():
+        raise PolyaccelError(f"checkpoint {folder} lacks the shard of rank {rank} ({path.name})")
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["groups"])
+
+
+def _group_layout(meta: dict, group: dict):
+    shapes = [tuple(x) for x in group["shapes"]]
+    world = len(group["ranks"])
+    if meta["zero_stage"] in (1, 2):
+        return FlatLayout(group["names"], shapes, world, group["bucket_chunk"] * world)
+    return ShardLayout(group["names"], shapes, world)
+
+
+def _assemble(name: str, pieces: dict[int, torch.Tensor], split: dict, folder: Path) -> torch.Tensor:
+    from polyaccel.parallel import Split
+
+    sp = Split(split["dim"], split["axis"], tuple(tuple(x) for x in split["sections"]), 0)
+    missing = sorted(set(range(sp.degree)) - set(pieces))
+    if missing:
+        raise PolyaccelError(f"checkpoint {folder} lacks the {sp.dim} piece(s) {missing} of {name!r}")
+    return sp.assemble([pieces[r] for r in range(sp.degree)])
+
+
+def full_tensors_v2(folder: Path, meta: dict, key: str, groups: dict[int, list[dict]] | None = None,
+                    tick=None) -> dict[str, torch.Tensor]:
+    """Full, unsplit tensors of ``key`` from a version-2 checkpoint: each partition group's partitions give
+    this coordinate's local tensors; pieces split over tensor or expert ranks are put back together."""
+    groups = groups or {r: rank_groups(folder, r) for r in range(meta["world_size"])}
+    whole: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    splits: dict[str, dict] = {}
+    done: set[tuple] = set()
+    handles = {}
+    try:
+        for rank in range(meta["world_size"]):
+            for group in groups[rank]:
+                instance = (group_id(group["key"]), tuple(group["ranks"]))
+                if instance in done:
+                    continue
+                done.add(instance)
+                parts = []
+                for r in group["ranks"]:
+                    if r not in handles:
+                        handles[r] = safe_open(str(folder / rank_file(r)), framework="pt").__enter__()
+                    parts.append(handles[r].get_tensor(f"{instance[0]}/{key}"))
+                layout = _group_layout(meta, group)
+                if isinstance(layout, FlatLayout):
+                    local = layout.unflatten(layout.full_from_partitions(parts))
+                else:
+                    local = layout.unflatten_partitions(parts)
+                for name, t in local.items():
+                    split = group["splits"].get(name)
+                    if split is None:
+                        whole.setdefault(name, t)
+                    else:
+                        splits[name] = split
+                        pieces.setdefault(name, {})[split["rank"]] = t
+                if tick is not None:
+                    tick()
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    for name, by_rank in pieces.items():
+        whole[name] = _assemble(name, by_rank, splits[name], folder)
+    return whole
+
+
+def full_tensors_any(folder: Path, meta: dict, key: str) -> dict[str, torch.Tensor]:
+    if meta.get("version", 1) >= 2:
+        return full_tensors_v2(folder, meta, key)
+    return full_tensors(folder, meta, key)
+
+
 def read_model_states(folder: Path) -> dict[str, torch.Tensor]:
     path = folder / MODEL_STATES
     out = {}
@@ -102,10 +184,22 @@ def consolidate(ckpt_dir, tag: str | None = None, progress: bool | None = None) 
     """
     folder = resolve_tag(ckpt_dir, tag)
     meta = read_meta(folder)
-    layout = layout_from_meta(meta)
     master_dtype = getattr(torch, meta["master_dtype"])
     nbytes = sum(os.path.getsize(folder / rank_file(r)) for r in range(meta["world_size"]))
     show = progress if progress is not None else nbytes > PROGRESS_BYTES
+    if meta.get("version", 1) >= 2:
+        groups = {r: rank_groups(folder, r) for r in range(meta["world_size"])}
+        if show:
+            from rich.progress import Progress
+
+            total = len({(group_id(g["key"]), tuple(g["ranks"])) for gs in groups.values() for g in gs})
+            with Progress() as bar:
+                task = bar.add_task(f"assembling {total} partition groups", total=total)
+                trained = full_tensors_v2(folder, meta, "master", groups, tick=lambda: bar.advance(task))
+        else:
+            trained = full_tensors_v2(folder, meta, "master", groups)
+        return _state_dict(folder, meta, trained, master_dtype)
+    layout = layout_from_meta(meta)
     parts = []
     if show:
         from rich.progress import Progress
@@ -122,6 +216,10 @@ def consolidate(ckpt_dir, tag: str | None = None, progress: bool | None = None) 
         trained = layout.unflatten(layout.full_from_partitions(parts))
     else:
         trained = layout.unflatten_partitions(parts)
+    return _state_dict(folder, meta, trained, master_dtype)
+
+
+def _state_dict(folder: Path, meta: dict, trained: dict[str, torch.Tensor], master_dtype) -> dict[str, torch.Tensor]:
     states = read_model_states(folder)
     out: dict[str, torch.Tensor] = {}
     for name in meta["state_dict_keys"]:
