@@ -26,12 +26,23 @@ model to the accelerator (cast to bf16/fp16 when enabled). The engine has:
   ``global_step{N}``; ``client_state`` must be JSON-serialisable) and
   ``engine.load_checkpoint(dir, tag=None) -> client_state`` (tag None: the one in ``latest``;
   any world size and stage can load any checkpoint).
+- ``engine.groups``: the partition groups (one without a mesh); ``engine.partitioner`` and
+  ``engine.optimizer`` are the first one's.
 - ``engine.module``, ``engine.global_steps`` (optimizer boundaries, skipped ones included),
   ``engine.micro_steps``, ``engine.skipped_steps``, ``engine.loss_scale`` (1.0 without fp16),
   ``engine.optimizer_builder`` (name of the op builder the registry chose),
   ``engine.last_grad_norm``, ``engine.get_lr()`` / ``engine.set_lr(lr)``,
   ``engine.full_state_dict()`` (gathered parameters; collective in stage 3),
   ``engine.optimizer_state_elements()``, ``engine.destroy()``.
+
+Over a mesh (``mesh=``, given by ``polyaccel.initialize`` when the config turns on a model layer
+such as ``tensor_parallel`` or ``expert_parallel``), every trainable parameter's
+:class:`polyaccel.parallel.ParamLayout` decides where it goes: parameters that share a layout
+kind share one partition, over the ``data`` or ``expert_data`` group their layout names;
+gradients are averaged over every data-parallel rank; ``grad_sum`` parameters are summed over
+the tensor ranks; the gradient norm counts each element once (a parameter split over tensor or
+expert ranks piece by piece, a replicated one once). Checkpoints then record, per rank, each
+partition group and each parameter's split, and load into any other layout the model allows.
 
 Config (DeepSpeed's key names; unknown keys are rejected, the caller's dict is never modified):
 ``train_batch_size``, ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
