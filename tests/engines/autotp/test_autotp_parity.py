@@ -14,7 +14,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from autotp_testlib import CASES, LR, STEPS, WD, batch, build, piece, reference, section, split_of
+from autotp_testlib import (
+    CASES,
+    LR,
+    STEPS,
+    VOCAB,
+    WD,
+    Allocations,
+    batch,
+    build,
+    loss_allocations,
+    piece,
+    reference,
+    section,
+    split_of,
+)
 from polyaccel.testing.multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,6 +52,12 @@ def run_cases(rank: int, world: int, cases: list[str]) -> dict:
         sum_partial_grads(model)
         params = dict(model.named_parameters())
         grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()}
+        full_vocab = None
+        if case == "llama":  # the whole labelled step never allocates a tensor over the full vocabulary
+            with Allocations() as seen:
+                model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+            full_vocab = [s for s in seen.shapes if VOCAB in s]
         tied = None
         if case in ("llama-tied", "gpt2"):
             emb, head = model.get_input_embeddings(), model.lm_head
@@ -56,8 +76,9 @@ def run_cases(rank: int, world: int, cases: list[str]) -> dict:
         out[case] = {
             "logits": logits, "loss": res.loss.item(), "local_logits": tuple(res.logits.shape), "grads": grads,
             "splits": {n: split_of(p) for n, p in params.items()}, "losses": losses, "tied": tied,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "full_vocab": full_vocab,
         }
+    out["alloc"] = loss_allocations(mesh)
     return out
 
 
@@ -115,8 +136,31 @@ def _check(tp: int, results: list[dict]) -> list[str]:
     return problems
 
 
+def _check_memory(tp: int, results: list[dict]) -> list[str]:
+    problems = []
+    for rank in range(tp):
+        a = results[rank]["alloc"]
+        if a["loss_err"] > TOL or a["grad_err"] > TOL:
+            problems.append(f"tp={tp} rank {rank}: vocab-parallel CE off by {a['loss_err']:.3g} "
+                            f"(grad {a['grad_err']:.3g})")
+        # the upcast copy turned softmax turned gradient: one [N, V/tp] buffer and O(N) bookkeeping
+        if a["ours"] > a["local"] + 40 * (a["full"] // VOCAB):
+            problems.append(f"tp={tp} rank {rank}: the loss allocated {a['ours']} elements for a {a['local']}-element "
+                            f"shard of the logits ({a['full']} in full)")
+        if a["ref"] < 2 * a["full"]:
+            problems.append(f"tp={tp}: F.cross_entropy allocated only {a['ref']} elements "
+                            f"(expected >= 2 x {a['full']})")
+        if results[rank]["llama"]["full_vocab"]:
+            problems.append(f"tp={tp} rank {rank}: tensors over the full vocabulary were allocated in a labelled "
+                            f"step: {results[rank]['llama']['full_vocab'][:5]}")
+    return problems
+
+
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_matches_unsharded_model(tp):
     results = run_ranks(run_cases, tp, list(CASES), timeout=280)
-    problems = _check(tp, results)
+    problems = _check(tp, results) + _check_memory(tp, results)
+    ratio = max(r["alloc"]["ours"] for r in results) / results[0]["alloc"]["ref"]
+    assert ratio <= 1.1 / (2 * tp) + 0.05, f"the vocab-parallel loss allocates {ratio:.3f} of F.cross_entropy's"
+
     assert not problems, f"{len(problems)} mismatches:\n" + "\n".join(problems[:40])
