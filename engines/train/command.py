@@ -11,6 +11,7 @@ Examples:
   polyaccel train --stage 3 --offload --steps 20
   polyaccel train --steps 30 --save ckpt/          # checkpoint at step 30 in ckpt/
   polyaccel train --steps 60 --resume ckpt/        # continue from step 30 to 60
+  polyaccel train --nproc 4 --tp 2                 # AutoTP over pairs of ranks, ZeRO over the 2 data ranks
 
 Arguments are checked before any rank starts; a bad one is reported with the fix.
 """
@@ -58,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("optimisation")
     g.add_argument("--stage", type=int, choices=STAGES, default=d.stage, help=f"ZeRO stage (default {d.stage})")
+    g.add_argument("--tp", type=int, default=d.tp, metavar="N",
+                   help="tensor-parallel degree (AutoTP): ranks = data x tensor, N must divide them (default 1)")
     g.add_argument("--offload", action="store_true",
                    help="offload optimizer state to host memory (and parameters too with --stage 3)")
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")
@@ -111,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     what = f"resuming {opts.resume}:{opts.resume_tag} at step {opts.start_step}, " if opts.resume else ""
     console.print(
         f"polyaccel train: {opts.nproc} rank(s) on plugin [bold]{acc.name}[/], {what}"
-        f"{opts.model.name}, ZeRO stage {opts.stage}{' + offload' if opts.offload else ''}, {opts.dtype}, "
+        f"{opts.model.name}, ZeRO stage {opts.stage}{' + offload' if opts.offload else ''}"
+        f"{f', tensor parallel {opts.tp} x data {opts.data_parallel}' if opts.tp > 1 else ''}, {opts.dtype}, "
         f"{opts.steps} steps", highlight=False,
     )
     try:

@@ -35,6 +35,7 @@ class TrainOptions:
     grad_clip: float = 1.0
     stage: int = 2
     offload: bool = False
+    tp: int = 1  # tensor-parallel degree: ranks = data x tensor
     dtype: str = "fp32"
     seed: int = 1234
     nproc: int = 2
@@ -50,9 +51,14 @@ class TrainOptions:
     metrics_out: str | None = None
 
     @property
+    def data_parallel(self) -> int:
+        """Ranks that see different data (the ranks of one tensor-parallel group share their batch)."""
+        return self.nproc // self.tp
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens consumed by one optimizer step over all ranks."""
-        return self.nproc * self.batch_size * self.seq_len * self.grad_accum
+        return self.data_parallel * self.batch_size * self.seq_len * self.grad_accum
 
     def engine_config(self) -> dict:
         """The DeepSpeed-style config dict handed to ``polyaccel.initialize``."""
@@ -69,6 +75,8 @@ class TrainOptions:
             "optimizer": {"type": "AdamW", "params": {
                 "lr": self.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": self.weight_decay}},
         }
+        if self.tp > 1:
+            cfg["tensor_parallel"] = {"autotp_size": self.tp}
         if self.dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
         elif self.dtype == "fp16":
@@ -148,6 +156,8 @@ def options_from_args(args, accelerator) -> TrainOptions:
         raise ConfigError("--resume-tag needs --resume DIR")
 
     nproc = _nproc(args.nproc, accelerator)
+    tp = getattr(args, "tp", 1)
+    _check_tp(tp, nproc, spec)
     # the ranks share the host's cores: for the model itself on cpu, for the offloaded optimizer on a device
     threads = args.threads or max(1, _cpu_count() // nproc)
     _positive("--threads", threads)
@@ -195,11 +205,32 @@ def options_from_args(args, accelerator) -> TrainOptions:
     return TrainOptions(
         model=spec, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
         lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, stage=args.stage,
-        offload=args.offload, dtype=args.dtype, seed=args.seed, nproc=nproc, threads=threads,
+        offload=args.offload, tp=tp, dtype=args.dtype, seed=args.seed, nproc=nproc, threads=threads,
         accelerator=accelerator.name, text=args.text, save=args.save, save_every=args.save_every,
         resume=args.resume, resume_tag=resume_tag, start_step=start_step, log_every=log_every,
         metrics_out=args.metrics_out,
     )
+
+
+def _check_tp(tp: int, nproc: int, spec: ModelSpec) -> None:
+    """``--tp`` divides the ranks and the model takes it (AutoTP's plan checks, on a meta-device model)."""
+    _positive("--tp", tp)
+    if nproc % tp:
+        raise ConfigError(f"--tp {tp} does not divide the {nproc} ranks (ranks = data x tensor); "
+                          f"use a --tp among {[d for d in range(1, nproc + 1) if nproc % d == 0]} or change --nproc")
+    if tp == 1:
+        return
+    import torch
+    from polyaccel.engines.autotp import infer_plan
+
+    from .model import build_model
+
+    with torch.device("meta"):
+        model = build_model(spec)
+    try:
+        infer_plan(model, tp)
+    except ConfigError as exc:
+        raise ConfigError(f"--tp {tp}: {exc}") from None
 
 
 def _cpu_count() -> int:

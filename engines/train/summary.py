@@ -17,6 +17,16 @@ def mean_tokens_per_s(result: dict) -> float:
     return result["tokens_per_step"] / statistics.fmean(times) if times else 0.0
 
 
+def _tp_rows(result: dict) -> list[tuple[str, str]]:
+    tp = result.get("tp", 1)
+    if tp <= 1:
+        return []
+    c = result.get("tp_plan") or {}
+    plan = (f"; plan: {c['column']} column, {c['row']} row, {c['vocab']} vocab layers, {c['replicated']} "
+            "replicated parameters") if c else ""
+    return [("tensor parallel", f"AutoTP: tensor {tp} x data {result['world_size'] // tp}{plan}")]
+
+
 def summary_rows(result: dict) -> list[tuple[str, str]]:
     plugin = result["plugin"] + (" (emulated)" if result.get("emulated") else "")
     offload = "off"
@@ -37,6 +47,7 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
                   f"{result['parameters']:,} parameters"),
         ("ZeRO", f"stage {result['stage']}, offload {offload}, dtype {result['dtype']}, "
                  f"grad accum {result['grad_accum']}"),
+        *_tp_rows(result),
         ("steps", f"{result['start_step']} -> {result['steps']}"
                   + (f"  (resumed from {result['resumed_from']})" if result.get("resumed_from") else "")),
         ("loss", f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-"),

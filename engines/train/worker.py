@@ -48,7 +48,7 @@ def rank_main(opts: TrainOptions) -> dict | None:
 
 def _checkpoint_meta(opts: TrainOptions, step: int, world_size: int) -> dict:
     return {"step": step, "model": opts.model.as_dict(), "seed": opts.seed, "stage": opts.stage,
-            "world_size": world_size, "dtype": opts.dtype}
+            "world_size": world_size, "dtype": opts.dtype, "tp": opts.tp}
 
 
 def save(engine, opts: TrainOptions, step: int, rank: int, world_size: int) -> str:
@@ -78,6 +78,14 @@ def optimizer_builders(engine, acc, opts: TrainOptions) -> list[dict]:
              "device_type": device_type}]
 
 
+def tp_plan_counts(engine) -> dict | None:
+    """The AutoTP plan's counts (column / row / vocab / replicated) of the model the engine trains."""
+    from polyaccel.engines.autotp import get_plan
+
+    plan = get_plan(engine.module)
+    return plan.counts() if plan is not None else None
+
+
 def train(opts: TrainOptions, acc, device) -> dict | None:
     import polyaccel
     import torch
@@ -103,6 +111,9 @@ def train(opts: TrainOptions, acc, device) -> dict | None:
                     f"checkpoint {opts.resume_tag!r} in {opts.resume} says step {saved}, "
                     f"its metadata file says {opts.start_step}; the directory is inconsistent"
                 )
+        # the ranks of one tensor-parallel group share their batch: rows go by data rank
+        mesh = getattr(engine, "mesh", None)
+        data_rank, data_world = (mesh.rank("data"), mesh.size("data")) if mesh is not None else (rank, world)
         sampler = TokenSampler(ByteTokenizer().encode(load_text(opts.text)), opts.seq_len, opts.batch_size, opts.seed)
         losses: list[float] = []
         step_times: list[float] = []
@@ -114,7 +125,7 @@ def train(opts: TrainOptions, acc, device) -> dict | None:
                 t0 = time.perf_counter()
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 for micro in range(opts.grad_accum):
-                    batch = sampler.batch(step, micro, rank, world)
+                    batch = sampler.batch(step, micro, data_rank, data_world)
                     out = engine(input_ids=batch.input_ids.to(device), labels=batch.labels.to(device))
                     engine.backward(out.loss)
                     engine.step()
@@ -147,6 +158,8 @@ def train(opts: TrainOptions, acc, device) -> dict | None:
             "parameters": n_params,
             "stage": opts.stage,
             "offload": opts.offload,
+            "tp": opts.tp,
+            "tp_plan": tp_plan_counts(engine) if opts.tp > 1 else None,
             "dtype": opts.dtype,
             "grad_accum": opts.grad_accum,
             "start_step": opts.start_step,
