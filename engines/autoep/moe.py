@@ -94,6 +94,15 @@ class GroupedExperts(torch.nn.Module):
             return gu, down
         return gu.transpose(1, 2), down.transpose(1, 2)
 
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows of ``x`` sorted by local expert, ``counts[e]`` rows for local expert e.
+
+        Called on every rank in every forward (with no rows too), so hooks that gather the
+        parameters around a module's forward (ZeRO stage 3) see the same calls everywhere.
+        """
+        w1, w2 = self.weights()
+        return run_experts(x, w1, w2, counts)
+
     def extra_repr(self) -> str:
         last = self.first_expert + self.num_local_experts - 1
         return f"experts {self.first_expert}-{last} of {self.num_experts}, transposed={self.transposed}"
@@ -172,9 +181,8 @@ class AutoEPMoE(torch.nn.Module):
             routed = routed * w_sorted.unsqueeze(-1)
         counts = torch.bincount(flat, minlength=E)
         experts = self.local_experts
-        w1, w2 = experts.weights()
         if ep == 1:
-            y = run_experts(routed, w1, w2, counts)
+            y = experts(routed, counts)
             self.last_dispatch = {"counts": counts.detach(), "received": counts.detach(), "send": None, "recv": None}
         else:
             recv, send_rows, recv_rows = exchange_counts(counts, ep, self.group)
@@ -183,7 +191,7 @@ class AutoEPMoE(torch.nn.Module):
             local_ids = torch.arange(n_local, device=x.device).repeat(ep)
             row_expert = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=sum(recv_rows))
             perm = torch.argsort(row_expert, stable=True)
-            y_local = run_experts(received.index_select(0, perm), w1, w2, recv.sum(0))
+            y_local = experts(received.index_select(0, perm), recv.sum(0))
             y_src = y_local.index_select(0, _inverse(perm))
             y = AllToAllV.apply(y_src, send_rows, recv_rows, self.group)
             self.last_dispatch = {"counts": counts.detach(), "received": recv.sum(0).detach(), "send": send_rows,
