@@ -14,7 +14,7 @@ from polyaccel.parallel import get_layout
 from .collectives import Collectives, comm
 from .config import ZeroConfig, parse_config
 from .loss_scaler import LossScaler
-from .offload import HostBuffers
+from .offload import HostBuffers, HostTransfer
 from .optimizer import PartitionOptimizer
 from .stage12 import FlatPartitioner
 
@@ -114,6 +114,7 @@ class ZeroEngine:
             stream = self.accelerator.Stream()
         self.reduction_stream = stream
         self.mesh = mesh
+        self.transfer = HostTransfer(self.host, self.accelerator, self.device)
         self.groups = self._build_groups(model, alloc_master, stream)
         first = self.groups[0]
         self.partitioner, self.optimizer = first.partitioner, first.optimizer
@@ -155,14 +156,15 @@ class ZeroEngine:
                     entries, stage=self.stage, coll=coll, device=self.device, compute_dtype=self.compute_dtype,
                     master_dtype=self.master_dtype, bucket_size=cfg.reduce_bucket_size, overlap_comm=cfg.overlap_comm,
                     alloc_master=alloc_master, reduction_stream=stream, accelerator=self.accelerator, eager=eager,
-                    divisor=divisor)
+                    divisor=divisor, transfer=self.transfer)
             else:
                 from .stage3 import ShardedParameters
 
                 part = ShardedParameters(
                     model, entries, frozen, coll=coll, device=self.device, compute_dtype=self.compute_dtype,
                     master_dtype=self.master_dtype, config=cfg, alloc_master=alloc_master, host=self.host,
-                    reduction_stream=stream, accelerator=self.accelerator, eager=eager, divisor=divisor)
+                    reduction_stream=stream, accelerator=self.accelerator, eager=eager, divisor=divisor,
+                    transfer=self.transfer)
             layout = part.layout
             opt = PartitionOptimizer(
                 cfg.optimizer, part.master, alloc_master, segment_ids=layout.segment_ids(coll.rank),

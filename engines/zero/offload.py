@@ -43,3 +43,61 @@ class HostBuffers:
         """Unregister what was registered (a refused unregister leaks rather than frees)."""
         while self._registered:
             self.accelerator.unregister_host_memory(self._registered.pop())
+
+
+class HostTransfer:
+    """Moves data between the device (compute dtype) and host master buffers (fp32) without ever changing
+    the dtype inside a cross-device copy: such a copy ran about 40x slower than a plain one on an H200.
+    Device data lands in a reusable pinned staging buffer in its own dtype and is converted by the host;
+    host data is converted into staging first and then uploaded as is."""
+
+    def __init__(self, host: HostBuffers, accelerator, device: torch.device):
+        self.host = host
+        self.accelerator = accelerator
+        self.crosses = device.type != "cpu"
+        self._staging: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._staging.get(role)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self.host.empty(max(numel, 1), dtype)
+            self._staging[role] = buf
+        return buf[:numel]
+
+    def add_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``host += device`` for each ``(host, device)`` pair (one synchronisation for all of them)."""
+        pairs = [(h, d.reshape(-1)) for h, d in pairs if d.numel()]
+        if not pairs:
+            return
+        if not self.crosses or pairs[0][0].device == pairs[0][1].device:
+            for h, d in pairs:
+                h.add_(d)
+            return
+        stage = self._buffer("down", sum(d.numel() for _, d in pairs), pairs[0][1].dtype)
+        off = 0
+        for _h, d in pairs:
+            stage[off:off + d.numel()].copy_(d, non_blocking=True)
+            off += d.numel()
+        self.accelerator.synchronize()
+        off = 0
+        for h, d in pairs:
+            h.add_(stage[off:off + d.numel()])
+            off += d.numel()
+
+    def copy_to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``device.copy_(host)`` for each ``(device, host)`` pair, converted on the host, uploaded asynchronously."""
+        pairs = [(d, h) for d, h in pairs if d.numel()]
+        if not pairs:
+            return
+        if not self.crosses or pairs[0][0].device == pairs[0][1].device:
+            for d, h in pairs:
+                d.copy_(h.view_as(d))
+            return
+        self.accelerator.synchronize()  # the previous upload from the staging buffer has finished
+        stage = self._buffer("up", sum(d.numel() for d, _ in pairs), pairs[0][0].dtype)
+        off = 0
+        for d, h in pairs:
+            piece = stage[off:off + d.numel()]
+            piece.copy_(h.reshape(-1))
+            d.copy_(piece.view_as(d), non_blocking=True)
+            off += d.numel()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .bucket_order import BucketOrder
+from .offload import HostBuffers, HostTransfer
 from .partition import FlatLayout
 
 
@@ -22,8 +23,9 @@ class FlatPartitioner:
     def __init__(self, entries: list[tuple[str, torch.nn.Parameter]], *, stage: int, coll, device: torch.device,
                  compute_dtype: torch.dtype, master_dtype: torch.dtype, bucket_size: int, overlap_comm: bool,
                  alloc_master, reduction_stream=None, accelerator=None, eager: bool = True,
-                 divisor: int | None = None):
+                 divisor: int | None = None, transfer=None):
         self.stage = stage
+        self.transfer = transfer or HostTransfer(HostBuffers(accelerator), accelerator, device)
         self.eager = eager  # False: reduce every bucket after backward (the engine orders several groups)
         self.divisor = divisor or coll.world  # gradients are averaged over this many data-parallel ranks
         self.coll = coll
@@ -98,11 +100,13 @@ class FlatPartitioner:
     def _finish(self) -> None:
         if self.stream is not None:
             self.accelerator.current_stream().wait_stream(self.stream)
+        pairs = []
         for k, work, out, _buf in self._pending:
             if work is not None:
                 work.wait()
             b = self.layout.buckets[k]
-            self.grad[b.part_offset:b.part_offset + out.numel()].add_(out.to(self.grad.device, self.grad.dtype))
+            pairs.append((self.grad[b.part_offset:b.part_offset + out.numel()], out))
+        self.transfer.add_to_host(pairs)
         self._pending.clear()
 
     def end_backward(self) -> None:
@@ -137,10 +141,12 @@ class FlatPartitioner:
     @torch.no_grad()
     def publish(self) -> None:
         """Copy the updated master partition into the flat buffer and all-gather every bucket in place."""
+        srcs = [torch.empty(b.chunk(self.world), dtype=self.compute_dtype, device=self.device)
+                for b in self.layout.buckets]
+        self.transfer.copy_to_device([(src, self.master[b.part_offset:b.part_offset + src.numel()])
+                                      for src, b in zip(srcs, self.layout.buckets, strict=True)])
         works = []
-        for b in self.layout.buckets:
-            c = b.chunk(self.world)
-            src = self.master[b.part_offset:b.part_offset + c].to(self.device, self.compute_dtype, copy=True)
+        for b, src in zip(self.layout.buckets, srcs, strict=True):
             works.append((self.coll.all_gather(self.flat[b.start:b.start + b.length], src, async_op=True), src))
         for work, _src in works:  # the source stays referenced until its gather is done
             if work is not None:

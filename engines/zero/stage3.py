@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .bucket_order import BucketOrder
 from .leaves import ScheduleMismatch, find_leaf_modules
+from .offload import HostBuffers, HostTransfer
 from .partition import ShardLayout
 
 
@@ -90,7 +91,7 @@ class _PreBackward(torch.autograd.Function):
 class ShardedParameters:
     def __init__(self, model, trainable, frozen, *, coll, device, compute_dtype, master_dtype, config,
                  alloc_master, host, reduction_stream=None, accelerator=None, eager: bool = True,
-                 divisor: int | None = None):
+                 divisor: int | None = None, transfer=None):
         self.coll = coll
         self.world, self.rank = coll.world, coll.rank
         self.device = device
@@ -102,6 +103,7 @@ class ShardedParameters:
         self.accelerator = accelerator
         self.offload_param = config.offload_param.enabled
         self.eager = eager  # False: reduce every bucket after backward (the engine orders several groups)
+        self.transfer = transfer or HostTransfer(HostBuffers(accelerator), accelerator, device)
         self.divisor = divisor or coll.world  # gradients are averaged over this many data-parallel ranks
         self.check_schedule = config.stage3_check_schedule and self.world > 1
         threshold = config.stage3_param_persistence_threshold
@@ -361,16 +363,17 @@ class ShardedParameters:
     def _finish_reductions(self) -> None:
         if self.stream is not None:
             self.accelerator.current_stream().wait_stream(self.stream)
+        pairs = []
         for entries, work, out, _inp in self._pending:
             if work is not None:
                 work.wait()
-            out = out.to(self.grad.device, self.grad.dtype)
             col = 0
             for info in entries:
                 s = info.shard_size
                 off = self.layout.part_offsets[info.index]
-                self.grad[off:off + s].add_(out[col:col + s])
+                pairs.append((self.grad[off:off + s], out[col:col + s]))
                 col += s
+        self.transfer.add_to_host(pairs)
         self._pending.clear()
 
     def end_backward(self) -> None:
@@ -401,10 +404,10 @@ class ShardedParameters:
     @torch.no_grad()
     def publish(self) -> None:
         """Copy the updated master shards into the parameter shards; re-gather persistent parameters."""
+        self.transfer.copy_to_device([
+            (info.shard, self.master[self.layout.part_offsets[info.index]:][:info.shard_size])
+            for info in self.infos.values() if info.index is not None and info.shard_size])
         for info in self.infos.values():
-            if info.index is not None and info.shard_size:
-                off = self.layout.part_offsets[info.index]
-                info.shard.copy_(self.master[off:off + info.shard_size], non_blocking=True)
             if info.inflight is not None:  # a gather of pre-step values must not survive the step
                 info.inflight.finish(self.world)
             info.active = 0
