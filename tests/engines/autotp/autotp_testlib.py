@@ -29,15 +29,19 @@ CASES = {
 }
 
 
+# model variants beyond the families' tiny configs: name -> (family, tiny_config overrides)
+VARIANTS = {"llama-kv1": ("llama", {"kv_heads": 1})}  # one KV head: at tp 2, rank 1 holds no heads
+
+
 def build(case: str, seed: int = 0, dtype=torch.float64):
     import transformers
     from polyaccel.engines.autotp.models import build as build_family
     from polyaccel.engines.autotp.models import tiny_config
 
     transformers.logging.set_verbosity_error()
-    family = CASES[case][0] if case in CASES else case
+    family, overrides = VARIANTS.get(case, (CASES[case][0] if case in CASES else case, {}))
     torch.manual_seed(seed)
-    return build_family(tiny_config(family), family).to(dtype)
+    return build_family(tiny_config(family, **overrides), family).to(dtype)
 
 
 def section(case: str, tp: int) -> dict:
