@@ -185,6 +185,21 @@ def test_op_only_plugins_are_loaded_not_available_and_a_raising_one_fails(instal
     assert [b.name for b in ops.registry.builders("quantize") if b.plugin == "vendorops"] == ["vendor_quantize"]
 
 
+def test_an_unavailable_plugin_whose_op_hook_raises_fails_and_keeps_its_probe_reason(install, capsys):
+    source = accelerator_plugin("down", 50).replace('ProbeResult(True, "", 1)', 'ProbeResult(False, "no board found")')
+    source += """
+
+@hookimpl
+def polyaccel_register_ops(registry):
+    raise KeyError("kernel table")
+"""
+    install("down-polyaccel", "down", source)
+    entry = plugin_entry(report_json(capsys), "down")
+    assert entry["status"] == "failed"
+    assert entry["reason"].startswith("polyaccel_register_ops raised KeyError: 'kernel table'")
+    assert "(before that it was unavailable: no board found)" in entry["reason"]
+
+
 def test_a_hook_that_raises_after_selection_keeps_the_selected_accelerator_and_says_so():
     """Discovery registers ops before selection; a re-population that fails later cannot unselect."""
     from polyaccel.hookspecs import hookimpl
