@@ -44,6 +44,16 @@ def train(rank: int, world: int, runs) -> dict:
 
     torch.set_num_threads(1)
     out = {}
+    # an autotp_size that does not divide the world: refused by initialize before any weight changes
+    model = build("qwen3")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        polyaccel.initialize(model, {**config(1), "tensor_parallel": {"autotp_size": 3}})
+        out["refusal"] = None
+    except polyaccel.ConfigError as exc:
+        out["refusal"] = str(exc)
+    after = model.state_dict()
+    out["unchanged"] = set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
     for case, stage in runs:
         cfg = config(stage)
         engine = polyaccel.initialize(build(case), cfg)
@@ -85,6 +95,10 @@ def reference(case: str):
 
 def test_tp2_dp2_zero_stages_match_single_process_training():
     results = run_ranks(train, TP * DATA, RUNS, timeout=280)
+    for r in range(TP * DATA):
+        assert results[r]["refusal"] is not None and results[r]["unchanged"]
+        assert "tensor_parallel.autotp_size 3 does not divide the world size 4" in results[r]["refusal"]
+        assert "must be one of [1, 2, 4]" in results[r]["refusal"]
     refs = {case: reference(case) for case in {c for c, _ in RUNS}}
     for case, stage in RUNS:
         ref_losses, ref_norms, ref_params = refs[case]
