@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import torch.distributed as dist
 
@@ -50,13 +51,16 @@ def _running(pid: int) -> bool:
         return True
 
 
-def describe_lost() -> str:
-    """'rank 1 (pid 4242 on this host) is no longer running', or '' when none is known to be gone."""
+def describe_lost(wait_s: float = 3.0) -> str:
+    """'rank 1 (pid 4242 on this host) is no longer running', or '' when none is known to be gone.
+
+    A peer whose socket closed may still be exiting (an abort takes a moment): look again for up to
+    ``wait_s`` seconds before answering that none is gone."""
     store = _store()
     if store is None or not dist.is_initialized():
         return ""
     host = socket.gethostname()
-    gone = []
+    peers = {}
     try:
         me = dist.get_rank()
         for r in range(dist.get_world_size()):
@@ -64,10 +68,16 @@ def describe_lost() -> str:
             if r == me or not store.check([key]):
                 continue
             peer_host, pid = store.get(key).decode().rsplit(" ", 1)
-            if peer_host == host and not _running(int(pid)):
-                gone.append(f"rank {r} (pid {pid} on this host)")
+            if peer_host == host:
+                peers[r] = int(pid)
     except Exception:  # noqa: BLE001 - the store may have died with the peer
         return ""
+    deadline = time.monotonic() + wait_s
+    while True:
+        gone = [f"rank {r} (pid {pid} on this host)" for r, pid in peers.items() if not _running(pid)]
+        if gone or not peers or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
     if not gone:
         return ""
     verb = "is" if len(gone) == 1 else "are"
