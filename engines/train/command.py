@@ -12,6 +12,7 @@ Examples:
   polyaccel train --steps 30 --save ckpt/          # checkpoint at step 30 in ckpt/
   polyaccel train --steps 60 --resume ckpt/        # continue from step 30 to 60
   polyaccel train --nproc 4 --tp 2                 # AutoTP over pairs of ranks, ZeRO over the 2 data ranks
+  polyaccel train --nproc 4 --model mixtral --ep 2  # a small MoE, its 8 experts over pairs of ranks (AutoEP)
 
 Arguments are checked before any rank starts; a bad one is reported with the fix.
 """
@@ -61,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stage", type=int, choices=STAGES, default=d.stage, help=f"ZeRO stage (default {d.stage})")
     g.add_argument("--tp", type=int, default=d.tp, metavar="N",
                    help="tensor-parallel degree (AutoTP): ranks = data x tensor, N must divide them (default 1)")
+    g.add_argument("--ep", type=int, default=d.ep, metavar="N",
+                   help="expert parallelism for MoE models (--model mixtral): experts over N ranks (default 1)")
     g.add_argument("--offload", action="store_true",
                    help="offload optimizer state to host memory (and parameters too with --stage 3)")
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from polyaccel.errors import ConfigError
 
-MODELS = ("llama", "gpt2")
+MODELS = ("llama", "gpt2", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,17 @@ class ModelSpec:
 def hf_config(spec: ModelSpec):
     """The transformers config object for ``spec`` (imports transformers lazily)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if spec.name == "mixtral":  # a small MoE: 8 experts of width 2 x hidden, top-2 (AutoEP runs them)
+        from transformers import MixtralConfig
+
+        return MixtralConfig(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=2 * spec.hidden_size,
+            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_heads // 2 if spec.num_heads % 2 == 0 else spec.num_heads,
+            max_position_embeddings=spec.max_positions, attention_dropout=0.0, num_local_experts=8,
+            num_experts_per_tok=2, router_jitter_noise=0.0, experts_implementation="eager",
+            bos_token_id=0, eos_token_id=0, pad_token_id=None, tie_word_embeddings=False,
+        )
     if spec.name == "llama":
         from transformers import LlamaConfig
 
@@ -73,6 +84,12 @@ def hf_config(spec: ModelSpec):
 def build_model(spec: ModelSpec):
     """A freshly initialised causal LM (uses the current torch RNG: seed first)."""
     spec.validate()
+    if spec.name == "mixtral":
+        from transformers import MixtralForCausalLM
+
+        model = MixtralForCausalLM(hf_config(spec))
+        model.train()
+        return model
     if spec.name == "llama":
         from transformers import LlamaForCausalLM
 

@@ -17,6 +17,9 @@ from polyaccel.errors import ConfigError
 
 from .model import ModelSpec
 
+#: models whose feed-forward layers are experts (AutoEP places them; ``--ep``)
+MOE_MODELS = ("mixtral",)
+
 DTYPES = ("fp32", "bf16", "fp16")
 STAGES = (1, 2, 3)
 #: file (in the save directory) that maps a checkpoint tag to the run that wrote it
@@ -36,6 +39,7 @@ class TrainOptions:
     stage: int = 2
     offload: bool = False
     tp: int = 1  # tensor-parallel degree: ranks = data x tensor
+    ep: int = 1  # expert-parallel degree (MoE models): experts over ep ranks, carved out of data
     dtype: str = "fp32"
     seed: int = 1234
     nproc: int = 2
@@ -77,6 +81,8 @@ class TrainOptions:
         }
         if self.tp > 1:
             cfg["tensor_parallel"] = {"autotp_size": self.tp}
+        if self.model.name in MOE_MODELS:  # AutoEP runs the experts (grouped_mm), at ep 1 too
+            cfg["expert_parallel"] = {"autoep_size": self.ep}
         if self.dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
         elif self.dtype == "fp16":
@@ -158,6 +164,8 @@ def options_from_args(args, accelerator) -> TrainOptions:
     nproc = _nproc(args.nproc, accelerator)
     tp = getattr(args, "tp", 1)
     _check_tp(tp, nproc, spec)
+    ep = getattr(args, "ep", 1)
+    _check_ep(ep, nproc, tp, spec)
     # the ranks share the host's cores: for the model itself on cpu, for the offloaded optimizer on a device
     threads = args.threads or max(1, _cpu_count() // nproc)
     _positive("--threads", threads)
@@ -205,7 +213,7 @@ def options_from_args(args, accelerator) -> TrainOptions:
     return TrainOptions(
         model=spec, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
         lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, stage=args.stage,
-        offload=args.offload, tp=tp, dtype=args.dtype, seed=args.seed, nproc=nproc, threads=threads,
+        offload=args.offload, tp=tp, ep=ep, dtype=args.dtype, seed=args.seed, nproc=nproc, threads=threads,
         accelerator=accelerator.name, text=args.text, save=args.save, save_every=args.save_every,
         resume=args.resume, resume_tag=resume_tag, start_step=start_step, log_every=log_every,
         metrics_out=args.metrics_out,
@@ -231,6 +239,35 @@ def _check_tp(tp: int, nproc: int, spec: ModelSpec) -> None:
         infer_plan(model, tp)
     except ConfigError as exc:
         raise ConfigError(f"--tp {tp}: {exc}") from None
+
+
+def _check_ep(ep: int, nproc: int, tp: int, spec: ModelSpec) -> None:
+    """``--ep`` divides the data-parallel ranks and the experts of the model (AutoEP's detection, on a meta model)."""
+    _positive("--ep", ep)
+    if spec.name not in MOE_MODELS:
+        if ep > 1:
+            raise ConfigError(f"--ep {ep}: model {spec.name!r} has no experts; use --model "
+                              f"{' or '.join(MOE_MODELS)} for expert parallelism")
+        return
+    if tp > 1:
+        raise ConfigError(f"--tp {tp} with --model {spec.name}: this command runs MoE models with expert "
+                          "parallelism (--ep) over data ranks only; drop --tp")
+    data = nproc // tp
+    if data % ep:
+        raise ConfigError(f"--ep {ep} does not divide the {data} data-parallel ranks (experts are spread over ep "
+                          f"ranks carved out of data); use an --ep among "
+                          f"{[d for d in range(1, data + 1) if data % d == 0]} or change --nproc")
+    import torch
+    from polyaccel.engines.autoep import detect, parse_config
+
+    from .model import build_model
+
+    with torch.device("meta"):
+        model = build_model(spec)
+    try:
+        detect(model, parse_config({"autoep_size": ep}))
+    except ConfigError as exc:
+        raise ConfigError(f"--ep {ep}: {exc}") from None
 
 
 def _cpu_count() -> int:

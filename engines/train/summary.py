@@ -27,6 +27,17 @@ def _tp_rows(result: dict) -> list[tuple[str, str]]:
     return [("tensor parallel", f"AutoTP: tensor {tp} x data {result['world_size'] // tp}{plan}")]
 
 
+def _ep_rows(result: dict) -> list[tuple[str, str]]:
+    p = result.get("ep_plan")
+    if not p:
+        return []
+    g = p["grouped_mm"]
+    return [("expert parallel", f"AutoEP: expert {p['ep']} x expert_data {p['expert_data']}; {p['moe_layers']} MoE "
+                                f"layers of {p['experts']} experts ({p['experts'] // p['ep']} per rank), "
+                                f"{p['routing']}; experts on grouped_mm: {g['builder']} ({g['kind']}, plugin "
+                                f"{g['plugin'] or '-'}, on {g['device_type']})")]
+
+
 def summary_rows(result: dict) -> list[tuple[str, str]]:
     plugin = result["plugin"] + (" (emulated)" if result.get("emulated") else "")
     offload = "off"
@@ -48,6 +59,7 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
         ("ZeRO", f"stage {result['stage']}, offload {offload}, dtype {result['dtype']}, "
                  f"grad accum {result['grad_accum']}"),
         *_tp_rows(result),
+        *_ep_rows(result),
         ("steps", f"{result['start_step']} -> {result['steps']}"
                   + (f"  (resumed from {result['resumed_from']})" if result.get("resumed_from") else "")),
         ("loss", f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-"),

@@ -86,6 +86,21 @@ def tp_plan_counts(engine) -> dict | None:
     return plan.counts() if plan is not None else None
 
 
+def ep_summary(engine, device_type: str) -> dict | None:
+    """AutoEP's plan (degree, MoE layers, experts) and the grouped_mm builder the experts ran on."""
+    from polyaccel.engines.autoep import ep_plan
+    from polyaccel.ops import registry
+
+    plan = ep_plan(engine)
+    if plan is None:
+        return None
+    b = registry.chosen("grouped_mm", device_type)
+    return {"ep": plan.ep_size, "expert_data": plan.expert_data, "moe_layers": len(plan.layers),
+            "experts": plan.layers[0].num_experts if plan.layers else 0,
+            "routing": plan.layers[0].routing.describe() if plan.layers else "",
+            "grouped_mm": {"builder": b.name, "plugin": b.plugin, "kind": b.kind, "device_type": device_type}}
+
+
 def train(opts: TrainOptions, acc, device) -> dict | None:
     import polyaccel
     import torch
@@ -160,6 +175,8 @@ def train(opts: TrainOptions, acc, device) -> dict | None:
             "offload": opts.offload,
             "tp": opts.tp,
             "tp_plan": tp_plan_counts(engine) if opts.tp > 1 else None,
+            "ep": opts.ep,
+            "ep_plan": ep_summary(engine, acc.device_type),
             "dtype": opts.dtype,
             "grad_accum": opts.grad_accum,
             "start_step": opts.start_step,
