@@ -322,3 +322,21 @@ def test_autotp_plan_command(capsys):
     assert rc == 1 and "match no module" in out.err
     rc, out = _cli(capsys, "--model", "falcon")
     assert rc == 1 and "choose one of llama" in out.err
+
+
+def test_gpt_neox_interleaved_qkv_and_scaled_embeddings():
+    import transformers as tf
+
+    with torch.device("meta"):
+        neox = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(vocab_size=1001, hidden_size=48, num_hidden_layers=1,
+                                                      num_attention_heads=6, intermediate_size=100))
+        gemma = tf.GemmaForCausalLM(tf.GemmaConfig(vocab_size=1001, hidden_size=48, num_hidden_layers=1,
+                                                   num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                                                   intermediate_size=100))
+    plan = infer_plan(neox, 4)
+    qkv = plan.modules["gpt_neox.layers.0.attention.query_key_value"]
+    assert qkv.style == "column" and qkv.sections == ((48, 48, 24, 24),)  # [q k v] per head, 2/2/1/1 heads
+    assert styles(plan)["gpt_neox.embed_in"] == "vocab_embedding" and styles(plan)["lm_head"] == "vocab_head"
+    plan = infer_plan(gemma, 2)  # a scaled embedding stays whole, and so does the lm_head tied to it
+    assert "lm_head" not in plan.modules and "model.embed_tokens" not in plan.modules
+    assert any("GemmaTextScaledWordEmbedding" in n for n in plan.notes)
