@@ -1,0 +1,286 @@
+"""polyaccel in the Hugging Face ``Trainer``: the fused optimizers, or the whole engine.
+
+Two ways in (install ``polyaccel[transformers]``; see docs/integrations-transformers.md):
+
+1. **Optimizer path** — keep ``Trainer`` as it is (DDP, Accelerate, its clipping and scheduler)
+   and step with a :mod:`polyaccel.optim` optimizer, which runs the ``fused_adam`` / ``fused_lion`` /
+   ``fused_lamb`` op of the selected plugin::
+
+       trainer = Trainer(model, args, train_dataset=ds,
+                         optimizer_cls_and_kwargs=fused_optimizer(args))         # FusedAdam from args
+
+2. **Engine path** — :class:`PolyaccelTrainer` trains through :func:`polyaccel.initialize` (ZeRO
+   stages 1-3, offload, and AutoTP/AutoEP when the config names them)::
+
+       trainer = PolyaccelTrainer(model, args, train_dataset=ds,
+                                  polyaccel_config={"zero_optimization": {"stage": 3}})
+       trainer.train()                      # resume_from_checkpoint=... works as usual
+
+   The engine owns the optimizer (``optimizer`` section of the config, filled from the
+   ``TrainingArguments`` where absent or ``"auto"``) and applies the Trainer's learning-rate
+   scheduler each step; Accelerate only shards the data. Checkpoints are HF checkpoints
+   (``model.safetensors`` with the full weights, ``scheduler.pt``, ``trainer_state.json``, RNG
+   states) plus the engine's sharded checkpoint in ``<checkpoint>/polyaccel``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import polyaccel
+import torch
+import transformers
+from polyaccel.errors import ConfigError
+
+from ._engine import EngineAdapter
+
+#: folder inside an HF checkpoint that holds the engine's sharded checkpoint
+ENGINE_CHECKPOINT_DIR = "polyaccel"
+SCHEDULER_NAME = "scheduler.pt"
+
+_OPTIMIZERS = {
+    "adamw": ("FusedAdam", True), "adam": ("FusedAdam", False),
+    "lion": ("FusedLion", None), "lamb": ("FusedLamb", None),
+}
+
+
+def fused_optimizer(args: transformers.TrainingArguments | None = None, name: str = "adamw", **overrides):
+    """``(optimizer_cls, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)``: a polyaccel fused optimizer.
+
+    ``name``: ``adamw`` (FusedAdam, decoupled weight decay), ``adam`` (FusedAdam, L2), ``lion`` or
+    ``lamb``. The learning rate, betas, epsilon and weight decay come from ``args`` (Trainer's own
+    weight-decay groups still apply: biases and norms get none); ``overrides`` win.
+    """
+    try:
+        cls_name, adam_w_mode = _OPTIMIZERS[name]
+    except KeyError:
+        raise ConfigError(f"unknown polyaccel optimizer {name!r}; choose one of {sorted(_OPTIMIZERS)}") from None
+    cls = getattr(polyaccel.optim, cls_name)
+    kwargs: dict = {}
+    if args is not None:
+        kwargs = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
+                  "weight_decay": args.weight_decay}
+        if cls_name != "FusedLion":
+            kwargs["eps"] = args.adam_epsilon
+    if adam_w_mode is not None:
+        kwargs["adam_w_mode"] = adam_w_mode
+    kwargs.update(overrides)
+    return cls, kwargs
+
+
+def engine_config(args: transformers.TrainingArguments, config: dict | None = None) -> dict:
+    """The engine config for ``args``: ``config`` (DeepSpeed-style keys) completed from the Trainer's arguments.
+
+    Keys that are absent or ``"auto"`` are taken from ``args``: the micro-batch size, gradient
+    accumulation, clipping (``max_grad_norm``), ``bf16`` and the AdamW optimizer (learning rate, betas,
+    epsilon, weight decay). The micro-batch size and accumulation steps must agree with ``args`` when
+    given: the Trainer drives both.
+    """
+    cfg = copy.deepcopy(config) if config else {}
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"polyaccel_config must be a dict, got {type(cfg).__name__}")
+
+    def fill(section: dict, key: str, value, must_match: bool = False):
+        if section.get(key, "auto") == "auto":
+            section[key] = value
+        elif must_match and section[key] != value:
+            raise ConfigError(f"polyaccel_config key {key!r} is {section[key]!r} but the TrainingArguments say "
+                              f"{value!r}; the Trainer drives this: set it in the TrainingArguments or to 'auto'")
+
+    fill(cfg, "train_micro_batch_size_per_gpu", args.per_device_train_batch_size, must_match=True)
+    fill(cfg, "gradient_accumulation_steps", args.gradient_accumulation_steps, must_match=True)
+    if cfg.get("train_batch_size") == "auto":
+        del cfg["train_batch_size"]
+    fill(cfg, "gradient_clipping", float(args.max_grad_norm or 0.0))
+    if args.fp16:
+        raise ConfigError("TrainingArguments(fp16=True) is Accelerate's loss scaling, which cannot see the engine's "
+                          "partitioned gradients; leave fp16 off there and set polyaccel_config['fp16'] = "
+                          "{'enabled': True} (the engine scales the loss itself)")
+    if args.bf16:
+        bf16 = cfg.setdefault("bf16", {})
+        fill(bf16, "enabled", True)
+    opt = cfg.setdefault("optimizer", {})
+    fill(opt, "type", "adamw")
+    params = opt.setdefault("params", {})
+    for key, value in (("lr", args.learning_rate), ("betas", [args.adam_beta1, args.adam_beta2]),
+                       ("eps", args.adam_epsilon), ("weight_decay", args.weight_decay)):
+        if key == "eps" and str(opt["type"]).lower() == "lion":
+            continue
+        fill(params, key, value)
+    return cfg
+
+
+class _LRDriver(torch.optim.Optimizer):
+    """The ``optimizer`` the Trainer and its scheduler see: one param group whose ``lr`` the scheduler
+    sets; :meth:`step` hands that lr to the engine and runs the engine's optimizer step."""
+
+    def __init__(self, adapter: EngineAdapter):
+        self._adapter = adapter
+        super().__init__([torch.zeros(0)], {"lr": adapter.engine.get_lr()})
+        self.last_step_applied = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self._adapter.engine.set_lr(self.param_groups[0]["lr"])
+        self.last_step_applied = self._adapter.step(boundary=True)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # the engine zeroes its gradients at each step
+        pass
+
+
+class _EngineModel(torch.nn.Module):
+    """What the Trainer calls ``model`` on the engine path: forward through the engine; not a module
+    Accelerate knows, so it neither wraps it in DDP nor moves it."""
+
+    def __init__(self, model: torch.nn.Module, adapter: EngineAdapter):
+        super().__init__()
+        self.module = model
+        self.adapter = adapter
+
+    def forward(self, *args, **kwargs):
+        return self.adapter.engine(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.adapter.engine.zero_grad()
+
+
+class PolyaccelTrainer(transformers.Trainer):
+    """``transformers.Trainer`` that trains through the polyaccel engine (default: ZeRO).
+
+    Extra arguments: ``polyaccel_config`` (the engine config, DeepSpeed-style; completed by
+    :func:`engine_config`) and ``engine`` (entry-point name in ``polyaccel.engines``). After the
+    first ``train()``, ``trainer.polyaccel_engine`` is the engine (an :class:`EngineAdapter`) and
+    ``trainer.polyaccel_config`` the config it got.
+
+    Not supported on this path: a user-supplied optimizer (the engine owns it: configure it in
+    ``polyaccel_config['optimizer']``), ``TrainingArguments(fp16=True)`` (use the config's ``fp16``),
+    and Accelerate's DeepSpeed/FSDP plugins. Weight decay applies to every parameter (the engine has
+    one parameter group), unlike Trainer's default groups that exclude biases and norms.
+    """
+
+    def __init__(self, *args, polyaccel_config: dict | None = None, engine: str = "zero", **kwargs):
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers[0] is not None or kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise ConfigError("PolyaccelTrainer: the engine owns the optimizer; configure it in "
+                              "polyaccel_config['optimizer'] instead of passing optimizers/optimizer_cls_and_kwargs")
+        super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ConfigError("PolyaccelTrainer replaces Accelerate's DeepSpeed/FSDP: remove them from the "
+                              "TrainingArguments")
+        self.polyaccel_config = engine_config(self.args, polyaccel_config)
+        self._polyaccel_engine_name = engine
+        self.polyaccel_engine: EngineAdapter | None = None
+        self._engine_model: _EngineModel | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            engine = polyaccel.initialize(self.model, config=self.polyaccel_config, engine=self._polyaccel_engine_name)
+            self.polyaccel_engine = EngineAdapter(engine)
+            self._engine_model = _EngineModel(self.model, self.polyaccel_engine)
+            self.optimizer = _LRDriver(self.polyaccel_engine)
+        return self.optimizer
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if self._engine_model is not None:
+            return self._engine_model
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    # ------------------------------------------------------------------ training
+    def _prepare_input(self, data):
+        data = super()._prepare_input(data)
+        if self.polyaccel_engine is not None and isinstance(data, torch.Tensor):
+            data = data.to(self.polyaccel_engine.device)
+        return data
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.polyaccel_engine is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        adapter = self.polyaccel_engine
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        if self.loss_is_scaled_for_ga is not None:
+            scaled = self.loss_is_scaled_for_ga
+        else:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+                or self.compute_loss_func is not None
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        # the engine divides by its accumulation steps: hand it the Trainer's loss times them
+        adapter.backward(loss * adapter.gradient_accumulation_steps)
+        if not self.accelerator.sync_gradients:
+            adapter.step(boundary=False)  # count the micro-step; the Trainer steps the optimizer at the boundary
+        return loss.detach()
+
+    def _clip_grad_norm(self, model):
+        return None  # the engine clips inside its step (gradient_clipping)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None  # known only after the engine's step: see _maybe_log_save_evaluate
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        if self.polyaccel_engine is not None and grad_norm is None:
+            grad_norm = self.polyaccel_engine.get_global_grad_norm()
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _full_state_dict(self) -> dict:
+        """The model's state dict with every parameter gathered from the engine (collective in stage 3)."""
+        engine = self.polyaccel_engine.engine
+        params = engine.full_state_dict()
+        state = {k: v for k, v in self.model.state_dict().items() if k not in params}
+        state.update(params)
+        for alias, name in getattr(engine, "aliases", {}).items():
+            if name in params:
+                state[alias] = params[name]
+        return state
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.polyaccel_engine is None:
+            return super().save_model(output_dir, _internal_call)
+        state = self._full_state_dict()  # every rank: a collective in stage 3
+        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.polyaccel_engine is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.polyaccel_engine.save_checkpoint(os.path.join(output_dir, ENGINE_CHECKPOINT_DIR))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _save_scaler(self, output_dir: str) -> None:
+        if self.polyaccel_engine is None:
+            return super()._save_scaler(output_dir)
+        # the engine's fp16 loss scale is part of its checkpoint
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self.polyaccel_engine is not None:
+            return  # the engine's checkpoint holds the weights (_load_optimizer_and_scheduler)
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self.polyaccel_engine is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        engine_dir = os.path.join(checkpoint, ENGINE_CHECKPOINT_DIR)
+        if not os.path.isdir(engine_dir):
+            raise FileNotFoundError(f"{checkpoint} has no polyaccel engine checkpoint ({ENGINE_CHECKPOINT_DIR}/); "
+                                    "it was not written by PolyaccelTrainer")
+        self.polyaccel_engine.load_checkpoint(engine_dir)
+        sched = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr(), strict=False):
+                group["lr"] = lr
+
+
+__all__ = ["ENGINE_CHECKPOINT_DIR", "EngineAdapter", "PolyaccelTrainer", "engine_config", "fused_optimizer"]
