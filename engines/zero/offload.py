@@ -56,6 +56,8 @@ class HostTransfer:
         self.accelerator = accelerator
         self.crosses = device.type != "cpu"
         self._staging: dict[str, torch.Tensor] = {}
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._ranges: list[tuple[int, int]] = []
 
     def _buffer(self, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._staging.get(role)
@@ -64,25 +66,34 @@ class HostTransfer:
             self._staging[role] = buf
         return buf[:numel]
 
-    def add_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """``host += device`` for each ``(host, device)`` pair (one synchronisation for all of them)."""
-        pairs = [(h, d.reshape(-1)) for h, d in pairs if d.numel()]
-        if not pairs:
+    def add_later(self, dst: torch.Tensor, src: torch.Tensor, base: torch.Tensor) -> None:
+        """``dst += src`` where ``dst`` is a slice of the host buffer ``base``: on the same device at once;
+        across devices the copy down starts now, asynchronously, and the addition waits for :meth:`flush`.
+        The device memory of ``src`` can be freed as soon as the caller drops it (stream order)."""
+        src = src.reshape(-1)
+        if not src.numel():
             return
-        if not self.crosses or pairs[0][0].device == pairs[0][1].device:
-            for h, d in pairs:
-                h.add_(d)
+        if not self.crosses or dst.device == src.device:
+            dst.add_(src.view_as(dst))
             return
-        stage = self._buffer("down", sum(d.numel() for _, d in pairs), pairs[0][1].dtype)
-        off = 0
-        for _h, d in pairs:
-            stage[off:off + d.numel()].copy_(d, non_blocking=True)
-            off += d.numel()
+        off = (dst.data_ptr() - base.data_ptr()) // base.element_size()
+        n = src.numel()
+        if any(o < off + n and off < o + m for o, m in self._ranges):  # the same slice twice: settle the first
+            self.flush()
+        stage = self._buffer(f"down-{id(base)}", base.numel(), src.dtype)[off:off + n]
+        stage.copy_(src, non_blocking=True)
+        self._pending.append((dst, stage))
+        self._ranges.append((off, n))
+
+    def flush(self) -> None:
+        """Finish every :meth:`add_later` (one synchronisation)."""
+        if not self._pending:
+            return
         self.accelerator.synchronize()
-        off = 0
-        for h, d in pairs:
-            h.add_(stage[off:off + d.numel()])
-            off += d.numel()
+        for dst, stage in self._pending:
+            dst.add_(stage.view_as(dst))
+        self._pending.clear()
+        self._ranges.clear()
 
     def copy_to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``device.copy_(host)`` for each ``(device, host)`` pair, converted on the host, uploaded asynchronously."""

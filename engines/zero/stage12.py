@@ -95,19 +95,24 @@ class FlatPartitioner:
         else:
             buf.div_(self.divisor)
             work = self.coll.reduce_scatter(out, buf, async_op=self.overlap)
+            if work is None:  # done: settle now, so the bucket's device memory goes back while backward runs
+                self._settle(k, out)
+                return
         self._pending.append((k, work, out, buf))
+
+    def _settle(self, k: int, out: torch.Tensor) -> None:
+        b = self.layout.buckets[k]
+        self.transfer.add_later(self.grad[b.part_offset:b.part_offset + out.numel()], out, self.grad)
 
     def _finish(self) -> None:
         if self.stream is not None:
             self.accelerator.current_stream().wait_stream(self.stream)
-        pairs = []
         for k, work, out, _buf in self._pending:
             if work is not None:
                 work.wait()
-            b = self.layout.buckets[k]
-            pairs.append((self.grad[b.part_offset:b.part_offset + out.numel()], out))
-        self.transfer.add_to_host(pairs)
+            self._settle(k, out)
         self._pending.clear()
+        self.transfer.flush()
 
     def end_backward(self) -> None:
         """After each backward (stage 2): reduce what the hooks left (unused params, leftovers)."""

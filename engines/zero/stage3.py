@@ -358,23 +358,28 @@ class ShardedParameters:
         else:
             inp.div_(self.divisor)
             work = self.coll.reduce_scatter(out, inp.view(-1), async_op=self.overlap)
+            if work is None:  # done: settle now, so the bucket's device memory goes back while backward runs
+                self._settle(entries, out)
+                return
         self._pending.append((entries, work, out, inp))
+
+    def _settle(self, entries: list[_Info], out: torch.Tensor) -> None:
+        col = 0
+        for info in entries:
+            s = info.shard_size
+            off = self.layout.part_offsets[info.index]
+            self.transfer.add_later(self.grad[off:off + s], out[col:col + s], self.grad)
+            col += s
 
     def _finish_reductions(self) -> None:
         if self.stream is not None:
             self.accelerator.current_stream().wait_stream(self.stream)
-        pairs = []
         for entries, work, out, _inp in self._pending:
             if work is not None:
                 work.wait()
-            col = 0
-            for info in entries:
-                s = info.shard_size
-                off = self.layout.part_offsets[info.index]
-                pairs.append((self.grad[off:off + s], out[col:col + s]))
-                col += s
-        self.transfer.add_to_host(pairs)
+            self._settle(entries, out)
         self._pending.clear()
+        self.transfer.flush()
 
     def end_backward(self) -> None:
         self.order.finish(self._reduce_bucket, lambda flags: self.coll.all_reduce(flags, op="max"))
