@@ -26,6 +26,7 @@ CASES = {
         {"patterns": [r".*embed_tokens$", r".*lm_head$"], "partition_type": "vocab"},
     ]}}),
     "llama-tied": ("llama-tied", {}),
+    "qwen3-actckpt": ("qwen3", {}),  # HF activation checkpointing: the forward's collectives rerun in backward
 }
 
 

@@ -3,12 +3,11 @@
 One spawned run per degree goes through every case: Llama with GQA (6 heads over 2 KV heads,
 so tp 3 and 4 leave ranks without heads), Qwen3 (q_norm/k_norm with summed grads), Mistral,
 GPT-2 (Conv1D, fused c_attn, tied embeddings, no HF plan), Phi-3 (fused qkv_proj and
-gate_up_proj) by the preset (and once each by its own HF plan and by explicit rules), and a
-tied Llama; vocab
-1001 is uneven over every degree. Per case the ranks return logits, the vocab-parallel loss,
-their gradient shards with the recorded splits, and 10 AdamW steps of plain torch.optim on
-their shards (summed grads all-reduced by hand); the parent compares with single-process
-training.
+gate_up_proj) by the preset (and once each by its own HF plan and by explicit rules), a tied
+Llama, and at tp 4 Qwen3 with HF activation checkpointing; vocab 1001 is uneven over every
+degree. Per case the ranks return logits, the vocab-parallel loss, their gradient shards with
+the recorded splits, and 10 AdamW steps of plain torch.optim on their shards (summed grads
+all-reduced by hand); the parent compares with single-process training.
 """
 
 from __future__ import annotations
@@ -45,6 +44,9 @@ def run_cases(rank: int, world: int, cases: list[str]) -> dict:
     out = {}
     for case in cases:
         model = build(case)
+        if case.endswith("-actckpt"):
+            model.gradient_checkpointing_enable()
+            model.train()
         apply_tensor_parallel(model, section(case, world), mesh)
         ids = batch(0)
         logits = model(input_ids=ids).logits.detach()  # gathered: no labels
@@ -157,8 +159,9 @@ def _check_memory(tp: int, results: list[dict]) -> list[str]:
     return problems
 
 
-# every model at every degree; the two other routes to Phi-3's plan (its own HF plan, explicit rules) once each
-ONLY_AT = {"phi3-hf-plan": (2, 3), "phi3-explicit": (3,)}
+# every model at every degree; the two other routes to Phi-3's plan (its own HF plan, explicit rules) and
+# activation checkpointing (with ranks that hold no heads) at one or two
+ONLY_AT = {"phi3-hf-plan": (2, 3), "phi3-explicit": (3,), "qwen3-actckpt": (4,)}
 
 
 def cases_at(tp: int) -> list[str]:
