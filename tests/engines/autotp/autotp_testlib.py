@@ -31,7 +31,7 @@ CASES = {
 
 
 # model variants beyond the families' tiny configs: name -> (family, tiny_config overrides)
-VARIANTS = {"llama-kv1": ("llama", {"kv_heads": 1})}  # one KV head: at tp 2, rank 1 holds no heads
+VARIANTS = {"qwen3-kv1": ("qwen3", {"kv_heads": 1})}  # one KV head: at tp 2, rank 1 holds no heads
 
 
 def build(case: str, seed: int = 0, dtype=torch.float64):
