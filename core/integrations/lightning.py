@@ -1,0 +1,503 @@
+"""polyaccel in PyTorch Lightning: an accelerator for the selected plugin and a strategy that trains through
+the polyaccel engine.
+
+Install ``polyaccel[lightning]``; importing this module registers the accelerators (see
+docs/integrations-lightning.md)::
+
+    import polyaccel.integrations.lightning  # registers "polyaccel" and the plugins' names
+    from polyaccel.integrations.lightning import PolyaccelStrategy
+
+    trainer = L.Trainer(accelerator="polyaccel", devices=2, strategy=PolyaccelStrategy(stage=3))
+    trainer.fit(module)                      # ckpt_path=... resumes from a checkpoint it wrote
+
+- :class:`PolyaccelAccelerator` is the selected polyaccel plugin as a Lightning accelerator, registered
+  as ``"polyaccel"``; every other available plugin is registered under its own name (``"example"``,
+  ``"npu"`` ...) unless Lightning already has that name (``cpu``, ``cuda``, ``mps`` stay Lightning's),
+  and choosing it selects that plugin in polyaccel.
+- :class:`PolyaccelStrategy` (registered as ``"polyaccel"``) wraps the LightningModule with
+  :func:`polyaccel.initialize` (ZeRO stages 1-3, offload, AutoTP/AutoEP when the config names them):
+  backward, clipping and the optimizer step are the engine's; the optimizer comes from
+  ``configure_optimizers`` (Adam, AdamW and polyaccel's fused optimizers are translated into the
+  engine's config, and their LR schedulers keep working) or from the config's ``optimizer`` section.
+  Checkpoints are directories: the engine's sharded checkpoint plus ``lightning.pt`` (loops,
+  callbacks, schedulers); ``polyaccel zero-to-fp32`` consolidates the weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import polyaccel
+import torch
+from lightning.fabric.utilities.types import _DEVICE
+from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
+from lightning.pytorch.trainer.states import TrainerFn
+from polyaccel import selection
+from polyaccel.errors import ConfigError
+
+from ._engine import EngineAdapter
+
+#: file in a checkpoint directory holding Lightning's own state (loops, callbacks, schedulers)
+LIGHTNING_STATE = "lightning.pt"
+ENGINE_TAG = "checkpoint"
+
+
+# ------------------------------------------------------------------------------------------- accelerator
+class PolyaccelAccelerator(Accelerator):
+    """The selected polyaccel accelerator (or, in a subclass from :func:`accelerator_class`, a named plugin)."""
+
+    #: polyaccel plugin name this class stands for; None: whatever polyaccel selects
+    plugin: str | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        if self.plugin is not None and getattr(selection.selected_or_none(), "name", None) != self.plugin:
+            polyaccel.set_accelerator(self.plugin)  # choosing it in Lightning chooses it in polyaccel
+
+    @classmethod
+    def polyaccel_accelerator(cls):
+        if cls.plugin is not None:
+            sel = selection.selected_or_none()
+            if sel is not None and sel.name == cls.plugin:
+                return sel
+            rec = selection._find(selection.plugins(), cls.plugin)
+            if rec is None or rec.accelerator is None:
+                raise ConfigError(f"no polyaccel plugin named {cls.plugin!r} is available")
+            return rec.accelerator
+        return polyaccel.get_accelerator()
+
+    def setup_device(self, device: torch.device) -> None:
+        acc = self.polyaccel_accelerator()
+        if device.type != acc.device(0).type:
+            raise ConfigError(f"the polyaccel accelerator {acc.name!r} runs on {acc.device_type!r} devices, "
+                              f"but Lightning chose {device}; use strategy='polyaccel'")
+        if device.index is not None and device.type != "cpu":
+            acc.set_device(device.index)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        # Lightning gives a custom one-device accelerator SingleDeviceStrategy(device="cpu"): put it on our device
+        strategy = trainer.strategy
+        acc = self.polyaccel_accelerator()
+        if isinstance(strategy, SingleDeviceStrategy) and strategy.root_device.type != acc.device(0).type:
+            strategy._root_device = acc.device(0)
+            self.setup_device(strategy._root_device)
+
+    def get_device_stats(self, device: _DEVICE) -> dict[str, Any]:
+        acc = self.polyaccel_accelerator()
+        if acc.device_type == "cpu":
+            return {}
+        try:
+            return {"allocated_bytes": acc.memory_allocated(), "max_allocated_bytes": acc.max_memory_allocated()}
+        except Exception:  # noqa: BLE001 - stats are best effort (an emulated or limited runtime)
+            return {}
+
+    def teardown(self) -> None:
+        pass
+
+    @classmethod
+    def parse_devices(cls, devices: int | str | list[int]) -> int | list[int]:
+        if isinstance(devices, str):
+            devices = devices.strip()
+            if devices in ("auto", "-1"):
+                return cls.auto_device_count()
+            if "," in devices:
+                return [int(x) for x in devices.split(",") if x.strip()]
+            devices = int(devices)
+        if isinstance(devices, int) and devices == -1:
+            return cls.auto_device_count()
+        if isinstance(devices, int) and devices < 1:
+            raise ConfigError(f"devices must be >= 1 (or 'auto'/-1), got {devices}")
+        return devices
+
+    @classmethod
+    def get_parallel_devices(cls, devices: int | list[int]) -> list[torch.device]:
+        acc = cls.polyaccel_accelerator()
+        indices = list(range(devices)) if isinstance(devices, int) else list(devices)
+        if acc.device(0).type == "cpu":  # host devices (or an emulated runtime): one per process
+            return [torch.device("cpu")] * len(indices)
+        return [acc.device(i) for i in indices]
+
+    @classmethod
+    def auto_device_count(cls) -> int:
+        acc = cls.polyaccel_accelerator()
+        return 1 if acc.device(0).type == "cpu" else max(1, acc.device_count())
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            return bool(cls.polyaccel_accelerator().probe().available)
+        except Exception:  # noqa: BLE001 - "not available" is the answer Lightning asks for
+            return False
+
+    @classmethod
+    def name(cls) -> str:
+        return cls.plugin or "polyaccel"
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry) -> None:
+        register_accelerators(accelerator_registry)
+
+
+def accelerator_class(plugin: str) -> type[PolyaccelAccelerator]:
+    """A Lightning accelerator class standing for the polyaccel plugin ``plugin``."""
+    return type(f"PolyaccelAccelerator_{plugin}", (PolyaccelAccelerator,), {"plugin": plugin})
+
+
+def register_accelerators(registry=AcceleratorRegistry) -> list[str]:
+    """Register ``"polyaccel"`` and every available polyaccel plugin's name Lightning does not already use.
+    Returns the names registered."""
+    names = []
+    if "polyaccel" not in registry:
+        registry.register("polyaccel", PolyaccelAccelerator, description="the selected polyaccel plugin")
+        names.append("polyaccel")
+    for rec in selection.plugins().usable():
+        if rec.accelerator_cls is None:
+            continue
+        name = rec.accelerator_cls.name
+        if name in registry:
+            continue
+        registry.register(name, accelerator_class(name), description=f"polyaccel plugin {name!r}")
+        names.append(name)
+    return names
+
+
+# ------------------------------------------------------------------------------------------- precision
+_PRECISIONS = {"32-true": None, "32": None, 32: None, "64-true": "fp64", "64": "fp64", 64: "fp64",
+               "bf16-mixed": "bf16", "bf16-true": "bf16", "bf16": "bf16",
+               "16-mixed": "fp16", "16-true": "fp16", "16": "fp16", 16: "fp16"}
+
+
+def _precision_name(plugin: Precision) -> str:
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+
+    if isinstance(plugin, PolyaccelPrecision):
+        return plugin.precision
+    if isinstance(plugin, DoublePrecision):
+        return "64-true"
+    if isinstance(plugin, (HalfPrecision, MixedPrecision)):
+        return plugin.precision
+    if type(plugin) is Precision:
+        return "32-true"
+    raise ConfigError(f"PolyaccelStrategy cannot use the precision plugin {type(plugin).__name__}; "
+                      "pass Trainer(precision='32-true' | '64-true' | 'bf16-mixed' | '16-mixed')")
+
+
+class PolyaccelPrecision(Precision):
+    """Precision handled by the engine: bf16/fp16 weights with fp32 masters (and fp16 loss scaling);
+    backward and the optimizer step go to the engine, clipping is the engine's ``gradient_clipping``."""
+
+    def __init__(self, precision: str | int = "32-true") -> None:
+        if precision not in _PRECISIONS:
+            raise ConfigError(f"PolyaccelStrategy does not support precision {precision!r}; "
+                              f"choose one of {sorted(str(p) for p in _PRECISIONS)}")
+        self.precision = str(precision)
+        self.kind = _PRECISIONS[precision]
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.double() if self.kind == "fp64" else module  # the engine casts to bf16/fp16 itself
+
+    def convert_input(self, data: Any) -> Any:
+        dtype = {"fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}.get(self.kind)
+        if dtype is None:
+            return data
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+    def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
+        model.trainer.strategy.polyaccel_engine.backward(tensor)
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        closure_result = closure()
+        self._after_closure(model, optimizer)
+        if model.automatic_optimization and closure_result is None:
+            raise ConfigError("returning None from training_step (skipping backward) is not supported by "
+                              "PolyaccelStrategy: every rank must take part in each step")
+        optimizer.step()
+        return closure_result
+
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
+        pass  # the engine clips to gradient_clipping inside its step
+
+
+# ------------------------------------------------------------------------------------------- strategy
+class _EngineModule(torch.nn.Module):
+    """``strategy.model``: the LightningModule's steps run through the engine's forward."""
+
+    def __init__(self, module: torch.nn.Module, adapter: EngineAdapter):
+        super().__init__()
+        self.module = module
+        self.adapter = adapter
+
+    def forward(self, *args, **kwargs):
+        return self.adapter.engine(*args, **kwargs)
+
+
+class _EngineOptimizer(torch.optim.Optimizer):
+    """The optimizer Lightning steps: it shares the param groups of the optimizer ``configure_optimizers``
+    returned (so that optimizer's LR schedulers keep working) and steps the engine with their lr."""
+
+    def __init__(self, adapter: EngineAdapter, source: torch.optim.Optimizer | None, lr: float):
+        super().__init__([torch.zeros(0)], {"lr": lr})
+        if source is not None:
+            self.param_groups = source.param_groups
+            self.defaults = source.defaults
+        self._adapter = adapter
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self._adapter.engine.set_lr(self.param_groups[0]["lr"])
+        self._adapter.step(boundary=True)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # the engine zeroes its gradients after each step
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": [{"lr": g["lr"]} for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for group, saved in zip(self.param_groups, state_dict.get("param_groups", []), strict=False):
+            group["lr"] = saved["lr"]
+
+
+def optimizer_config(optimizer: torch.optim.Optimizer) -> dict:
+    """The engine's ``optimizer`` config section for a torch or polyaccel optimizer with one set of
+    hyperparameters (several param groups are allowed only when they agree)."""
+    groups = optimizer.param_groups
+    keys = [k for k in groups[0] if k != "params"]
+    for g in groups[1:]:
+        if any(g.get(k) != groups[0].get(k) for k in keys):
+            raise ConfigError(f"{type(optimizer).__name__} has param groups with different hyperparameters; the "
+                              "polyaccel engine has one set: use one group or the config's 'optimizer' section")
+    g = groups[0]
+    name = type(optimizer).__name__
+    params: dict = {"lr": float(g["lr"]), "weight_decay": float(g.get("weight_decay", 0.0))}
+    if "betas" in g:
+        params["betas"] = [float(b) for b in g["betas"]]
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        if g.get("amsgrad"):
+            raise ConfigError("amsgrad is not supported by the polyaccel engine")
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or g.get("decoupled_weight_decay", False)
+        params["eps"] = float(g["eps"])
+        if not decoupled:
+            params["adam_w_mode"] = False  # torch's Adam: L2 weight decay
+        return {"type": "adamw" if decoupled else "adam", "params": params}
+    if isinstance(optimizer, polyaccel.optim.FusedAdam):
+        params.update(eps=float(g["eps"]), adam_w_mode=bool(g["adam_w_mode"]),
+                      bias_correction=bool(g["bias_correction"]))
+        return {"type": "adam", "params": params}
+    if isinstance(optimizer, polyaccel.optim.FusedLion):
+        return {"type": "lion", "params": params}
+    if isinstance(optimizer, polyaccel.optim.FusedLamb):
+        params.update(eps=float(g["eps"]), bias_correction=bool(g["bias_correction"]),
+                      max_coeff=float(g["max_coeff"]), min_coeff=float(g["min_coeff"]))
+        return {"type": "lamb", "params": params}
+    raise ConfigError(f"PolyaccelStrategy cannot translate {name} into the engine's optimizer (Adam, AdamW and "
+                      "polyaccel.optim.FusedAdam/FusedLion/FusedLamb can); set the config's 'optimizer' section")
+
+
+class PolyaccelStrategy(DDPStrategy):
+    """Train a LightningModule through :func:`polyaccel.initialize` on every rank.
+
+    ``stage`` (1-3) and ``config`` (the engine's DeepSpeed-style config; ``stage`` fills
+    ``zero_optimization.stage`` when the config has none) configure the engine; ``engine`` names it
+    in the ``polyaccel.engines`` entry-point group. From the Trainer: ``gradient_clip_val`` (norm
+    clipping) and ``precision`` fill the config where it says nothing. ``accumulate_grad_batches``
+    stays Lightning's: the engine's backward runs on every batch and its step at Lightning's optimizer
+    steps, so ``trainer.global_step`` counts optimizer steps as usual.
+
+    After ``fit`` starts, ``strategy.polyaccel_engine`` is the engine (an :class:`EngineAdapter`) and
+    ``strategy.polyaccel_config`` the config it was given.
+    """
+
+    strategy_name = "polyaccel"
+
+    def __init__(self, stage: int | None = None, config: dict | None = None, *, engine: str = "zero",
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        cfg = copy.deepcopy(config) if config else {}
+        if stage is not None:
+            zero = cfg.setdefault("zero_optimization", {})
+            if zero.get("stage", stage) != stage:
+                raise ConfigError(f"stage={stage} but config['zero_optimization']['stage'] is {zero['stage']}")
+            zero["stage"] = stage
+        self.config = cfg
+        self.engine_name = engine
+        self.polyaccel_config: dict | None = None
+        self.polyaccel_engine: EngineAdapter | None = None
+        self._forward_redirection = _ForwardRedirection()
+
+    # ---------------------------------------------------------------- precision: always the engine's
+    @property
+    def precision_plugin(self) -> Precision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else PolyaccelPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is not None and not isinstance(plugin, PolyaccelPrecision):
+            plugin = PolyaccelPrecision(_precision_name(plugin))
+        self._precision_plugin = plugin
+
+    # ---------------------------------------------------------------- distributed set-up
+    def setup_distributed(self) -> None:
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        env = self.cluster_environment
+        os.environ.update({"MASTER_ADDR": env.main_address, "MASTER_PORT": str(env.main_port),
+                           "RANK": str(self.global_rank), "WORLD_SIZE": str(self.world_size),
+                           "LOCAL_RANK": str(self.local_rank)})
+        from polyaccel import comm
+
+        comm.init_distributed(backend=self._process_group_backend, timeout=self._timeout)
+        self._process_group_backend = torch.distributed.get_backend()
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self.polyaccel_engine is None:
+                self._init_engine(trainer)
+            else:
+                self.model = _EngineModule(self.lightning_module, self.polyaccel_engine)
+        elif self.polyaccel_engine is None:
+            self.model_to_device()
+        self.setup_precision_plugin()
+        self.barrier()
+
+    def _init_engine(self, trainer: pl.Trainer) -> None:
+        from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+        module = self.lightning_module
+        cfg = copy.deepcopy(self.config)
+        source, schedulers = None, []
+        if "optimizer" not in cfg:
+            optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+            if len(optimizers) != 1:
+                raise ConfigError(f"PolyaccelStrategy trains with one optimizer; configure_optimizers gave "
+                                  f"{len(optimizers)}")
+            source = optimizers[0]
+            cfg["optimizer"] = optimizer_config(source)
+        elif getattr(module, "configure_optimizers", None) is not None:
+            pass  # the config's optimizer wins, as with Lightning's DeepSpeedStrategy
+        if trainer.gradient_clip_val:
+            from lightning.pytorch.utilities import GradClipAlgorithmType
+
+            if trainer.gradient_clip_algorithm not in (None, GradClipAlgorithmType.NORM):
+                raise ConfigError("PolyaccelStrategy clips by norm only (gradient_clip_algorithm='norm')")
+            cfg.setdefault("gradient_clipping", float(trainer.gradient_clip_val))
+        kind = self.precision_plugin.kind
+        if kind == "bf16":
+            cfg.setdefault("bf16", {"enabled": True})
+        elif kind == "fp16":
+            cfg.setdefault("fp16", {"enabled": True})
+        if cfg.get("gradient_accumulation_steps", 1) != 1:
+            raise ConfigError("set gradient accumulation with Trainer(accumulate_grad_batches=...), not in the "
+                              "engine config: Lightning decides where the optimizer steps")
+        cfg["gradient_accumulation_steps"] = 1
+        cfg.pop("train_batch_size", None)
+        self.polyaccel_config = cfg
+        engine = polyaccel.initialize(module, config=cfg, engine=self.engine_name)
+        adapter = EngineAdapter(engine)
+        self.polyaccel_engine = adapter
+        self.model = _EngineModule(module, adapter)
+        self.optimizers = [_EngineOptimizer(adapter, source, cfg["optimizer"]["params"]["lr"]
+                                            if "params" in cfg["optimizer"] and "lr" in cfg["optimizer"]["params"]
+                                            else engine.get_lr())]
+        self.lr_scheduler_configs = schedulers
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        pass  # made by _init_engine from configure_optimizers
+
+    def model_to_device(self) -> None:
+        if self.polyaccel_engine is None:
+            self.lightning_module.to(self.root_device)
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return False
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    def teardown(self) -> None:
+        if self.polyaccel_engine is not None and isinstance(self.model, _EngineModule):
+            self.model = self.lightning_module
+        super().teardown()
+
+    # ---------------------------------------------------------------- checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the weights are in the engine's checkpoint (consolidate with polyaccel zero-to-fp32)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LightningModule's parameters gathered from the engine (a collective in stage 3)."""
+        return self.polyaccel_engine.full_state_dict()
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("PolyaccelStrategy writes checkpoints itself; storage_options is not supported")
+        filepath = self.broadcast(str(filepath))
+        if self.polyaccel_engine is None:
+            raise RuntimeError("PolyaccelStrategy saves checkpoints while fitting (the engine holds the state)")
+        self.polyaccel_engine.save_checkpoint(filepath, tag=ENGINE_TAG)
+        if self.is_global_zero:
+            state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            state["optimizer_states"] = [opt.state_dict() for opt in self.optimizers]
+            tmp = os.path.join(filepath, f".{LIGHTNING_STATE}.tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, os.path.join(filepath, LIGHTNING_STATE))
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = str(checkpoint_path)
+        meta = os.path.join(path, LIGHTNING_STATE)
+        if not os.path.isfile(meta):
+            raise FileNotFoundError(f"{path} is not a PolyaccelStrategy checkpoint (no {LIGHTNING_STATE} in it)")
+        if self.polyaccel_engine is None:
+            raise RuntimeError("PolyaccelStrategy loads checkpoints into the engine: resume with "
+                               "trainer.fit(..., ckpt_path=...)")
+        self.polyaccel_engine.load_checkpoint(path, tag=ENGINE_TAG)
+        # our own file, written by save_checkpoint above (Lightning's loops and callbacks are plain objects)
+        return torch.load(meta, map_location="cpu", weights_only=False)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # the engine loaded the weights in load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        for opt, state in zip(self.optimizers, checkpoint.get("optimizer_states", []), strict=False):
+            opt.load_state_dict(state)  # the learning rates; the engine loaded its optimizer state
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            import shutil
+
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    @contextmanager
+    def block_backward_sync(self):
+        yield  # the engine reduces gradients at its own boundaries
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="training through the polyaccel engine")
+
+
+register_accelerators(AcceleratorRegistry)
+PolyaccelStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["ENGINE_TAG", "LIGHTNING_STATE", "PolyaccelAccelerator", "PolyaccelPrecision", "PolyaccelStrategy",
+           "accelerator_class", "optimizer_config", "register_accelerators"]
