@@ -1,0 +1,110 @@
+"""Rank program for the DeepSpeed integration test, run under torchrun in DeepSpeed's own environment.
+
+``--mode polyaccel``: ``polyaccel.integrations.deepspeed.install(<plugin>)`` then ``deepspeed.initialize``;
+``--mode deepspeed``: DeepSpeed alone (its own CPU accelerator and its compiled CPU FusedAdam).
+Both train the same tiny Llama (fp32, same seed) on the same batches with ZeRO-2 and FusedAdam (AdamW);
+rank 0 writes the per-step losses (mean over ranks) and what ran to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+VOCAB, SEQ, MICRO = 61, 12, 2
+
+
+def build_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                      tie_word_embeddings=False, use_cache=False)
+    return LlamaForCausalLM(cfg)
+
+
+def batch(step: int, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=("polyaccel", "deepspeed"), required=True)
+    p.add_argument("--plugin", default="cpu")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+
+    torch.set_num_threads(1)
+    info: dict = {"mode": a.mode}
+    if a.mode == "polyaccel":
+        import polyaccel
+        import polyaccel.integrations.deepspeed as pds
+
+        ds_acc = pds.install(a.plugin)
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    info.update(ds_accelerator=type(acc).__name__, device_name=acc.device_name(),
+                comm_backend=acc.communication_backend_name())
+    if a.mode == "polyaccel":
+        info["is_installed_accelerator"] = acc is ds_acc
+        info["polyaccel_plugin"] = acc.polyaccel.name
+        from deepspeed.ops import op_builder
+        from deepspeed.ops.adam import fused_adam
+
+        info["builders"] = {"op_builder.FusedAdamBuilder": op_builder.FusedAdamBuilder.__module__,
+                            "fused_adam.FusedAdamBuilder": fused_adam.FusedAdamBuilder.__module__,
+                            "op_builder.CPUAdamBuilder": op_builder.CPUAdamBuilder.__module__,
+                            "op_builder.FusedLionBuilder": op_builder.FusedLionBuilder.__module__}
+        try:
+            op_builder.TransformerBuilder().load()
+        except ValueError as exc:
+            info["not_implemented_message"] = str(exc)
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                  "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 2},
+    }
+    model = build_model()
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    info["optimizer"] = f"{type(optimizer.optimizer).__module__}.{type(optimizer.optimizer).__name__}"
+    info["zero_optimizer"] = type(optimizer).__name__
+    losses = []
+    for step in range(a.steps):
+        ids = batch(step, rank).to(engine.device)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        reported = loss.detach().double().clone()
+        dist.all_reduce(reported)
+        losses.append(reported.item() / world)
+    info["losses"] = losses
+    if a.mode == "polyaccel":
+        info["polyaccel_fused_adam_calls"] = pds.FusedAdamOp.calls
+        info["explain"] = polyaccel.ops.explain("fused_adam", "cpu")
+        info["chosen_builder"] = getattr(polyaccel.ops.resolve("fused_adam", "cpu"), "__name__", "")
+    dist.barrier()
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump(info, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
