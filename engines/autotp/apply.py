@@ -246,6 +246,7 @@ def sum_partial_grads(model: nn.Module) -> None:
     For training without an engine that reads layouts (ZeRO does this itself). A parameter that
     got no gradient on this rank (a rank that holds no heads) takes part with zeros.
     """
+    import torch
     from polyaccel import comm
 
     model = getattr(model, "module", model)
@@ -255,8 +256,6 @@ def sum_partial_grads(model: nn.Module) -> None:
     for name in state.plan.grad_sum:
         p = model.get_parameter(name)
         if p.grad is None:
-            import torch
-
             p.grad = torch.zeros_like(p)
         comm.all_reduce(p.grad, group=state.group)
 
