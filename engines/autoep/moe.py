@@ -179,7 +179,8 @@ class AutoEPMoE(torch.nn.Module):
         routed = x.index_select(0, order // k)
         if self.routing.score_apply == "pre":
             routed = routed * w_sorted.unsqueeze(-1)
-        counts = torch.bincount(flat, minlength=E)
+        # (bincount would sync with the host to size its output; a scatter-add into E slots does not)
+        counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
         experts = self.local_experts
         if ep == 1:
             y = experts(routed, counts)
