@@ -487,28 +487,35 @@ def install(accelerator=None) -> PolyaccelDeepSpeedAccelerator:
 
     import deepspeed.ops.op_builder as op_builder
 
-    replace: dict[int, object] = {}
+    # DeepSpeed binds one class to many names (its NotImplementedBuilder): rebind by name, and by identity only
+    # where an old class stood for one name (an alias such as ``import FusedAdamBuilder as FAB``)
+    names_of: dict[int, set[str]] = {}
+    old_classes: dict[int, object] = {}
     for name in _builder_names(op_builder):
         old = getattr(op_builder, name)
-        new = ds_acc.get_op_builder(name)
-        if old is not new:
-            replace[id(old)] = new
-            setattr(op_builder, name, new)
-    if current is not None:
-        replace[id(current)] = ds_acc
+        names_of.setdefault(id(old), set()).add(name)
+        old_classes[id(old)] = old
+        setattr(op_builder, name, ds_acc.get_op_builder(name))
     for mod_name, mod in list(sys.modules.items()):
         if mod is None or not (mod_name == "deepspeed" or mod_name.startswith("deepspeed.")):
             continue
-        if mod_name.startswith("deepspeed.ops.op_builder.") or mod_name.startswith("deepspeed.accelerator"):
-            continue  # where DeepSpeed's builders and accelerators are defined
+        if mod_name.startswith(("deepspeed.ops.op_builder", "deepspeed.accelerator")):
+            continue  # where DeepSpeed's builders and accelerators are defined (op_builder itself is done)
         try:
             items = list(vars(mod).items())
         except TypeError:
             continue
         for attr, value in items:
-            new = replace.get(id(value))
-            if new is not None:
-                setattr(mod, attr, new)
+            if current is not None and value is current:
+                setattr(mod, attr, ds_acc)
+                continue
+            names = names_of.get(id(value))
+            if names is None or old_classes[id(value)] is not value:
+                continue
+            if attr in names:
+                setattr(mod, attr, ds_acc.get_op_builder(attr))
+            elif len(names) == 1:
+                setattr(mod, attr, ds_acc.get_op_builder(next(iter(names))))
     return ds_acc
 
 

@@ -33,6 +33,38 @@ def batch(step: int, rank: int):
     return torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
 
 
+def check_cpu_adam_and_lion() -> dict:
+    """DeepSpeedCPUAdam and FusedLion through the polyaccel builders against plain torch formulas."""
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.lion import FusedLion
+
+    g = torch.Generator().manual_seed(5)
+    init = torch.randn(37, generator=g)
+    grads = [torch.randn(37, generator=g) for _ in range(3)]
+    p1, p2 = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    ds_adam = DeepSpeedCPUAdam([p1], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, adamw_mode=True)
+    ref_adam = torch.optim.AdamW([p2], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    for gr in grads:
+        for p, opt in ((p1, ds_adam), (p2, ref_adam)):
+            p.grad = gr.clone()
+            opt.step()
+    p3 = torch.nn.Parameter(init.clone())
+    lion = FusedLion([p3], lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    ref, m = init.clone(), torch.zeros_like(init)
+    for gr in grads:
+        p3.grad = gr.clone()
+        lion.step()
+        update = torch.sign(0.9 * m + 0.1 * gr)
+        ref = ref * (1 - 1e-2 * 0.1) - 1e-2 * update
+        m = 0.99 * m + 0.01 * gr
+    from polyaccel.integrations import deepspeed as pds
+
+    return {"cpu_adam_max_diff": (p1.detach() - p2.detach()).abs().max().item(),
+            "lion_max_diff": (p3.detach() - ref).abs().max().item(),
+            "cpu_adam_calls": pds.CPUAdamOp.calls, "lion_calls": pds.FusedLionOp.calls}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=("polyaccel", "deepspeed"), required=True)
@@ -71,6 +103,7 @@ def main() -> None:
             op_builder.TransformerBuilder().load()
         except ValueError as exc:
             info["not_implemented_message"] = str(exc)
+        info.update(check_cpu_adam_and_lion())
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
     rank, world = dist.get_rank(), dist.get_world_size()
     config = {

@@ -215,3 +215,77 @@ def test_trainer_engine_path_two_ranks(tmp_path, stage, gas):
         torch.testing.assert_close(r["resumed_losses"], r["losses"][half:], rtol=1e-12, atol=0)
         assert r["max_diff_resumed"] == 0.0
     assert res[0]["losses"] != res[1]["losses"]  # the ranks got different data
+
+
+def hf_example_plugin_run(rank, world, out):
+    import polyaccel
+    from polyaccel.integrations.transformers import PolyaccelTrainer
+    from transformers import LlamaForCausalLM
+
+    os.environ.update(ENV)
+    args = training_args(out, max_steps=2, per_device_eval_batch_size=2)
+    trainer = PolyaccelTrainer(model=tiny_llama(), args=args, train_dataset=TokenData(), eval_dataset=TokenData(8),
+                               polyaccel_config={"zero_optimization": {"stage": 3}})
+    trainer.train()
+    metrics = trainer.evaluate()
+    final = os.path.join(out, "final")
+    trainer.save_model(final)  # every rank: the stage-3 weights are gathered
+    full = {k: v.clone() for k, v in trainer.polyaccel_engine.full_state_dict().items()}
+    trainer.polyaccel_engine.destroy()
+    torch.distributed.barrier()
+    reloaded = LlamaForCausalLM.from_pretrained(final, dtype=torch.float64).state_dict()
+    return {"selected": polyaccel.get_accelerator().name, "eval_loss": metrics["eval_loss"],
+            "reload_diff": max((reloaded[k] - v).abs().max().item() for k, v in full.items())}
+
+
+def test_trainer_engine_path_on_the_example_plugin_stage3_evaluate_and_save_model(tmp_path):
+    """The engine path on the third-party example plugin (POLYACCEL_ACCELERATOR=example): ZeRO-3 training,
+    Trainer.evaluate through the engine, and save_model writing the gathered weights from_pretrained reloads."""
+    from polyaccel import selection
+
+    if not any(r.name == "example" for r in selection.plugins().usable()):
+        pytest.skip("the example plugin (examples/polyaccel-example-plugin) is not installed")
+    res = run_ranks(hf_example_plugin_run, 2, str(tmp_path / "out"), timeout=240,
+                    env=dict(ENV, POLYACCEL_ACCELERATOR="example"))
+    for r in res:
+        assert r["selected"] == "example" and r["reload_diff"] == 0.0
+    assert res[0]["eval_loss"] == res[1]["eval_loss"] > 0
+
+
+# --------------------------------------------------------------------------- the adapter
+class _FakeEngine:
+    def __init__(self, gas):
+        self.gradient_accumulation_steps = gas
+        self.micro_steps = 0
+        self.applied = []
+        self.last_grad_norm = None
+
+    def is_gradient_accumulation_boundary(self):
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def step(self):
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self.applied.append(boundary)
+        if boundary:
+            self.last_grad_norm = float(self.micro_steps)
+        return boundary
+
+
+def test_engine_adapter_moves_the_boundary_where_the_trainer_says():
+    from polyaccel.integrations._engine import EngineAdapter
+
+    eng = _FakeEngine(gas=4)
+    ad = EngineAdapter(eng)
+    assert ad.get_global_grad_norm() is None
+    # a full window, then a short one (the epoch ended after 2 micro-batches), then a full one again
+    pattern = [False, False, False, True, False, True, False, False, False, True]
+    for want in pattern:
+        ad.set_gradient_accumulation_boundary(want)
+        assert ad.is_gradient_accumulation_boundary() == want
+        assert ad.step() == want
+    assert eng.applied == pattern
+    assert ad.get_global_grad_norm() == float(eng.micro_steps)
+    assert ad.step() is False  # no boundary set: the engine's own count decides
+    with pytest.raises(RuntimeError, match="gradient_accumulation_steps is 1"):
+        EngineAdapter(_FakeEngine(gas=1)).step(boundary=False)
