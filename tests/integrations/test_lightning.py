@@ -202,3 +202,46 @@ def test_one_device(tmp_path, accelerator, strategy):
         assert res["selected"] == "example" and res["strategy"] == "PolyaccelStrategy" and res["builder"]
     else:
         assert res["strategy"] == "SingleDeviceStrategy"
+
+
+def accumulate_run(rank, world, out):
+    import lightning.pytorch as pl
+    import polyaccel
+    from polyaccel.integrations.lightning import PolyaccelStrategy
+
+    os.environ.update(ENV)
+    module = make_module()
+    trainer = pl.Trainer(accelerator="polyaccel", devices=2, strategy=PolyaccelStrategy(stage=2),
+                         precision="bf16-mixed", accumulate_grad_batches=2, max_steps=3, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         limit_val_batches=0, default_root_dir=out)
+    trainer.fit(module, loader())
+    engine = trainer.strategy.polyaccel_engine
+    info = {"global_step": trainer.global_step, "engine_steps": engine.global_steps,
+            "dtype": str(engine.compute_dtype), "config": trainer.strategy.polyaccel_config}
+    engine.destroy()
+    # by hand: Lightning divides each loss by accumulate_grad_batches and steps after batches 2, 3 (end of the
+    # 3-batch epoch) and 5
+    eng = polyaccel.initialize(make_module(), config=info["config"])
+    hand = []
+    for i, ids in enumerate(module.batches):
+        loss = eng(ids)
+        eng.backward(loss / 2)
+        if i in (1, 2, 4):
+            eng.step()
+        hand.append(loss.item())
+    info["hand_steps"] = eng.global_steps
+    eng.destroy()
+    return {**info, "losses": module.losses, "hand_losses": hand}
+
+
+def test_accumulate_grad_batches_and_bf16(tmp_path):
+    """accumulate_grad_batches=2 stays Lightning's (global_step counts optimizer steps, a short window at the
+    end of an epoch steps too) and precision='bf16-mixed' is the engine's bf16: losses equal the hand-driven
+    engine with the same accumulation."""
+    res = run_ranks(accumulate_run, 2, str(tmp_path), timeout=240, env=ENV)
+    for r in res:
+        assert r["global_step"] == 3 and r["engine_steps"] == 3 and r["hand_steps"] == 3
+        assert r["dtype"] == "torch.bfloat16" and r["config"]["bf16"] == {"enabled": True}
+        assert len(r["losses"]) == 5
+        assert r["losses"] == r["hand_losses"]
