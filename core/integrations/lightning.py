@@ -76,8 +76,10 @@ class PolyaccelAccelerator(Accelerator):
     def setup_device(self, device: torch.device) -> None:
         acc = self.polyaccel_accelerator()
         if device.type != acc.device(0).type:
-            raise ConfigError(f"the polyaccel accelerator {acc.name!r} runs on {acc.device_type!r} devices, "
-                              f"but Lightning chose {device}; use strategy='polyaccel'")
+            if device.type == "cpu":
+                return  # Lightning's one-device default strategy: setup() moves it to our device
+            raise ConfigError(f"the polyaccel accelerator {acc.name!r} runs on {acc.device(0).type!r} devices, "
+                              f"but Lightning chose {device}")
         if device.index is not None and device.type != "cpu":
             acc.set_device(device.index)
 

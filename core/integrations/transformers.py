@@ -111,6 +111,12 @@ def engine_config(args: transformers.TrainingArguments, config: dict | None = No
     return cfg
 
 
+#: the Trainer methods the engine path overrides; their absence means a Trainer this path was not written for
+_TRAINER_HOOKS = ("_wrap_model", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate",
+                  "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "_load_from_checkpoint",
+                  "_save_scaler", "create_optimizer", "training_step")
+
+
 class _LRDriver(torch.optim.Optimizer):
     """The ``optimizer`` the Trainer and its scheduler see: one param group whose ``lr`` the scheduler
     sets; :meth:`step` hands that lr to the engine and runs the engine's optimizer step."""
@@ -162,6 +168,10 @@ class PolyaccelTrainer(transformers.Trainer):
     """
 
     def __init__(self, *args, polyaccel_config: dict | None = None, engine: str = "zero", **kwargs):
+        missing = [h for h in _TRAINER_HOOKS if not hasattr(transformers.Trainer, h)]
+        if missing:
+            raise ImportError(f"PolyaccelTrainer needs a transformers Trainer with {', '.join(missing)} "
+                              f"(transformers 5.x); this is transformers {transformers.__version__}")
         optimizers = kwargs.get("optimizers", (None, None))
         if optimizers[0] is not None or kwargs.get("optimizer_cls_and_kwargs") is not None:
             raise ConfigError("PolyaccelTrainer: the engine owns the optimizer; configure it in "
@@ -207,11 +217,10 @@ class PolyaccelTrainer(transformers.Trainer):
         del inputs
         if self.args.n_gpu > 1:
             loss = loss.mean()
-        if self.loss_is_scaled_for_ga is not None:
-            scaled = self.loss_is_scaled_for_ga
-        else:
-            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
-                or self.compute_loss_func is not None
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) \
+                or getattr(self, "compute_loss_func", None) is not None
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
         # the engine divides by its accumulation steps: hand it the Trainer's loss times them
