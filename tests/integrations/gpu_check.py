@@ -176,11 +176,19 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_ste
              "zero_optimization": {"stage": 2}}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def ds_train(mode: str) -> dict:
     import torch
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
-    os.environ.setdefault("MASTER_PORT", "29533" if mode == "polyaccel" else "29534")
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_PORT": str(_free_port())})
     info = {}
     if mode == "polyaccel":
         import polyaccel
@@ -224,8 +232,9 @@ def check_deepspeed(res, tmp, native: bool):
     out = {"polyaccel": ds_train("polyaccel")}
     if native:
         path = os.path.join(tmp, "native.json")
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
         proc = subprocess.run([sys.executable, __file__, "--ds-native", path], capture_output=True, text=True,
-                              timeout=900)
+                              timeout=900, env=env)
         if proc.returncode == 0:
             with open(path) as f:
                 out["native"] = json.load(f)
@@ -240,6 +249,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--skip-deepspeed-native", action="store_true")
+    p.add_argument("--only", choices=("transformers", "lightning", "deepspeed"), action="append",
+                   help="run only these parts (default: all)")
     p.add_argument("--ds-native", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -255,12 +266,15 @@ def main() -> int:
            "device": str(polyaccel.get_accelerator().device())}
     with tempfile.TemporaryDirectory() as tmp:
         for name, fn in (("transformers", check_transformers), ("lightning", check_lightning)):
+            if a.only and name not in a.only:
+                continue
             try:
                 fn(res, tmp)
             except Exception:  # noqa: BLE001 - recorded, reported by the exit code
                 res[name] = {"error": traceback.format_exc()}
         try:
-            check_deepspeed(res, tmp, not a.skip_deepspeed_native)
+            if not a.only or "deepspeed" in a.only:
+                check_deepspeed(res, tmp, not a.skip_deepspeed_native)
         except Exception:  # noqa: BLE001
             res["deepspeed"] = {"error": traceback.format_exc()}
     with open(a.out, "w") as f:
