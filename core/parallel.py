@@ -8,8 +8,10 @@ whole contract: no layer imports another's internals.
 What a layout answers, for one parameter on this rank:
 
 - ``replicas``: the mesh dimension whose ranks hold copies of this local tensor and see
-  different data. Gradients are averaged over it and ZeRO partitions the parameter's
-  optimizer state over it: ``"data"`` for dense parameters, ``"expert_data"`` for experts.
+  different data. ZeRO partitions the parameter's optimizer state over it and sums its
+  gradients over it, divided by the number of data-parallel ranks (an expert's gradient
+  already holds its whole expert group's tokens): ``"data"`` for dense parameters,
+  ``"expert_data"`` for experts.
 - ``grad_sum``: a mesh dimension over which the local gradients are *partial* and must be
   summed (a replicated parameter applied to tensor-sharded activations, e.g. Qwen3's
   ``q_norm``): ``"tensor"`` or None.
@@ -18,6 +20,10 @@ What a layout answers, for one parameter on this rank:
   gradient norm (a split parameter's pieces are counted once each; a whole one once in all).
 
 A parameter without a layout has ``ParamLayout()``: replicated over ``data``, not split.
+
+A layer also leaves its plan (what it did, printable) on the model with :func:`set_plan`, under
+the mesh dimension it works on; engines show it (``engine.tp_plan``, ``engine.ep_plan``)
+through :func:`get_plan` without knowing the layer.
 """
 
 from __future__ import annotations
@@ -108,3 +114,19 @@ def set_layout(param: torch.Tensor, layout: ParamLayout) -> None:
 
 def get_layout(param: torch.Tensor) -> ParamLayout:
     return getattr(param, _ATTR, DEFAULT)
+
+
+_PLANS = "_polyaccel_plans"
+
+
+def set_plan(model: torch.nn.Module, dim: str, plan) -> None:
+    """Record the plan a layer applied to ``model`` over mesh dimension ``dim`` ("tensor", "expert")."""
+    if dim not in SPLIT_DIMS:
+        raise ConfigError(f"a plan is recorded under one of {list(SPLIT_DIMS)}, got {dim!r}")
+    plans = model.__dict__.setdefault(_PLANS, {})
+    plans[dim] = plan
+
+
+def get_plan(model: torch.nn.Module, dim: str):
+    """The plan recorded for ``dim`` on ``model``, or None."""
+    return model.__dict__.get(_PLANS, {}).get(dim)

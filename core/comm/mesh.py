@@ -33,6 +33,7 @@ class ParallelMesh:
     data: int
     tensor: int
     expert: int
+    data_mesh: DeviceMesh | None = None  # the flattened (expert_data, expert) view, kept from its creation
 
     @property
     def expert_data(self) -> int:
@@ -40,8 +41,8 @@ class ParallelMesh:
 
     def submesh(self, dim: str) -> DeviceMesh:
         _check_dim(dim)
-        if dim == "data":
-            return self.mesh["data"]  # the flattened (expert_data, expert) view
+        if dim == "data":  # the flattened (expert_data, expert) view
+            return self.data_mesh if self.data_mesh is not None else self.mesh["data"]
         return self.mesh[dim]
 
     def group(self, dim: str):
@@ -101,5 +102,5 @@ def init_parallel_mesh(data: int = -1, tensor: int = 1, expert: int = 1,
         device_type = selection.get_accelerator().device_type
     mesh = init_device_mesh(device_type, (data // expert, expert, tensor),
                             mesh_dim_names=("expert_data", "expert", "tensor"))
-    mesh["expert_data", "expert"]._flatten("data")
-    return ParallelMesh(mesh=mesh, data=data, tensor=tensor, expert=expert)
+    flat = mesh["expert_data", "expert"]._flatten("data")
+    return ParallelMesh(mesh=mesh, data=data, tensor=tensor, expert=expert, data_mesh=flat)

@@ -31,6 +31,7 @@ How it works:
 from __future__ import annotations
 
 import faulthandler
+import importlib.util
 import multiprocessing as mp
 import os
 import pickle
@@ -46,6 +47,8 @@ from ..errors import PolyaccelError
 #: what the forkserver imports once, so ranks start without importing torch again
 #: (``torch.distributed.tensor`` is what the first ``torch.testing.assert_close`` would import: ~1 s a rank)
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "polyaccel.comm"]
+if importlib.util.find_spec("transformers") is not None:  # most multi-rank runs build Hugging Face models
+    PRELOAD.append("transformers")
 #: seconds the other ranks get to finish or fail on their own after one rank failed
 GRACE_S = 5.0
 #: exception types that are consequences of another rank failing; reported after the cause

@@ -11,7 +11,7 @@ shared experts keep the default layout (replicated over ``data``).
 from __future__ import annotations
 
 import torch
-from polyaccel.parallel import ParamLayout, Split, set_layout
+from polyaccel.parallel import ParamLayout, Split, set_layout, set_plan
 
 from .detect import FUSED_T, MODULE_LIST, EPPlan, MoELayerSpec
 from .moe import AutoEPMoE, GroupedExperts
@@ -59,4 +59,5 @@ def convert(model: torch.nn.Module, plan: EPPlan, *, group=None, ep_rank: int = 
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
     model.autoep_plan = plan
+    set_plan(model, "expert", plan)
     return model

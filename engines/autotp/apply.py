@@ -19,7 +19,7 @@ import inspect
 from dataclasses import dataclass
 
 from polyaccel.errors import ConfigError
-from polyaccel.parallel import ParamLayout, Split, get_layout, set_layout
+from polyaccel.parallel import ParamLayout, Split, get_layout, set_layout, set_plan
 from torch import nn
 
 from .config import TPConfig, parse
@@ -129,6 +129,7 @@ def apply_tensor_parallel(model: nn.Module, section: dict | TPConfig, mesh=None,
                               "apply AutoTP before the layers that place parameters")
     if tp == 1:
         setattr(model, PLAN_ATTR, plan)
+        set_plan(model, "tensor", plan)
         setattr(model, STATE_ATTR, TPState(plan, rank, group, mesh))
         return model
 
@@ -181,6 +182,7 @@ def apply_tensor_parallel(model: nn.Module, section: dict | TPConfig, mesh=None,
         _localise_heads(modules[att.name], att, rank, group)
     _install_vocab_loss(model, plan)
     setattr(model, PLAN_ATTR, plan)
+    set_plan(model, "tensor", plan)
     setattr(model, STATE_ATTR, TPState(plan, rank, group, mesh))
     return model
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from polyaccel.errors import ConfigError
-from polyaccel.parallel import get_layout
+from polyaccel.parallel import get_layout, get_plan
 
 from .collectives import Collectives, comm
 from .config import ZeroConfig, parse_config
@@ -272,6 +272,16 @@ class ZeroEngine:
     @property
     def optimizer_builder(self) -> str:
         return self.optimizer.builder_name
+
+    @property
+    def tp_plan(self):
+        """The tensor-parallel plan a model layer applied (None without one)."""
+        return get_plan(self.module, "tensor")
+
+    @property
+    def ep_plan(self):
+        """The expert-parallel plan a model layer applied (None without one)."""
+        return get_plan(self.module, "expert")
 
     def get_lr(self) -> float:
         return self.optimizer.lr

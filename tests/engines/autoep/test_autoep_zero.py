@@ -76,6 +76,7 @@ def train_runs(rank: int, world: int, runs) -> dict:
         cfg = config(stage, EP)
         engine = polyaccel.initialize(build(family), cfg)
         assert "expert_parallel" in cfg, "the caller's config is not modified"
+        assert engine.ep_plan is not None and engine.tp_plan is None
         losses, norms = _steps(engine, 0, STEPS)
         out[(family, stage)] = {"losses": losses, "norms": norms, **_snapshot(engine)}
         engine.destroy()

@@ -71,6 +71,7 @@ def train(rank: int, world: int, runs, ckpt: str) -> dict:
         cfg = config(stage)
         engine = polyaccel.initialize(build(case), cfg)
         assert "tensor_parallel" in cfg, "the caller's config is not modified"
+        assert engine.tp_plan is not None and engine.ep_plan is None
         mesh = engine.mesh
         splits = {n: get_layout(p).split for n, p in engine.module.named_parameters()}
         losses, norms = [], []
