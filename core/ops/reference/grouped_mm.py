@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 
-def check_grouped_mm_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Validate and return ``offsets`` as int64 on ``x``'s device.
+def check_grouped_mm_shapes(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Validate what needs no look at the offsets' values (no synchronisation).
 
     ``x`` is [tokens, in], ``weight`` [experts, in, out], ``offsets`` the cumulative
     end row of each expert (int32 or int64, non-decreasing, last <= tokens).
@@ -24,13 +24,27 @@ def check_grouped_mm_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
         raise ValueError(f"grouped_mm: offsets must be int32 or int64, got {offsets.dtype}")
     if x.dtype != weight.dtype:
         raise ValueError(f"grouped_mm: x is {x.dtype} but weight is {weight.dtype}")
+
+
+def check_grouped_mm_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Validate and return ``offsets`` as int64 on ``x``'s device (shapes, dtypes and the offsets' values)."""
+    check_grouped_mm_shapes(x, weight, offsets)
     off = offsets.to(torch.int64)
-    if off.numel():
-        if bool((off[1:] < off[:-1]).any()) or int(off[0]) < 0:
-            raise ValueError("grouped_mm: offsets must be non-decreasing and non-negative")
-        if int(off[-1]) > x.shape[0]:
-            raise ValueError(f"grouped_mm: last offset {int(off[-1])} exceeds the {x.shape[0]} rows of x")
+    last_offset(off, x.shape[0])
     return off
+
+
+def last_offset(off: torch.Tensor, rows: int) -> int:
+    """Check the offsets' values (one read to the host, the only synchronisation) and return the last one."""
+    if not off.numel():
+        return 0
+    host = off.cpu()
+    if bool((host[1:] < host[:-1]).any()) or int(host[0]) < 0:
+        raise ValueError("grouped_mm: offsets must be non-decreasing and non-negative")
+    last = int(host[-1])
+    if last > rows:
+        raise ValueError(f"grouped_mm: last offset {last} exceeds the {rows} rows of x")
+    return last
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

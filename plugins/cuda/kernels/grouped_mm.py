@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from polyaccel.ops.reference.grouped_mm import check_grouped_mm_args
+from polyaccel.ops.reference.grouped_mm import check_grouped_mm_shapes, last_offset
 from polyaccel.ops.reference.grouped_mm import grouped_mm as reference_grouped_mm
 
 from ..triton_support import interpreting
@@ -200,12 +200,15 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def check_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Validate and return int64 offsets; the value checks (one host sync) are skipped while capturing."""
+def check_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """Validate; return int64 offsets and the last offset. The value checks (one host sync, which also gives
+    the last offset) are skipped while capturing, where the last offset is None."""
     _check_layout(x, weight, offsets)
+    off64 = offsets.to(torch.int64)
     if _capturing(x):
-        return offsets.to(torch.int64)
-    return check_grouped_mm_args(x, weight, offsets)
+        return off64, None
+    check_grouped_mm_shapes(x, weight, offsets)
+    return off64, last_offset(off64, x.shape[0])
 
 
 def _launch_grouped(a, b, off64, out, cfg: TileConfig | None):
@@ -237,7 +240,7 @@ def _check_dtype(x: torch.Tensor) -> None:
 def grouped_mm_forward(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
                        config: TileConfig | None = None) -> torch.Tensor:
     """The Triton forward alone (no autograd): ``[T, N]`` in ``x``'s dtype."""
-    off64 = check_args(x, weight, offsets)
+    off64, _ = check_args(x, weight, offsets)
     _check_dtype(x)
     out = torch.empty(x.shape[0], weight.shape[2], dtype=x.dtype, device=x.device)
     return _launch_grouped(x, weight, off64.contiguous(), out, config)
@@ -295,7 +298,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
     dtypes the tensor cores do not take (float64) go to the reference, so the op keeps one
     semantics whatever the dtype.
     """
-    off64 = check_args(x, weight, offsets)
+    off64, _ = check_args(x, weight, offsets)
     if x.dtype not in _DOT_DTYPES:
         return reference_grouped_mm(x, weight, offsets)
     return _TritonGroupedMM.apply(x, weight, off64.contiguous(), config, wgrad_config)
@@ -357,9 +360,8 @@ def torch_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tenso
 
     Inputs it does not take (not bf16, unaligned K or N, 2**31 rows) go to the reference.
     """
-    off64 = check_args(x, weight, offsets)
+    off64, last = check_args(x, weight, offsets)
     ok, _ = torch_grouped_mm_applies(x, weight)
     if not ok or weight.shape[0] == 0:
         return reference_grouped_mm(x, weight, offsets)
-    last = None if _capturing(x) else int(off64[-1])
     return _TorchGroupedMM.apply(x, weight, off64.to(torch.int32), off64, last)
