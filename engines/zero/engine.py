@@ -247,7 +247,8 @@ class ZeroEngine:
             scale = 1.0
         # the global norm (reported, and used for clipping) from the partitions' squared norms; an element held
         # by several ranks outside its partition group (a parameter replicated over tensor ranks) counts once
-        sq = sum(g.partitioner.grad.double().square().sum().reshape(1).cpu() / g.copies for g in self.groups)
+        sq = sum(torch.linalg.vector_norm(g.partitioner.grad).double().square().reshape(1).cpu() / g.copies
+                 for g in self.groups)
         norm = math.sqrt(float(self.coll.all_reduce(sq).item())) * scale
         self.last_grad_norm = norm
         if self.config.gradient_clipping > 0:

@@ -48,8 +48,9 @@ class HostBuffers:
 class HostTransfer:
     """Moves data between the device (compute dtype) and host master buffers (fp32) without ever changing
     the dtype inside a cross-device copy: such a copy ran about 40x slower than a plain one on an H200.
-    Device data lands in a reusable pinned staging buffer in its own dtype and is converted by the host;
-    host data is converted into staging first and then uploaded as is."""
+    Device data is converted on the device and copied down as it is (straight into the host buffer when
+    that slice holds nothing yet since the last zero_grad); host data is converted into pinned staging
+    first and then uploaded as is."""
 
     def __init__(self, host: HostBuffers, accelerator, device: torch.device):
         self.host = host
@@ -66,21 +67,32 @@ class HostTransfer:
             self._staging[role] = buf
         return buf[:numel]
 
-    def add_later(self, dst: torch.Tensor, src: torch.Tensor, base: torch.Tensor) -> None:
-        """``dst += src`` where ``dst`` is a slice of the host buffer ``base``: on the same device at once;
-        across devices the copy down starts now, asynchronously, and the addition waits for :meth:`flush`.
-        The device memory of ``src`` can be freed as soon as the caller drops it (stream order)."""
+    def add_later(self, dst: torch.Tensor, src: torch.Tensor, base: torch.Tensor, fresh: bool = False) -> None:
+        """``dst += src`` (``dst = src`` when ``fresh``), ``dst`` a slice of the host buffer ``base``.
+
+        On one device it happens at once. Across devices ``src`` is converted to ``dst``'s dtype on its own
+        device first; a fresh slice is then copied straight into ``dst`` asynchronously, otherwise into a
+        staging buffer whose addition waits for :meth:`flush`. The device memory of ``src`` can be freed
+        as soon as the caller drops it (stream order)."""
         src = src.reshape(-1)
         if not src.numel():
             return
         if not self.crosses or dst.device == src.device:
-            dst.add_(src.view_as(dst))
+            if fresh:
+                dst.copy_(src.view_as(dst))
+            else:
+                dst.add_(src.view_as(dst))
+            return
+        src = src.to(dst.dtype)
+        if fresh:
+            dst.copy_(src.view_as(dst), non_blocking=True)
+            self._pending.append((None, None))  # flush must still synchronise
             return
         off = (dst.data_ptr() - base.data_ptr()) // base.element_size()
         n = src.numel()
         if any(o < off + n and off < o + m for o, m in self._ranges):  # the same slice twice: settle the first
             self.flush()
-        stage = self._buffer(f"down-{id(base)}", base.numel(), src.dtype)[off:off + n]
+        stage = self._buffer(f"down-{id(base)}", base.numel(), dst.dtype)[off:off + n]
         stage.copy_(src, non_blocking=True)
         self._pending.append((dst, stage))
         self._ranges.append((off, n))
@@ -91,7 +103,8 @@ class HostTransfer:
             return
         self.accelerator.synchronize()
         for dst, stage in self._pending:
-            dst.add_(stage.view_as(dst))
+            if dst is not None:
+                dst.add_(stage.view_as(dst))
         self._pending.clear()
         self._ranges.clear()
 

@@ -49,6 +49,7 @@ class FlatPartitioner:
         self.master.copy_(lay.partition_of(self.flat, self.rank).to(self.master.device, master_dtype))
         self.grad = alloc_master(lay.partition_size, master_dtype)
         self.grad.zero_()
+        self._unwritten = set(range(len(lay.buckets)))
         self._buffers: dict[int, torch.Tensor] = {}
         members = [[] for _ in lay.buckets]
         for i, ks in enumerate(lay.param_buckets):
@@ -102,7 +103,9 @@ class FlatPartitioner:
 
     def _settle(self, k: int, out: torch.Tensor) -> None:
         b = self.layout.buckets[k]
-        self.transfer.add_later(self.grad[b.part_offset:b.part_offset + out.numel()], out, self.grad)
+        fresh = k in self._unwritten  # the first gradient since zero_grad overwrites: no zeroing, no addition
+        self._unwritten.discard(k)
+        self.transfer.add_later(self.grad[b.part_offset:b.part_offset + out.numel()], out, self.grad, fresh)
 
     def _finish(self) -> None:
         if self.stream is not None:
@@ -138,7 +141,8 @@ class FlatPartitioner:
             p.grad = None
 
     def zero_grad(self) -> None:
-        self.grad.zero_()
+        """Every bucket is reduced in each accumulation window, so its first result overwrites the partition."""
+        self._unwritten = set(range(len(self.layout.buckets)))
         for p in self.params:
             p.grad = None
 

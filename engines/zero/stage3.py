@@ -155,6 +155,7 @@ class ShardedParameters:
                 self._hooks.append(info.param.register_post_accumulate_grad_hook(
                     lambda p, info=info: self._on_grad(info)))
         self._by_index = {i.index: i for i in self.infos.values() if i.index is not None}
+        self._unwritten = set(self._by_index)
         self._buckets = self._grad_buckets()
         self.order = BucketOrder(self._buckets)
         self._grads: dict[int, torch.Tensor] = {}  # layout index -> full gradient waiting for its bucket
@@ -368,7 +369,9 @@ class ShardedParameters:
         for info in entries:
             s = info.shard_size
             off = self.layout.part_offsets[info.index]
-            self.transfer.add_later(self.grad[off:off + s], out[col:col + s], self.grad)
+            fresh = info.index in self._unwritten  # the first gradient since zero_grad overwrites
+            self._unwritten.discard(info.index)
+            self.transfer.add_later(self.grad[off:off + s], out[col:col + s], self.grad, fresh)
             col += s
 
     def _finish_reductions(self) -> None:
@@ -401,7 +404,8 @@ class ShardedParameters:
         """Gradients were reduced during backward."""
 
     def zero_grad(self) -> None:
-        self.grad.zero_()
+        """Every bucket is reduced in each backward, so a parameter's first result overwrites its shard."""
+        self._unwritten = set(self._by_index)
         for info in self.infos.values():
             info.param.grad = None
 
