@@ -29,8 +29,19 @@ _KEYS = {
     "enabled", "autoep_size", "preset_model", "top_k", "score_func", "score_apply", "route_norm",
     "routed_scaling_factor", "num_expert_groups", "num_limited_groups", "group_score", "moe_layer_pattern",
     "router_pattern", "expert_pattern", "expert_w1", "expert_w2", "expert_w3", "num_experts_attr", "top_k_attr",
-    "shared_expert_pattern", "shared_expert_gate_pattern",
+    "shared_expert_pattern", "shared_expert_gate_pattern", "expert_tensor_parallel_size",
 }
+
+
+#: why expert weights are not split over the tensor ranks
+ETP_REFUSED = (
+    "splitting expert weights over the tensor ranks is not supported, only 1 (the default). With tensor "
+    "parallelism, AutoEP keeps every expert whole: each tensor rank holds its expert rank's experts and runs them "
+    "on the same tokens (the MoE block's input is replicated over tensor), so expert state is replicated over "
+    "tensor and ZeRO partitions it over expert_data. Splitting an expert over tensor as well would cut one weight "
+    "over two mesh dimensions (experts over expert, features over tensor), which a parameter's layout, the "
+    "gradient norm and the checkpoint format do not describe. Use a larger autoep_size to spread the experts "
+    "over more ranks instead")
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,8 @@ class AutoEPConfig:
     enabled: bool = True
     #: expert-parallel degree: the experts of every MoE layer are split over this many ranks
     autoep_size: int = 1
+    #: tensor ranks each expert weight is split over: 1 only (see :data:`ETP_REFUSED`)
+    expert_tensor_parallel_size: int = 1
     #: "auto" (from ``model.config.model_type``) or a preset name (:data:`.presets.PRESETS`)
     preset_model: str = "auto"
     # routing knobs: None / "auto" = the family's value
@@ -107,6 +120,11 @@ def parse_config(section: Any) -> AutoEPConfig:
         out["enabled"] = section["enabled"]
     if "autoep_size" in section:
         out["autoep_size"] = _int("autoep_size", section["autoep_size"], 1)
+    if "expert_tensor_parallel_size" in section:
+        etp = _int("expert_tensor_parallel_size", section["expert_tensor_parallel_size"], 1)
+        if etp != 1:
+            raise ConfigError(f"config key '{SECTION}.expert_tensor_parallel_size' is {etp}: {ETP_REFUSED}")
+        out["expert_tensor_parallel_size"] = etp
     if "preset_model" in section:
         preset = section["preset_model"]
         allowed = ("auto", *sorted(PRESETS))

@@ -2,6 +2,11 @@
 
 ``polyaccel.initialize(model, {"expert_parallel": {"autoep_size": 2, ...}, ...})`` builds the
 mesh with ``expert=autoep_size`` and calls :func:`apply` before the engine wraps the model.
+
+It applies first (``ORDER`` 10, before AutoTP's 20): the experts it places carry their
+:class:`~polyaccel.parallel.ParamLayout`, which tells AutoTP to leave them whole. On a mesh with
+``tensor`` > 1 each tensor rank dispatches the same (replicated) tokens over its own expert group,
+``mesh.group("expert")``, so experts are replicated over tensor ranks like any whole parameter.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from .config import mesh_sizes as _mesh_sizes
 from .convert import convert
 from .detect import detect
 
-ORDER = 20
+ORDER = 10
 
 
 def mesh_sizes(section: dict) -> dict[str, int]:

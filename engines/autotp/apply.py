@@ -19,7 +19,7 @@ import inspect
 from dataclasses import dataclass
 
 from polyaccel.errors import ConfigError
-from polyaccel.parallel import ParamLayout, Split, get_layout, set_layout, set_plan
+from polyaccel.parallel import DEFAULT, ParamLayout, Split, get_layout, set_layout, set_plan
 from torch import nn
 
 from .config import TPConfig, parse
@@ -122,11 +122,14 @@ def apply_tensor_parallel(model: nn.Module, section: dict | TPConfig, mesh=None,
                           f"{tp} ranks")
     plan = infer_plan(model, tp, cfg)
     modules = dict(model.named_modules())
-    for name in plan.grad_sum + plan.replicated:
+    touched = list(plan.grad_sum) + [f"{n}.{pn}" for n, m in plan.modules.items() if m.style != GRAD_SUM
+                                     for pn in ("weight", "bias") if getattr(modules[n], pn, None) is not None]
+    for name in touched:  # (infer_plan leaves whole what another layer placed; a mix in one module is refused)
         layout = get_layout(model.get_parameter(name))
-        if layout.split is not None:
-            raise ConfigError(f"parameter {name} is already split over {layout.split.dim!r} by another layer; "
-                              "apply AutoTP before the layers that place parameters")
+        if layout != DEFAULT:
+            where = layout.split.dim if layout.split is not None else layout.replicas
+            raise ConfigError(f"parameter {name} is already placed over {where!r} by another layer; AutoTP "
+                              "cannot also split it or sum its gradient over tensor (mark its module skip)")
     if tp == 1:
         setattr(model, PLAN_ATTR, plan)
         set_plan(model, "tensor", plan)

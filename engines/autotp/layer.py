@@ -1,6 +1,10 @@
 """The ``tensor_parallel`` model layer that ``polyaccel.initialize`` applies (entry-point group
 ``polyaccel.layers``): it validates the config section, asks the mesh for ``tensor = autotp_size``
-and shards the model over that dimension; ZeRO then runs over ``data``."""
+and shards the model over that dimension; ZeRO then runs over ``data``.
+
+It applies after AutoEP (``ORDER`` 20 > 10): parameters AutoEP already placed over ``expert`` carry
+their :class:`~polyaccel.parallel.ParamLayout`, and AutoTP leaves them whole on every tensor rank
+(the model plan's expert rules are dropped) while it splits attention, dense MLPs and the vocabulary."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from polyaccel.errors import ConfigError
 from .apply import apply_tensor_parallel
 from .config import parse
 
-ORDER = 10
+ORDER = 20
 
 
 def mesh_sizes(section: dict) -> dict:

@@ -121,6 +121,8 @@ class TPPlan:
     attention: dict[str, AttentionPlan] = field(default_factory=dict)
     grad_sum: tuple[str, ...] = ()  # parameter names: whole, gradient summed over the tensor group
     replicated: tuple[str, ...] = ()  # parameter names left whole (no split, complete gradients)
+    #: parameters another layer placed before AutoTP (AutoEP's experts): left whole over tensor, layout kept
+    placed: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
     vocab_size: int | None = None
 
@@ -153,7 +155,8 @@ class TPPlan:
             "attention": {n: {"head_dim": a.head_dim, "num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads,
                               "q_heads": list(a.q_heads), "kv_heads": list(a.kv_heads), "out_proj": a.out_proj}
                           for n, a in self.attention.items()},
-            "grad_sum": list(self.grad_sum), "replicated": list(self.replicated), "notes": list(self.notes),
+            "grad_sum": list(self.grad_sum), "replicated": list(self.replicated), "placed": list(self.placed),
+            "notes": list(self.notes),
         }
 
     def format(self, compact: bool = True) -> str:
@@ -556,6 +559,7 @@ def infer_plan(model: nn.Module, tp: int, section: dict | TPConfig | None = None
 
     rules = dict(base)
     rules.update(user)
+    placed = _drop_placed(model, modules, params, rules, notes)
 
     # ---- styles AutoTP does not run: an error unless the user's rules skip the module (or a parent)
     refused: dict[tuple[str, str, bool], list[str]] = {}
@@ -577,9 +581,12 @@ def infer_plan(model: nn.Module, tp: int, section: dict | TPConfig | None = None
     if errors:
         example = json.dumps({"patterns": [_layer_pattern(next(iter(refused.values()))[0])],
                               "partition_type": "skip"})
+        moe = any(".experts" in n or n.endswith("experts") for names in refused.values() for n in names)
+        hint = (" (a MoE model's experts are AutoEP's: with an expert_parallel section they are placed over the "
+                "expert ranks first, and AutoTP leaves them whole)") if moe else ""
         raise ConfigError("tensor_parallel: " + "; ".join(errors) + f". AutoTP runs the plan styles "
                           f"{sorted(HF_STYLES)}; to leave a module whole, mark it skip in "
-                          f"tensor_parallel.partition_config.layer_specs, e.g. {example}")
+                          f"tensor_parallel.partition_config.layer_specs, e.g. {example}{hint}")
 
     # ---- keep only rules for modules of a kind that takes the style
     plan = TPPlan(tp=tp, source=source, notes=notes)
@@ -657,16 +664,57 @@ def infer_plan(model: nn.Module, tp: int, section: dict | TPConfig | None = None
             gsum += [f"{m.name}.{pn}" for pn, _ in modules[m.name].named_parameters()]
     seen, replicated = set(), []
     for n, p in model.named_parameters():
-        if id(p) in split_params or n in gsum or id(p) in seen:
+        if id(p) in split_params or n in gsum or id(p) in seen or n in placed:
             continue
         seen.add(id(p))
         replicated.append(n)
     plan.grad_sum = tuple(gsum)
     plan.replicated = tuple(replicated)
+    plan.placed = tuple(placed)
     if hf_cfg is not None:
         plan.vocab_size = getattr(hf_cfg, "vocab_size", None)
     _dropout_note(model, plan)
     return plan
+
+
+def _drop_placed(model, modules, params, rules, notes) -> dict[str, str]:
+    """Parameters another layer already laid out (a :class:`~polyaccel.parallel.ParamLayout` other than the
+    default, e.g. AutoEP's experts over ``expert``) stay as that layer placed them: every rule whose module or
+    bare parameter holds only such parameters is dropped, whatever its source (the model's plan marks experts
+    ``moe_tp_experts``/``packed_colwise``; they are the expert layer's). A rule of the user's that would split
+    them is an error. Returns ``{parameter name: the mesh dimension it is placed over}``."""
+    from polyaccel.parallel import DEFAULT, get_layout
+
+    placed = {}
+    for n, p in model.named_parameters():
+        layout = get_layout(p)
+        if layout != DEFAULT:
+            placed[n] = layout.split.dim if layout.split is not None else layout.replicas
+    if not placed:
+        return placed
+    dropped, errors = [], []
+    for name in list(rules):
+        if name in params:
+            covered = [name]
+        elif name in modules:
+            covered = [f"{name}.{pn}" if name else pn for pn, _ in modules[name].named_parameters()]
+        else:
+            continue
+        if not covered or not all(c in placed for c in covered):
+            continue
+        r = rules.pop(name)
+        if r.source == "partition_config" and r.style != SKIP:
+            errors.append(f"{r.rule} matches {name}, whose parameters another layer already placed over "
+                          f"{placed[covered[0]]!r}; AutoTP leaves them as placed (mark it skip, or drop the rule)")
+        dropped.append(name)
+    if errors:
+        raise ConfigError("tensor_parallel: " + "; ".join(errors))
+    shown = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in placed})
+    dims = sorted(set(placed.values()))
+    notes.append(f"{len(placed)} parameters already placed by another layer over {', '.join(dims)} "
+                 f"({', '.join(shown[:3])}{' ...' if len(shown) > 3 else ''}): left whole on every tensor rank"
+                 + (f"; {len(dropped)} plan rule(s) naming them dropped" if dropped else ""))
+    return placed
 
 
 def _layer_pattern(name: str) -> str:

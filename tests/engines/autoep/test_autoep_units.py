@@ -58,7 +58,16 @@ def test_entry_point_is_declared():
     from polyaccel.engine_entry import model_layers
 
     mod = model_layers()["expert_parallel"].load()
-    assert mod.ORDER == 20 and callable(mod.mesh_sizes) and callable(mod.apply)
+    assert mod.ORDER == 10 and callable(mod.mesh_sizes) and callable(mod.apply)
+
+
+def test_expert_tensor_parallel_size_other_than_one_is_refused_with_the_reason():
+    assert parse_config({"expert_tensor_parallel_size": 1}).expert_tensor_parallel_size == 1
+    with pytest.raises(ConfigError, match=r"expert_tensor_parallel_size' is 2: splitting expert weights over the "
+                                          r"tensor ranks is not supported.*a larger autoep_size"):
+        parse_config({"autoep_size": 2, "expert_tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match="must be an integer >= 1"):
+        parse_config({"expert_tensor_parallel_size": 0})
 
 
 def test_mesh_sizes_validates_and_leaves_the_dict_alone():

@@ -103,7 +103,7 @@ def test_layer_entry_point_mesh_sizes():
 
     (ep,) = [e for e in md.entry_points(group="polyaccel.layers") if e.name == "tensor_parallel"]
     layer = ep.load()
-    assert layer.ORDER == 10
+    assert layer.ORDER == 20  # after AutoEP (ORDER 10): experts it placed are left whole
     section = {"autotp_size": 4, "preset_model": "llama"}
     assert layer.mesh_sizes(section) == {"tensor": 4}
     assert section == {"autotp_size": 4, "preset_model": "llama"}
@@ -246,6 +246,36 @@ def test_moe_plan_styles_refused_unless_skipped():
     plan = infer_plan(model, 2, {"autotp_size": 2, "partition_config": {"layer_specs": [
         {"patterns": [r".*mlp\.experts"], "partition_type": "skip"}]}})
     assert "model.layers.0.mlp.gate.weight" in plan.replicated  # the router stays whole
+
+
+def test_experts_placed_by_autoep_are_left_whole():
+    """AutoEP runs first (ORDER 10) and lays the experts out over ``expert``; AutoTP then drops the model plan's
+    expert rules (moe_tp_experts, packed_colwise, rowwise) and splits the rest as usual."""
+    from polyaccel.engines.autoep import apply_autoep
+    from polyaccel.parallel import get_layout
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    with torch.device("meta"):
+        model = MixtralForCausalLM(MixtralConfig(vocab_size=101, hidden_size=32, intermediate_size=40,
+                                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                 num_local_experts=4))
+    with pytest.raises(ConfigError, match=r"moe_tp_experts .*a MoE model's experts are AutoEP's"):
+        infer_plan(model, 2)
+    apply_autoep(model, {})
+    experts = ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj")
+    plan = infer_plan(model, 2)
+    assert plan.placed == experts and not set(experts) & set(plan.replicated)
+    assert "model.layers.0.mlp.gate.weight" in plan.replicated
+    assert plan.counts() == {"column": 3, "row": 1, "vocab": 2, "replicated": 4}
+    assert any("2 parameters already placed by another layer over expert" in n for n in plan.notes)
+    for rule in ({"patterns": [r".*experts\.gate_up_proj"], "partition_type": "column"},
+                 {"patterns": [r".*mlp\.experts$"], "partition_type": "row"}):
+        with pytest.raises(ConfigError, match="another layer already placed over 'expert'"):
+            infer_plan(model, 2, {"autotp_size": 2, "partition_config": {"layer_specs": [rule]}})
+    skip = {"patterns": [r".*mlp\.experts$"], "partition_type": "skip"}
+    assert infer_plan(model, 2, {"autotp_size": 2, "partition_config": {"layer_specs": [skip]}}).placed == experts
+    layouts = {n: get_layout(model.get_parameter(n)) for n in experts}
+    assert all(lay.replicas == "expert_data" and lay.split.dim == "expert" for lay in layouts.values())
 
 
 def test_regex_matching_nothing_refused():
