@@ -13,6 +13,8 @@ Examples:
   polyaccel train --steps 60 --resume ckpt/        # continue from step 30 to 60
   polyaccel train --nproc 4 --tp 2                 # AutoTP over pairs of ranks, ZeRO over the 2 data ranks
   polyaccel train --nproc 4 --model mixtral --ep 2  # a small MoE, its 8 experts over pairs of ranks (AutoEP)
+  polyaccel train --nproc 8 --model mixtral --tp 2 --ep 2  # both, with ZeRO over what is left (data 4)
+  polyaccel train --init-from model.safetensors    # start from a plain HF state dict (e.g. zero-to-fp32's)
 
 Arguments are checked before any rank starts; a bad one is reported with the fix.
 """
@@ -80,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", default=None, metavar="DIR", help="continue from the latest checkpoint in DIR")
     g.add_argument("--resume-tag", default=None, metavar="TAG",
                    help="resume from this checkpoint tag (e.g. step30) instead of the latest")
+    g.add_argument("--init-from", default=None, metavar="FILE",
+                   help="start from this Hugging Face safetensors state dict (a file, or a directory with "
+                        "model.safetensors) instead of fresh weights; every layout cuts its pieces out of it")
 
 
 def _error(message: str) -> int:
@@ -115,10 +120,13 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     what = f"resuming {opts.resume}:{opts.resume_tag} at step {opts.start_step}, " if opts.resume else ""
+    if opts.init_from:
+        what += f"from {opts.init_from}, "
     console.print(
         f"polyaccel train: {opts.nproc} rank(s) on plugin [bold]{acc.name}[/], {what}"
         f"{opts.model.name}, ZeRO stage {opts.stage}{' + offload' if opts.offload else ''}"
-        f"{f', tensor parallel {opts.tp} x data {opts.data_parallel}' if opts.tp > 1 else ''}, {opts.dtype}, "
+        f"{f', tensor parallel {opts.tp} x data {opts.data_parallel}' if opts.tp > 1 else ''}"
+        f"{f', expert parallel {opts.ep}' if opts.ep > 1 else ''}, {opts.dtype}, "
         f"{opts.steps} steps", highlight=False,
     )
     try:

@@ -50,6 +50,7 @@ class TrainOptions:
     save_every: int = 0
     resume: str | None = None
     resume_tag: str | None = None
+    init_from: str | None = None  # a plain HF safetensors state dict: the weights the run starts from
     start_step: int = 0  # filled from the checkpoint on --resume
     log_every: int = 10
     metrics_out: str | None = None
@@ -163,9 +164,16 @@ def options_from_args(args, accelerator) -> TrainOptions:
 
     nproc = _nproc(args.nproc, accelerator)
     tp = getattr(args, "tp", 1)
-    _check_tp(tp, nproc, spec)
     ep = getattr(args, "ep", 1)
+    _check_tp(tp, nproc, spec)
     _check_ep(ep, nproc, tp, spec)
+    _check_plans(tp, ep, spec)
+    init_from = getattr(args, "init_from", None)
+    if init_from:
+        if args.resume:
+            raise ConfigError(f"--init-from {init_from} with --resume {args.resume}: a resumed run takes its weights "
+                              "from the checkpoint; pass one of them")
+        init_from = str(resolve_init_from(init_from, spec))
     # the ranks share the host's cores: for the model itself on cpu, for the offloaded optimizer on a device
     threads = args.threads or max(1, _cpu_count() // nproc)
     _positive("--threads", threads)
@@ -215,59 +223,106 @@ def options_from_args(args, accelerator) -> TrainOptions:
         lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, stage=args.stage,
         offload=args.offload, tp=tp, ep=ep, dtype=args.dtype, seed=args.seed, nproc=nproc, threads=threads,
         accelerator=accelerator.name, text=args.text, save=args.save, save_every=args.save_every,
-        resume=args.resume, resume_tag=resume_tag, start_step=start_step, log_every=log_every,
+        resume=args.resume, resume_tag=resume_tag, init_from=init_from, start_step=start_step, log_every=log_every,
         metrics_out=args.metrics_out,
     )
 
 
 def _check_tp(tp: int, nproc: int, spec: ModelSpec) -> None:
-    """``--tp`` divides the ranks and the model takes it (AutoTP's plan checks, on a meta-device model)."""
+    """``--tp`` divides the ranks."""
     _positive("--tp", tp)
     if nproc % tp:
         raise ConfigError(f"--tp {tp} does not divide the {nproc} ranks (ranks = data x tensor); "
                           f"use a --tp among {[d for d in range(1, nproc + 1) if nproc % d == 0]} or change --nproc")
-    if tp == 1:
-        return
-    import torch
-    from polyaccel.engines.autotp import infer_plan
-
-    from .model import build_model
-
-    with torch.device("meta"):
-        model = build_model(spec)
-    try:
-        infer_plan(model, tp)
-    except ConfigError as exc:
-        raise ConfigError(f"--tp {tp}: {exc}") from None
 
 
 def _check_ep(ep: int, nproc: int, tp: int, spec: ModelSpec) -> None:
-    """``--ep`` divides the data-parallel ranks and the experts of the model (AutoEP's detection, on a meta model)."""
+    """``--ep`` divides the data-parallel ranks (what ``--tp`` leaves) on a model with experts."""
     _positive("--ep", ep)
     if spec.name not in MOE_MODELS:
         if ep > 1:
             raise ConfigError(f"--ep {ep}: model {spec.name!r} has no experts; use --model "
                               f"{' or '.join(MOE_MODELS)} for expert parallelism")
         return
-    if tp > 1:
-        raise ConfigError(f"--tp {tp} with --model {spec.name}: this command runs MoE models with expert "
-                          "parallelism (--ep) over data ranks only; drop --tp")
     data = nproc // tp
     if data % ep:
-        raise ConfigError(f"--ep {ep} does not divide the {data} data-parallel ranks (experts are spread over ep "
-                          f"ranks carved out of data); use an --ep among "
-                          f"{[d for d in range(1, data + 1) if data % d == 0]} or change --nproc")
+        what = f"{nproc} ranks / --tp {tp}" if tp > 1 else f"{nproc} ranks"
+        raise ConfigError(f"--ep {ep} does not divide the {data} data-parallel ranks ({what}; experts are spread "
+                          f"over ep ranks carved out of data); use an --ep among "
+                          f"{[d for d in range(1, data + 1) if data % d == 0]} or change --nproc/--tp")
+
+
+def _check_plans(tp: int, ep: int, spec: ModelSpec) -> None:
+    """The model takes the degrees: AutoEP's detection at ``ep`` (experts divisible), then AutoTP's plan at
+    ``tp`` on the model AutoEP left (its experts placed, so AutoTP leaves them whole), on the meta device."""
+    moe = spec.name in MOE_MODELS
+    if tp == 1 and not moe:
+        return
     import torch
-    from polyaccel.engines.autoep import detect, parse_config
 
     from .model import build_model
 
     with torch.device("meta"):
         model = build_model(spec)
+    if moe:
+        from polyaccel.engines.autoep import apply_autoep, detect, parse_config
+
+        try:
+            detect(model, parse_config({"autoep_size": ep}))
+        except ConfigError as exc:
+            raise ConfigError(f"--ep {ep}: {exc}") from None
+        if tp > 1:
+            apply_autoep(model, {"autoep_size": 1})  # the layout AutoTP sees; the expert degree does not change it
+    if tp > 1:
+        from polyaccel.engines.autotp import infer_plan
+
+        try:
+            infer_plan(model, tp)
+        except ConfigError as exc:
+            raise ConfigError(f"--tp {tp}: {exc}") from None
+
+
+def resolve_init_from(path: str, spec: ModelSpec) -> Path:
+    """The safetensors file ``--init-from`` names (a file, or a directory holding ``model.safetensors``), checked
+    against the model ``spec`` builds: the same names and shapes (tied weights may be left out, as Hugging Face
+    saves them), without reading the tensors."""
+    import torch
+    from safetensors import safe_open
+
+    from .model import build_model
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "model.safetensors"
+    if not p.is_file():
+        raise ConfigError(f"--init-from {path}: no such file; pass a safetensors state dict (a file, or a directory "
+                          "with model.safetensors), e.g. what `polyaccel zero-to-fp32` writes")
     try:
-        detect(model, parse_config({"autoep_size": ep}))
-    except ConfigError as exc:
-        raise ConfigError(f"--ep {ep}: {exc}") from None
+        with safe_open(str(p), framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
+        raise ConfigError(f"--init-from {path}: not a readable safetensors file ({exc})") from None
+    with torch.device("meta"):
+        model = build_model(spec)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    first: dict[int, str] = {}
+    tied = set()
+    for name, prm in model.named_parameters(remove_duplicate=False):
+        if id(prm) in first:
+            tied.add(name)
+        first.setdefault(id(prm), name)
+    missing = sorted(k for k in want if k not in shapes and k not in tied)
+    unexpected = sorted(set(shapes) - set(want))
+    wrong = sorted(f"{k} {list(shapes[k])} (the model has {list(want[k])})" for k in want
+                   if k in shapes and shapes[k] != want[k])
+    problems = [f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+                for what, names in (("missing", missing), ("not in the model", unexpected), ("shape", wrong))
+                if names]
+    if problems:
+        raise ConfigError(f"--init-from {path}: does not fit the {spec.name} model of --hidden-size "
+                          f"{spec.hidden_size} --layers {spec.num_layers} --heads {spec.num_heads} "
+                          f"({'; '.join(problems)}); pass the flags the state dict was made with")
+    return p
 
 
 def _cpu_count() -> int:

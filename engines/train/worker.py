@@ -48,7 +48,7 @@ def rank_main(opts: TrainOptions) -> dict | None:
 
 def _checkpoint_meta(opts: TrainOptions, step: int, world_size: int) -> dict:
     return {"step": step, "model": opts.model.as_dict(), "seed": opts.seed, "stage": opts.stage,
-            "world_size": world_size, "dtype": opts.dtype, "tp": opts.tp}
+            "world_size": world_size, "dtype": opts.dtype, "tp": opts.tp, "ep": opts.ep}
 
 
 def save(engine, opts: TrainOptions, step: int, rank: int, world_size: int) -> str:
@@ -115,6 +115,11 @@ def train(opts: TrainOptions, acc, device) -> dict | None:
     torch.manual_seed(opts.seed)
     acc.manual_seed(opts.seed)
     model = build_model(opts.model)
+    if opts.init_from:  # the full state dict on every rank; the layers cut their pieces out of it
+        from safetensors.torch import load_file
+
+        # (names and shapes were checked before spawning; a tied weight left out of the file is its twin)
+        model.load_state_dict(load_file(opts.init_from), strict=False)
     n_params = count_parameters(model)
     engine = polyaccel.initialize(model.to(device), config=opts.engine_config())
     try:
@@ -190,6 +195,7 @@ def train(opts: TrainOptions, acc, device) -> dict | None:
             "op_builders": optimizer_builders(engine, acc, opts),
             "checkpoints": [str(Path(opts.save) / t) for t in saved_tags] if opts.save else [],
             "resumed_from": f"{opts.resume}:{opts.resume_tag}" if opts.resume else None,
+            "init_from": opts.init_from,
         }
     finally:
         destroy = getattr(engine, "destroy", None)

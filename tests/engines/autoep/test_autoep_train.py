@@ -35,7 +35,10 @@ def test_train_mixtral_ep2(capfd, tmp_path):
 @pytest.mark.parametrize("argv, words", [
     (["--model", "mixtral", "--nproc", "2", "--ep", "3"], "--ep 3 does not divide the 2 data-parallel ranks"),
     (["--model", "llama", "--nproc", "2", "--ep", "2"], "--ep 2: model 'llama' has no experts"),
-    (["--model", "mixtral", "--nproc", "4", "--ep", "2", "--tp", "2"], "--tp 2"),
+    (["--model", "mixtral", "--nproc", "4", "--ep", "4", "--tp", "2"],
+     "--ep 4 does not divide the 2 data-parallel ranks (4 ranks / --tp 2"),
+    (["--model", "mixtral", "--nproc", "8", "--ep", "16"], "--ep 16 does not divide the 8 data-parallel ranks"),
+    (["--model", "mixtral", "--nproc", "16", "--ep", "16"], "does not divide the 8 experts"),
     (["--model", "mixtral", "--nproc", "2", "--ep", "0"], "--ep 0: must be at least 1"),
 ])
 def test_bad_ep_is_refused_before_spawning(capfd, argv, words):
