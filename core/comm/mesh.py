@@ -94,8 +94,9 @@ def init_parallel_mesh(data: int = -1, tensor: int = 1, expert: int = 1,
         raise ConfigError(f"data x tensor = {data} x {tensor} = {data * tensor} but the world has {world} ranks; "
                           "pass data=-1 to infer it")
     if data % expert:
-        raise ConfigError(f"expert={expert} must divide data={data} (expert parallelism is carved out of data "
-                          "parallelism)")
+        raise ConfigError(f"expert={expert} must divide data={data} (world {world} / tensor {tensor}: expert "
+                          "parallelism is carved out of data parallelism); expert sizes that fit: "
+                          f"{[d for d in range(1, data + 1) if data % d == 0]}")
     if device_type is None:
         from .. import selection
 

@@ -10,7 +10,8 @@ Three starts of ranks (the 8-rank one is the slow one on 2 cores, so everything 
   AdamW steps with clipping; step 1 of each is traced with ``CommTracer``; the ZeRO groups each
   parameter went to are recorded; the stage-2 run saves a checkpoint after 5 steps and goes on
   (the run that never stopped).
-- 4 ranks = tp 2 x ep 2 (data 2, expert_data 1): stages 1, 2, 3, and stages 2 and 3 with two
+- 4 ranks = tp 2 x ep 2 (data 2, expert_data 1): first two refusals (ep 4 does not divide data 2;
+  expert_tensor_parallel_size 2), each before the model changes; stages 1, 2, 3, and stages 2 and 3 with two
   accumulation micro-steps, 10 steps each; then the checkpoint loads as tp 4 x ep 1 (stage 3; the
   2 KV heads over 4 tensor ranks leave two ranks without heads) and tp 1 x ep 4 (stage 1).
 - 1 rank: the checkpoint loads into the plain Hugging Face model (no layer, stage 2) and into
@@ -128,13 +129,32 @@ def four_ranks(rank: int, world: int, ckpt: str) -> dict:
     import polyaccel
 
     torch.set_num_threads(1)
-    out = {}
+    out = {"refused": _refusals()}
     for stage, accum in FOUR:
         engine = polyaccel.initialize(build(), config(stage, 2, 2, accum))
         losses, norms = _steps(engine, 0, STEPS, accum)
         out[(stage, accum)] = {"losses": losses, "norms": norms, **_snapshot(engine)}
         engine.destroy()
     out.update(_loads(ckpt, LOADS_FOUR))
+    return out
+
+
+def _refusals() -> list[tuple[str, bool]]:
+    """Bad combinations on 4 ranks: refused by ``initialize`` before any weight changes (message, unchanged)."""
+    import polyaccel
+
+    out = []
+    for cfg in (config(1, 2, 4), {**config(1, 2, 2), "expert_parallel": {"autoep_size": 2,
+                                                                        "expert_tensor_parallel_size": 2}}):
+        model = build()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            polyaccel.initialize(model, cfg)
+            message = ""
+        except polyaccel.ConfigError as exc:
+            message = str(exc)
+        after = model.state_dict()
+        out.append((message, set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)))
     return out
 
 
@@ -216,6 +236,14 @@ def test_tp2_ep2_on_4_ranks_matches_single_process(runs, ref, stage, accum):
     got = [runs["four"][r][(stage, accum)] for r in range(4)]
     assert {(g["coords"]["expert"], g["coords"]["tensor"]) for g in got} == {(e, t) for e in range(2) for t in range(2)}
     _check_training(got, ref, f"4 ranks, stage {stage}, accumulation {accum}")
+
+
+def test_bad_combinations_refused_before_the_model_changes(runs):
+    for r in range(4):
+        (mesh_error, unchanged_1), (etp_error, unchanged_2) = runs["four"][r]["refused"]
+        assert unchanged_1 and unchanged_2
+        assert "expert=4 must divide data=2 (world 4 / tensor 2" in mesh_error and "fit: [1, 2]" in mesh_error
+        assert "expert_tensor_parallel_size' is 2: splitting expert weights over the tensor ranks" in etp_error
 
 
 # --------------------------------------------------------------------------------------------- metadata
