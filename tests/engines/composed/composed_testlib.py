@@ -61,8 +61,9 @@ def loss_of(engine, ids: torch.Tensor) -> torch.Tensor:
     return ce(engine(input_ids=ids).logits, ids)
 
 
-def reference(steps: int = STEPS):
-    """Single-process AdamW with clipping on the global batches: losses, norms, parameters after every step."""
+def reference(steps: int = STEPS, skip: tuple[int, ...] = ()):
+    """Single-process AdamW with clipping on the global batches: losses, norms, parameters after every step.
+    Steps in ``skip`` compute their loss but apply nothing (an fp16 overflow skips the step; its norm is inf)."""
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses, norms, states = [], [], []
@@ -70,8 +71,11 @@ def reference(steps: int = STEPS):
         ids = global_batch(step)
         loss = ce(model(input_ids=ids).logits, ids)
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
+        if step in skip:
+            norms.append(float("inf"))
+        else:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            opt.step()
         opt.zero_grad()
         losses.append(loss.item())
         states.append({k: v.detach().clone() for k, v in model.state_dict().items()})

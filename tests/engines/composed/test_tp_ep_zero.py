@@ -14,6 +14,8 @@ Three starts of ranks (the 8-rank one is the slow one on 2 cores, so everything 
   expert_tensor_parallel_size 2), each before the model changes; stages 1, 2, 3, and stages 2 and 3 with two
   accumulation micro-steps, 10 steps each; then the checkpoint loads as tp 4 x ep 1 (stage 3; the
   2 KV heads over 4 tensor ranks leave two ranks without heads) and tp 1 x ep 4 (stage 1).
+  Also stage 2 with ZeRO's dynamic loss scale (2**10, exact on float64) and an overflow on one rank at
+  step 3: every rank skips that step.
 - 1 rank: the checkpoint loads into the plain Hugging Face model (no layer, stage 2) and into
   tp 1 x ep 1 (stage 3).
 
@@ -51,15 +53,20 @@ FOUR = [(1, 1), (2, 1), (3, 1), (2, 2), (3, 2)]  # (stage, accumulation micro-st
 LOADS_FOUR = [(4, 1, 3), (1, 4, 1)]  # (tp, ep, stage) on 4 ranks
 LOADS_ONE = [(None, None, 2), (1, 1, 3)]  # None: the plain Hugging Face model, no layer
 DIMS = ("tensor", "expert", "data", "expert_data")
+OVERFLOW_AT = 3
 
 
 # --------------------------------------------------------------------------------------------- on the ranks
-def _steps(engine, start: int, count: int, accum: int = 1, trace: dict | None = None) -> tuple[list, list]:
+def _steps(engine, start: int, count: int, accum: int = 1, trace: dict | None = None,
+           poison: int | None = None) -> tuple[list, list]:
+    """``count`` steps from ``start``; at step ``poison`` the last rank's loss is multiplied by inf in backward
+    (an overflow on one rank of one group: every rank must skip that step)."""
     from polyaccel import comm
     from polyaccel.comm.tracing import CommTracer
 
     mesh = engine.mesh
     d, n = (mesh.rank("data"), mesh.size("data")) if mesh is not None else (0, 1)
+    last = comm.get_rank() == comm.get_world_size() - 1
     losses, norms = [], []
     for step in range(start, start + count):
         traced = trace is not None and step == TRACED
@@ -67,7 +74,7 @@ def _steps(engine, start: int, count: int, accum: int = 1, trace: dict | None = 
         for micro in rows(step, d, n).chunk(accum):
             with CommTracer() as fb:
                 loss = loss_of(engine, micro)
-                engine.backward(loss)
+                engine.backward(loss * float("inf") if step == poison and last else loss)
             with CommTracer() as st:
                 engine.step()
             total += loss.item() / accum
@@ -135,6 +142,17 @@ def four_ranks(rank: int, world: int, ckpt: str) -> dict:
         losses, norms = _steps(engine, 0, STEPS, accum)
         out[(stage, accum)] = {"losses": losses, "norms": norms, **_snapshot(engine)}
         engine.destroy()
+    # loss scaling: ZeRO's dynamic fp16 scaler on the float64 model (powers of two scale exactly), an overflow on
+    # one rank at step OVERFLOW_AT
+    from polyaccel.engines.zero.config import Fp16Config
+    from polyaccel.engines.zero.loss_scaler import LossScaler
+
+    engine = polyaccel.initialize(build(), config(2, 2, 2))
+    engine.scaler = LossScaler(Fp16Config(enabled=True, initial_scale_power=10, hysteresis=1))
+    losses, norms = _steps(engine, 0, STEPS, poison=OVERFLOW_AT)
+    out["scaled"] = {"losses": losses, "norms": norms, "scale": engine.loss_scale, "skipped": engine.skipped_steps,
+                     **_snapshot(engine)}
+    engine.destroy()
     out.update(_loads(ckpt, LOADS_FOUR))
     return out
 
@@ -204,6 +222,9 @@ def _check_training(got: list[dict], ref, what: str) -> None:
     for step in range(STEPS):
         assert abs(got[0]["losses"][step] - ref_losses[step]) <= 1e-10, (what, step)
         for g in got:
+            if ref_norms[step] == float("inf"):
+                assert g["norms"][step] == float("inf"), (what, step)
+                continue
             assert abs(g["norms"][step] - ref_norms[step]) <= 1e-9 * ref_norms[step], (what, step)
     for name, want in ref_states[-1].items():
         for r, g in enumerate(got):
@@ -244,6 +265,14 @@ def test_bad_combinations_refused_before_the_model_changes(runs):
         assert unchanged_1 and unchanged_2
         assert "expert=4 must divide data=2 (world 4 / tensor 2" in mesh_error and "fit: [1, 2]" in mesh_error
         assert "expert_tensor_parallel_size' is 2: splitting expert weights over the tensor ranks" in etp_error
+
+
+def test_loss_scaling_and_an_overflow_on_one_rank_skip_the_step_everywhere(runs):
+    """tp 2 x ep 2, stage 2, dynamic loss scale 2**10: the overflow of one rank at step 3 skips that step on every
+    rank (the scale halves once); the other steps equal single-process training that skips step 3."""
+    got = [runs["four"][r]["scaled"] for r in range(4)]
+    assert all(g["skipped"] == 1 and g["scale"] == 2.0 ** 9 for g in got)
+    _check_training(got, reference(skip=(OVERFLOW_AT,)), "loss scaled, overflow at step 3")
 
 
 # --------------------------------------------------------------------------------------------- metadata
