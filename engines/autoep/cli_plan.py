@@ -11,7 +11,6 @@ with the same message.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 HELP = "print the AutoEP plan (MoE layers, experts per EP rank, routing) for a model"
@@ -28,26 +27,11 @@ def add_arguments(parser) -> None:
 
 
 def _model(args):
-    import torch
+    from polyaccel.cli.meta_model import meta_model
 
     from .models import FAMILIES, build, full_config, tiny_config
 
-    if os.path.isdir(args.model) or args.model.endswith(".json"):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        path = os.path.dirname(args.model) if args.model.endswith(".json") else args.model
-        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(cfg)
-    if args.model not in FAMILIES:
-        from polyaccel.errors import ConfigError
-
-        raise ConfigError(f"--model {args.model!r}: choose one of {', '.join(FAMILIES)} or a directory with a "
-                          "config.json")
-    cfg = tiny_config(args.model) if args.tiny else full_config(args.model)
-    with torch.device("meta"):
-        return build(cfg, args.model)
+    return meta_model(args.model, FAMILIES, build, full_config, tiny_config, tiny=args.tiny)
 
 
 def run(args) -> int:
