@@ -102,8 +102,9 @@ class CPUAdamOp:
         return 0
 
     def adam_rollback(self, *args, **kwargs):
-        raise NotImplementedError("polyaccel's CPUAdam has no rollback (DeepSpeed uses it for ZeRO-3 overflow "
-                                  "handling of offloaded subgroups); disable fp16 or use bf16")
+        raise polyaccel.Unsupported(polyaccel.get_accelerator().name, "DeepSpeed's CPUAdam rollback",
+                                    "DeepSpeed uses it for ZeRO-3 overflow handling of offloaded subgroups; "
+                                    "disable fp16 or use bf16")
 
     def destroy_adam(self, optimizer_id):
         self._optimizers.pop(optimizer_id, None)

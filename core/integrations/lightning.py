@@ -393,8 +393,7 @@ class PolyaccelStrategy(DDPStrategy):
                                   f"{len(optimizers)}")
             source = optimizers[0]
             cfg["optimizer"] = optimizer_config(source)
-        elif getattr(module, "configure_optimizers", None) is not None:
-            pass  # the config's optimizer wins, as with Lightning's DeepSpeedStrategy
+        # else: the config's optimizer wins over configure_optimizers, as with Lightning's DeepSpeedStrategy
         if trainer.gradient_clip_val:
             from lightning.pytorch.utilities import GradClipAlgorithmType
 

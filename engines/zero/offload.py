@@ -57,7 +57,8 @@ class HostTransfer:
         self.accelerator = accelerator
         self.crosses = device.type != "cpu"
         self._staging: dict[str, torch.Tensor] = {}
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host slice, staged copy) to add
+        self._in_flight = False  # copies down started since the last flush
         self._ranges: list[tuple[int, int]] = []
 
     def _buffer(self, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -84,9 +85,9 @@ class HostTransfer:
                 dst.add_(src.view_as(dst))
             return
         src = src.to(dst.dtype)
+        self._in_flight = True
         if fresh:
             dst.copy_(src.view_as(dst), non_blocking=True)
-            self._pending.append((None, None))  # flush must still synchronise
             return
         off = (dst.data_ptr() - base.data_ptr()) // base.element_size()
         n = src.numel()
@@ -99,13 +100,13 @@ class HostTransfer:
 
     def flush(self) -> None:
         """Finish every :meth:`add_later` (one synchronisation)."""
-        if not self._pending:
+        if not self._in_flight:
             return
         self.accelerator.synchronize()
         for dst, stage in self._pending:
-            if dst is not None:
-                dst.add_(stage.view_as(dst))
+            dst.add_(stage.view_as(dst))
         self._pending.clear()
+        self._in_flight = False
         self._ranges.clear()
 
     def copy_to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

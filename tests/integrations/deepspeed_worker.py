@@ -35,6 +35,7 @@ def batch(step: int, rank: int):
 
 def check_cpu_adam_and_lion() -> dict:
     """DeepSpeedCPUAdam and FusedLion through the polyaccel builders against plain torch formulas."""
+    import polyaccel
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.ops.lion import FusedLion
@@ -60,7 +61,12 @@ def check_cpu_adam_and_lion() -> dict:
         m = 0.99 * m + 0.01 * gr
     from polyaccel.integrations import deepspeed as pds
 
-    return {"cpu_adam_max_diff": (p1.detach() - p2.detach()).abs().max().item(),
+    try:
+        ds_adam.ds_opt_adam.adam_rollback(ds_adam.opt_id, 1, 1e-2, 0.9, 0.99, 1e-8, 0.1, True, p1, p1.grad, p1, p1)
+        rollback = "no error"
+    except polyaccel.Unsupported as exc:
+        rollback = str(exc)
+    return {"rollback": rollback, "cpu_adam_max_diff": (p1.detach() - p2.detach()).abs().max().item(),
             "lion_max_diff": (p3.detach() - ref).abs().max().item(),
             "cpu_adam_calls": pds.CPUAdamOp.calls, "lion_calls": pds.FusedLionOp.calls}
 

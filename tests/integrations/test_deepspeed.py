@@ -113,6 +113,7 @@ def test_deepspeed_initialize_on_polyaccel_plugins(ds_python, tmp_path):
         # DeepSpeedCPUAdam and FusedLion run polyaccel's ops too, matching torch's AdamW and the Lion formula
         assert res["cpu_adam_calls"] == 3 and res["lion_calls"] == 3
         assert res["cpu_adam_max_diff"] < 1e-6 and res["lion_max_diff"] < 1e-6
+        assert "does not support DeepSpeed's CPUAdam rollback" in res["rollback"], res["rollback"]
         assert len(res["losses"]) == STEPS
         diffs = [abs(a - b) for a, b in zip(res["losses"], native["losses"], strict=True)]
         assert max(diffs) <= 1e-5 * max(abs(x) for x in native["losses"]), (res["losses"], native["losses"])

@@ -193,8 +193,9 @@ def test_one_device(tmp_path, accelerator, strategy):
     if accelerator == "example":
         from polyaccel import selection
 
-        if not any(r.name == "example" for r in selection.plugins().usable()):
-            pytest.skip("the example plugin (examples/polyaccel-example-plugin) is not installed")
+        assert any(r.name == "example" for r in selection.plugins().usable()), (
+            "the example plugin is not installed: pip install ./examples/polyaccel-example-plugin (the README's test "
+            "command does)")
     (res,) = run_ranks(one_device_run, 1, accelerator, strategy, str(tmp_path), timeout=120, env=ENV)
     assert len(res["losses"]) == 2 and res["losses"][1] < res["losses"][0]
     assert res["root"] == "cpu"

@@ -243,8 +243,9 @@ def test_trainer_engine_path_on_the_example_plugin_stage3_evaluate_and_save_mode
     Trainer.evaluate through the engine, and save_model writing the gathered weights from_pretrained reloads."""
     from polyaccel import selection
 
-    if not any(r.name == "example" for r in selection.plugins().usable()):
-        pytest.skip("the example plugin (examples/polyaccel-example-plugin) is not installed")
+    assert any(r.name == "example" for r in selection.plugins().usable()), (
+        "the example plugin is not installed: pip install ./examples/polyaccel-example-plugin (the README's test "
+        "command does)")
     res = run_ranks(hf_example_plugin_run, 2, str(tmp_path / "out"), timeout=240,
                     env=dict(ENV, POLYACCEL_ACCELERATOR="example"))
     for r in res:
