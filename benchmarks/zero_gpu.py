@@ -1,11 +1,13 @@
-"""ZeRO engine on one GPU (world size 1): step time and peak memory per stage, with and without offload.
+"""ZeRO on one GPU (world size 1) beside its peers: step time and peak memory per stage, with and without offload.
 
 World size 1 shows the engine's own overhead (flat buffers, buckets, hooks, host copies) and what
 offload saves; it cannot show communication savings. Baseline in the same process: plain torch
 ``AdamW(fused=True)`` on an fp32 model under bf16 autocast (the usual mixed-precision recipe,
-16 bytes of state per parameter like ZeRO at world size 1).
+16 bytes of state per parameter like ZeRO at world size 1). Peers in the same process, row by row
+(``--peers``, each skipped with its reason when not installed): DeepSpeed's ZeRO with the same
+section (offload buffers pinned) and torch FSDP2 (``zero_peers.py`` says how it is set up).
 
-    python benchmarks/zero_gpu.py [--layers 12 --hidden 1024 --batch 8 --seq 1024 --steps 10] [--out x.json]
+    python benchmarks/zero_gpu.py [--size 220m|1b] [--peers deepspeed,fsdp2] [--only "stage 3"] [--out x.json]
 
 Every configuration starts from the same initial weights and sees the same batches, so the first
 loss must agree across rows and the last losses should be close (bf16).
@@ -32,6 +34,12 @@ CONFIGS = [
     ("stage 3 + offload_optimizer + offload_param",
      {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
 ]
+
+
+SIZES = {  # Llama shapes: 219.7M and 0.95B parameters
+    "220m": {"layers": 12, "hidden": 1024},
+    "1b": {"layers": 16, "hidden": 2048},
+}
 
 
 def build(args):
@@ -69,16 +77,27 @@ def run(step_fn, data, device, sync):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--size", choices=sorted(SIZES), default="220m", help="model preset (default 220m)")
+    ap.add_argument("--layers", type=int, help="override the preset's decoder layers")
+    ap.add_argument("--hidden", type=int, help="override the preset's hidden size")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per row, after 3 warm-up steps")
     ap.add_argument("--bucket", type=int, default=50_000_000)
+    ap.add_argument("--peers", default="deepspeed,fsdp2", help="comma-separated peers to run ('' for none)")
+    ap.add_argument("--only", default=None, help="run only the configurations whose name contains this")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    for key, value in SIZES[args.size].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    peers = [p for p in args.peers.split(",") if p]
 
     import polyaccel
+    import polyaccel.comm
+    from zero_peers import PeerUnavailable, deepspeed_step, fsdp2_step
+
+    polyaccel.comm.init_distributed(init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)  # shared by all
 
     acc = polyaccel.get_accelerator()
     device = acc.device()
@@ -122,33 +141,50 @@ def main() -> int:
     gc.collect()
     acc.empty_cache()
 
-    for name, zero in CONFIGS:
-        zero = {"reduce_bucket_size": args.bucket, **zero}
-        config = {"bf16": {"enabled": True}, "zero_optimization": zero,
-                  "optimizer": {"type": "adamw", "params": {"lr": 1e-4, "weight_decay": 0.01}}}
+    def measure(name, make):
+        """Run one engine's row; ``make()`` returns (step_fn, close, extra)."""
         try:
-            engine = polyaccel.initialize(copy.deepcopy(base_model), config)
+            step, close, extra = make()
             reset_peak()
-
-            def zero_step(ids, engine=engine):
-                loss = engine(input_ids=ids, labels=ids).loss
-                engine.backward(loss)
-                engine.step()
-                return loss.detach()
-
-            times, losses = run(zero_step, data, device, sync)
-            record(name, times, losses, peak_now(),
-                   {"optimizer_builder": engine.optimizer_builder,
-                    "resident_param_elements": engine.partitioner.device_param_elements()})
-            engine.destroy()
-            del engine
+            times, losses = run(step, data, device, sync)
+            record(name, times, losses, peak_now(), extra)
+            close()
+        except PeerUnavailable as exc:
+            print(f"{name}: skipped ({exc})", flush=True)
         except Exception as exc:  # noqa: BLE001 - record the failure, go on with the other rows
             print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
             rows.append({"config": name, "error": f"{type(exc).__name__}: {exc}"})
         gc.collect()
         acc.empty_cache()
 
+    for name, zero in CONFIGS:
+        if args.only and args.only not in name:
+            continue
+        zero = {"reduce_bucket_size": args.bucket, **zero}
+        config = {"bf16": {"enabled": True}, "zero_optimization": zero,
+                  "optimizer": {"type": "adamw", "params": {"lr": 1e-4, "weight_decay": 0.01}}}
+
+        def polyaccel_row(config=config):
+            engine = polyaccel.initialize(copy.deepcopy(base_model), config)
+
+            def zero_step(ids):
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                return loss.detach()
+
+            return zero_step, engine.destroy, {"engine": "polyaccel", "optimizer_builder": engine.optimizer_builder}
+
+        measure(f"polyaccel {name}", polyaccel_row)
+        if "deepspeed" in peers:
+            measure(f"deepspeed {name}", lambda zero=zero: (
+                *deepspeed_step(copy.deepcopy(base_model), zero, args.batch, 1e-4, 0.01), {"engine": "deepspeed"}))
+        if "fsdp2" in peers:
+            measure(f"fsdp2 {name}", lambda zero=zero: (
+                *fsdp2_step(copy.deepcopy(base_model), zero, device, 1e-4, 0.01), {"engine": "fsdp2"}))
+
     base = rows[0]
+    by_name = {r["config"]: r for r in rows if "error" not in r}
     print(f"\nmodel: Llama {args.layers}x{args.hidden}, {n_params / 1e6:.1f} M params, batch {args.batch}x{args.seq}, "
           f"device {torch.cuda.get_device_name() if device.type == 'cuda' else device}")
     print(f"{'config':45s} {'step ms':>9s} {'vs torch':>9s} {'peak GiB':>9s} {'B/param':>8s}")
@@ -158,9 +194,18 @@ def main() -> int:
             continue
         print(f"{r['config']:45s} {r['step_ms']:9.1f} {base['step_ms'] / r['step_ms']:9.2f} {r['peak_gib']:9.2f} "
               f"{r['bytes_per_param']:8.1f}")
+    print("\npolyaccel / peer (time below 1: polyaccel faster; memory below 1: polyaccel smaller)")
+    for name, _ in CONFIGS:
+        ours = by_name.get(f"polyaccel {name}")
+        for peer in peers:
+            theirs = by_name.get(f"{peer} {name}")
+            if ours and theirs and theirs["step_ms"] and theirs["peak_gib"]:
+                print(f"{name:45s} vs {peer:9s} time {ours['step_ms'] / theirs['step_ms']:5.2f}  "
+                      f"memory {ours['peak_gib'] / theirs['peak_gib']:5.2f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"params": n_params, "args": vars(args), "rows": rows}, f, indent=1)
+    polyaccel.comm.destroy()
     return 0
 
 
