@@ -19,6 +19,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import statistics
 import time
 
@@ -97,7 +98,11 @@ def main() -> int:
     import polyaccel.comm
     from zero_peers import PeerUnavailable, deepspeed_step, fsdp2_step
 
-    polyaccel.comm.init_distributed(init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)  # shared by all
+    # one process group of one, shared by every engine; DeepSpeed also reads the launcher's variables
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29517")):
+        os.environ.setdefault(key, value)
+    polyaccel.comm.init_distributed(init_method="env://", rank=0, world_size=1)
 
     acc = polyaccel.get_accelerator()
     device = acc.device()

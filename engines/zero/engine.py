@@ -229,13 +229,16 @@ class ZeroEngine:
             g.partitioner.reduce_at_boundary()
             if g.grad_sum is not None:  # partial gradients of a replicated parameter: summed over that dimension
                 g.partitioner.grad.copy_(g.grad_sum.all_reduce(g.partitioner.grad))
-        grads = [g.partitioner.grad for g in self.groups]
         self.global_steps += 1
+        # the global squared norm, from the partitions' (an element held by several ranks outside its partition
+        # group, a parameter replicated over tensor ranks, counts once); not finite exactly when some rank's
+        # gradients overflowed, so one all-reduce serves the loss scaler too
+        sq = torch.tensor([sum(self._squared_norm(g) / g.copies for g in self.groups)], dtype=torch.float64)
+        total = float(self.coll.all_reduce(sq).item())
+        scale = 1.0
         if self.scaler.enabled:
             used = self.scaler.scale  # the scale this step's gradients carry
-            finite = all(bool(torch.isfinite(grad).all()) for grad in grads)
-            bad = torch.tensor([0.0 if finite else 1.0], dtype=torch.float32)
-            overflow = bool(self.coll.all_reduce(bad, op="max").item() > 0)
+            overflow = not math.isfinite(total)
             self.scaler.update(overflow)
             if overflow:
                 self.skipped_steps += 1
@@ -243,25 +246,46 @@ class ZeroEngine:
                 self.zero_grad()
                 return False
             scale = 1.0 / used
-        else:
-            scale = 1.0
-        # the global norm (reported, and used for clipping) from the partitions' squared norms; an element held
-        # by several ranks outside its partition group (a parameter replicated over tensor ranks) counts once
-        sq = sum(torch.linalg.vector_norm(g.partitioner.grad).double().square().reshape(1).cpu() / g.copies
-                 for g in self.groups)
-        norm = math.sqrt(float(self.coll.all_reduce(sq).item())) * scale
+        norm = math.sqrt(total) * scale
         self.last_grad_norm = norm
         if self.config.gradient_clipping > 0:
             scale *= min(1.0, self.config.gradient_clipping / (norm + 1e-6))
         for g in self.groups:
-            if scale != 1.0:
-                g.partitioner.grad.mul_(scale)
-            g.optimizer.step(g.partitioner.grad)
-            g.partitioner.publish()
+            self._apply(g, scale)
         self.zero_grad()
         return True
 
+    def _squared_norm(self, g) -> float:
+        """The squared norm of a group's gradient partition: as the transfer saw it arrive, when it knows it
+        exactly (an offloaded partition is then never reduced on the host), else from the partition."""
+        part = g.partitioner
+        if g.grad_sum is None:
+            known = self.transfer.squared_norm(part.grad)
+            if known is not None:
+                return known
+        return float(torch.linalg.vector_norm(part.grad, dtype=torch.float64).square())
+
+    def _apply(self, g, scale: float) -> None:
+        """Optimizer step and write-back of one group. With the optimizer offloaded and an element-wise
+        optimizer, slice by slice: each slice's upload runs while the host steps the next one."""
+        part, opt, grad = g.partitioner, g.optimizer, g.partitioner.grad
+        if not (self.offload_optimizer and opt.steps_in_slices):
+            if scale != 1.0:
+                grad.mul_(scale)
+            opt.step(grad)
+            part.publish()
+            return
+        opt.begin_step()
+        self.transfer.start_upload(part.master.numel(), self.compute_dtype)
+        for lo, hi in part.upload_chunks():
+            if scale != 1.0:
+                grad[lo:hi].mul_(scale)
+            opt.step_slice(grad, lo, hi)
+            part.upload(lo, hi)
+        part.publish()
+
     def zero_grad(self) -> None:
+        self.transfer.reset_norms()
         for g in self.groups:
             g.partitioner.zero_grad()
 

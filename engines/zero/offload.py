@@ -50,7 +50,11 @@ class HostTransfer:
     the dtype inside a cross-device copy: such a copy ran about 40x slower than a plain one on an H200.
     Device data is converted on the device and copied down as it is (straight into the host buffer when
     that slice holds nothing yet since the last zero_grad); host data is converted into pinned staging
-    first and then uploaded as is."""
+    first and then uploaded as is.
+
+    It also keeps, per destination buffer, the squared norm of what was written there since
+    :meth:`reset_norms`, computed where the data is before it is copied (so an offloaded step never
+    reduces the whole fp32 gradient on the host) — exact only while every write was fresh."""
 
     def __init__(self, host: HostBuffers, accelerator, device: torch.device):
         self.host = host
@@ -60,6 +64,9 @@ class HostTransfer:
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host slice, staged copy) to add
         self._in_flight = False  # copies down started since the last flush
         self._ranges: list[tuple[int, int]] = []
+        self._sq: dict[int, torch.Tensor | None] = {}  # id(buffer) -> float64 squared norm; None: not exact
+        self._up: torch.Tensor | None = None
+        self._up_used = 0
 
     def _buffer(self, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._staging.get(role)
@@ -68,6 +75,27 @@ class HostTransfer:
             self._staging[role] = buf
         return buf[:numel]
 
+    # ------------------------------------------------------------ norms
+    def _track(self, base: torch.Tensor, src: torch.Tensor, fresh: bool) -> None:
+        key = id(base)
+        if not fresh:
+            self._sq[key] = None
+            return
+        if key in self._sq and self._sq[key] is None:
+            return
+        sq = torch.linalg.vector_norm(src).double().square()  # a float64 input copy would cost more than the norm
+        self._sq[key] = sq if self._sq.get(key) is None else self._sq[key] + sq
+
+    def squared_norm(self, base: torch.Tensor) -> float | None:
+        """Squared norm of everything written into ``base`` since :meth:`reset_norms`, or None when unknown
+        (nothing written, or a write added to earlier contents)."""
+        sq = self._sq.get(id(base))
+        return None if sq is None else float(sq)
+
+    def reset_norms(self) -> None:
+        self._sq.clear()
+
+    # ------------------------------------------------------------ down
     def add_later(self, dst: torch.Tensor, src: torch.Tensor, base: torch.Tensor, fresh: bool = False) -> None:
         """``dst += src`` (``dst = src`` when ``fresh``), ``dst`` a slice of the host buffer ``base``.
 
@@ -78,6 +106,7 @@ class HostTransfer:
         src = src.reshape(-1)
         if not src.numel():
             return
+        self._track(base, src, fresh)
         if not self.crosses or dst.device == src.device:
             if fresh:
                 dst.copy_(src.view_as(dst))
@@ -109,20 +138,35 @@ class HostTransfer:
         self._in_flight = False
         self._ranges.clear()
 
-    def copy_to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """``device.copy_(host)`` for each ``(device, host)`` pair, converted on the host, uploaded asynchronously."""
-        pairs = [(d, h) for d, h in pairs if d.numel()]
-        if not pairs:
-            return
-        if not self.crosses or pairs[0][0].device == pairs[0][1].device:
-            for d, h in pairs:
-                d.copy_(h.view_as(d))
-            return
-        self.accelerator.synchronize()  # the previous upload from the staging buffer has finished
-        stage = self._buffer("up", sum(d.numel() for d, _ in pairs), pairs[0][0].dtype)
-        off = 0
+    # ------------------------------------------------------------ up
+    def start_upload(self, numel: int, dtype: torch.dtype) -> None:
+        """Begin a round of :meth:`upload` calls totalling at most ``numel`` elements of ``dtype``: waits until
+        the previous round has left the staging buffer, which the new round overwrites."""
+        if self.crosses:
+            self.accelerator.synchronize()
+            self._up = self._buffer("up", numel, dtype)
+        self._up_used = 0
+
+    def upload(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``device.copy_(host)`` for each ``(device, host)`` pair: converted on the host into this round's
+        staging buffer, then uploaded asynchronously, so the caller's next host work overlaps the copy."""
         for d, h in pairs:
-            piece = stage[off:off + d.numel()]
+            n = d.numel()
+            if not n:
+                continue
+            if not self.crosses or d.device == h.device:
+                d.copy_(h.view_as(d))
+                continue
+            if self._up is None or self._up_used + n > self._up.numel() or self._up.dtype != d.dtype:
+                raise RuntimeError("HostTransfer.upload beyond the round started by start_upload")
+            piece = self._up[self._up_used:self._up_used + n]
+            self._up_used += n
             piece.copy_(h.reshape(-1))
             d.copy_(piece.view_as(d), non_blocking=True)
-            off += d.numel()
+
+    def copy_to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """:meth:`upload` of ``pairs`` as one round."""
+        pairs = [(d, h) for d, h in pairs if d.numel()]
+        if pairs:
+            self.start_upload(sum(d.numel() for d, _ in pairs), pairs[0][0].dtype)
+            self.upload(pairs)

@@ -59,20 +59,37 @@ class PartitionOptimizer:
     def state_elements(self) -> int:
         return sum(t.numel() for t in self.state.values())
 
+    @property
+    def steps_in_slices(self) -> bool:
+        """Whether a step may be applied slice by slice (element-wise optimizers; LAMB's trust ratio is not)."""
+        return self.cfg.type != "lamb"
+
     @torch.no_grad()
     def step(self, grad: torch.Tensor) -> None:
+        self.begin_step()
+        if self.cfg.type == "lamb":
+            self._lamb_step(grad)
+        else:
+            self.step_slice(grad, 0, self.master.numel())
+
+    def begin_step(self) -> None:
+        """Start one optimizer step; :meth:`step_slice` then applies it to parts of the partition."""
         self.step_count += 1
+
+    @torch.no_grad()
+    def step_slice(self, grad: torch.Tensor, lo: int, hi: int) -> None:
+        """Apply the step begun by :meth:`begin_step` to elements ``[lo, hi)`` of the partition."""
+        if not self.steps_in_slices:
+            raise RuntimeError("lamb steps the whole partition at once")
         c = self.cfg
-        m = self.master
+        m, g = self.master[lo:hi], grad[lo:hi]
         if c.type in ("adam", "adamw"):
-            ops.fused_adam([m], [grad], [self.state["exp_avg"]], [self.state["exp_avg_sq"]], lr=self.lr,
+            ops.fused_adam([m], [g], [self.state["exp_avg"][lo:hi]], [self.state["exp_avg_sq"][lo:hi]], lr=self.lr,
                            beta1=c.betas[0], beta2=c.betas[1], eps=c.eps, weight_decay=c.weight_decay,
                            step=self.step_count, adam_w_mode=c.adam_w_mode, bias_correction=c.bias_correction)
-        elif c.type == "lion":
-            ops.fused_lion([m], [grad], [self.state["exp_avg"]], lr=self.lr, beta1=c.betas[0], beta2=c.betas[1],
-                           weight_decay=c.weight_decay)
         else:
-            self._lamb_step(grad)
+            ops.fused_lion([m], [g], [self.state["exp_avg"][lo:hi]], lr=self.lr, beta1=c.betas[0], beta2=c.betas[1],
+                           weight_decay=c.weight_decay)
 
     def _lamb_step(self, grad: torch.Tensor) -> None:
         c = self.cfg

@@ -58,6 +58,8 @@ class FlatPartitioner:
                     members[k].append(i)
         self.order = BucketOrder(members)
         self._pending: list = []
+        self._bucket_at = {b.part_offset: b.index for b in lay.buckets}
+        self._uploaded: dict[int, torch.Tensor] = {}  # bucket -> its updated slice on the device, this step
         self._hooks = []
         if stage == 2:
             for i, p in enumerate(self.params):
@@ -147,19 +149,40 @@ class FlatPartitioner:
             p.grad = None
 
     # ------------------------------------------------------------ write-back
+    def upload_chunks(self) -> list[tuple[int, int]]:
+        """Ranges of the master partition that :meth:`upload` takes, one per bucket, in bucket order."""
+        return [(b.part_offset, b.part_offset + b.chunk(self.world)) for b in self.layout.buckets]
+
+    @torch.no_grad()
+    def upload(self, lo: int, hi: int) -> None:
+        """Start copying the updated master slice ``[lo, hi)`` (one bucket's) to the device; the bucket is
+        all-gathered by :meth:`publish`. At world size 1 the slice is the bucket: it goes straight home."""
+        k = self._bucket_at[lo]
+        b = self.layout.buckets[k]
+        if self.world == 1:
+            dst = self.flat[b.start:b.start + b.length]
+        else:
+            dst = torch.empty(hi - lo, dtype=self.compute_dtype, device=self.device)
+        self._uploaded[k] = dst
+        self.transfer.upload([(dst, self.master[lo:hi])])
+
     @torch.no_grad()
     def publish(self) -> None:
-        """Copy the updated master partition into the flat buffer and all-gather every bucket in place."""
-        srcs = [torch.empty(b.chunk(self.world), dtype=self.compute_dtype, device=self.device)
-                for b in self.layout.buckets]
-        self.transfer.copy_to_device([(src, self.master[b.part_offset:b.part_offset + src.numel()])
-                                      for src, b in zip(srcs, self.layout.buckets, strict=True)])
+        """Upload what :meth:`upload` has not, then all-gather every bucket into the flat buffer in place."""
+        if not self._uploaded:
+            self.transfer.start_upload(self.layout.partition_size, self.compute_dtype)
+        for lo, hi in self.upload_chunks():
+            if self._bucket_at[lo] not in self._uploaded:
+                self.upload(lo, hi)
         works = []
-        for b, src in zip(self.layout.buckets, srcs, strict=True):
-            works.append((self.coll.all_gather(self.flat[b.start:b.start + b.length], src, async_op=True), src))
+        if self.world > 1:
+            for b in self.layout.buckets:
+                src = self._uploaded[b.index]
+                works.append((self.coll.all_gather(self.flat[b.start:b.start + b.length], src, async_op=True), src))
         for work, _src in works:  # the source stays referenced until its gather is done
             if work is not None:
                 work.wait()
+        self._uploaded.clear()
 
     def full_params(self) -> dict[str, torch.Tensor]:
         return self.layout.unflatten(self.flat)

@@ -155,6 +155,8 @@ class ShardedParameters:
                 self._hooks.append(info.param.register_post_accumulate_grad_hook(
                     lambda p, info=info: self._on_grad(info)))
         self._by_index = {i.index: i for i in self.infos.values() if i.index is not None}
+        self._by_offset = [self._by_index[k] for k in sorted(self._by_index)]  # partition order
+        self._uploaded: list[tuple[int, int]] = []  # master ranges uploaded this step
         self._unwritten = set(self._by_index)
         self._buckets = self._grad_buckets()
         self.order = BucketOrder(self._buckets)
@@ -410,12 +412,38 @@ class ShardedParameters:
             info.param.grad = None
 
     # ---------------------------------------------------------------- publish
+    def upload_chunks(self) -> list[tuple[int, int]]:
+        """Ranges of the master partition that :meth:`upload` takes: whole parameters' shards, about
+        ``reduce_bucket_size / world`` elements each, in partition order."""
+        bounds, size, target = [0], 0, max(1, self.bucket_size // self.world)
+        for off, s in zip(self.layout.part_offsets, self.layout.shard_sizes, strict=True):
+            size += s
+            if size >= target:
+                bounds.append(off + s)
+                size = 0
+        if bounds[-1] != self.layout.partition_size:
+            bounds.append(self.layout.partition_size)
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+    @torch.no_grad()
+    def upload(self, lo: int, hi: int) -> None:
+        """Start copying the updated master shards in ``[lo, hi)`` into the parameter shards."""
+        infos = [i for i in self._by_offset if lo <= self.layout.part_offsets[i.index] < hi]
+        self.transfer.upload([(i.shard, self.master[self.layout.part_offsets[i.index]:][:i.shard_size])
+                              for i in infos])
+        self._uploaded.append((lo, hi))
+
     @torch.no_grad()
     def publish(self) -> None:
-        """Copy the updated master shards into the parameter shards; re-gather persistent parameters."""
-        self.transfer.copy_to_device([
-            (info.shard, self.master[self.layout.part_offsets[info.index]:][:info.shard_size])
-            for info in self.infos.values() if info.index is not None and info.shard_size])
+        """Copy the updated master shards into the parameter shards (what :meth:`upload` has not); re-gather
+        persistent parameters."""
+        if not self._uploaded:
+            self.transfer.start_upload(self.layout.partition_size, self.compute_dtype)
+        done = set(self._uploaded)
+        for lo, hi in self.upload_chunks():
+            if (lo, hi) not in done:
+                self.upload(lo, hi)
+        self._uploaded.clear()
         for info in self.infos.values():
             if info.inflight is not None:  # a gather of pre-step values must not survive the step
                 info.inflight.finish(self.world)

@@ -1,0 +1,61 @@
+"""Profile a few ZeRO steps (world size 1) and print where host and device time go.
+
+    python benchmarks/zero_profile.py [--stage 3] [--offload] [--size 220m] [--rows 30] [--trace out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", type=int, default=3)
+    ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--size", default="220m")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--trace", default=None, help="write a Chrome trace here")
+    args = ap.parse_args()
+
+    import polyaccel
+    from torch.profiler import ProfilerActivity, profile
+    from zero_gpu import SIZES, batches, build
+
+    for key, value in SIZES[args.size].items():
+        setattr(args, key, value)
+    zero = {"stage": args.stage, "reduce_bucket_size": 50_000_000}
+    if args.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    engine = polyaccel.initialize(build(args), {"bf16": {"enabled": True}, "zero_optimization": zero,
+                                                "optimizer": {"type": "adamw", "params": {"lr": 1e-4}}})
+    acc = polyaccel.get_accelerator()
+    data = [ids.to(acc.device()) for ids in batches(args, 5)]
+
+    def step(ids):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+
+    for ids in data[:3]:
+        step(ids)
+    acc.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if acc.device().type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for ids in data[3:]:
+            step(ids)
+        acc.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if acc.device().type == "cuda":
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    engine.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
