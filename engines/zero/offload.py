@@ -75,6 +75,10 @@ class HostTransfer:
             self._staging[role] = buf
         return buf[:numel]
 
+    def _crosses(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Whether a copy between ``a`` and ``b`` goes between host and device memory."""
+        return self.crosses and a.device != b.device
+
     # ------------------------------------------------------------ norms
     def _track(self, base: torch.Tensor, src: torch.Tensor, fresh: bool) -> None:
         key = id(base)
@@ -107,7 +111,7 @@ class HostTransfer:
         if not src.numel():
             return
         self._track(base, src, fresh)
-        if not self.crosses or dst.device == src.device:
+        if not self._crosses(dst, src):
             if fresh:
                 dst.copy_(src.view_as(dst))
             else:
@@ -154,7 +158,7 @@ class HostTransfer:
             n = d.numel()
             if not n:
                 continue
-            if not self.crosses or d.device == h.device:
+            if not self._crosses(d, h):
                 d.copy_(h.view_as(d))
                 continue
             if self._up is None or self._up_used + n > self._up.numel() or self._up.dtype != d.dtype:
