@@ -14,12 +14,14 @@ from typing import Any
 
 from polyaccel.errors import ConfigError
 
+from .activation_checkpoint import ActivationCheckpointConfig, parse_activation_checkpointing
+
 OPTIMIZERS = ("adam", "adamw", "lion", "lamb")
 OFFLOAD_DEVICES = ("none", "cpu")
 
 _TOP_KEYS = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "bf16", "fp16", "optimizer", "zero_optimization",
+    "bf16", "fp16", "optimizer", "zero_optimization", "activation_checkpointing",
 }
 _ZERO_KEYS = {
     "stage", "reduce_bucket_size", "overlap_comm", "contiguous_gradients", "stage3_prefetch_bucket_size",
@@ -100,6 +102,7 @@ class ZeroConfig:
     bf16: bool = False
     fp16: Fp16Config = field(default_factory=Fp16Config)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    activation_checkpointing: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     #: the validated input, deep-copied (saved with checkpoints)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -279,5 +282,6 @@ def parse_config(config: dict | None, world_size: int = 1) -> ZeroConfig:
     fp16 = _fp16(cfg.get("fp16"))
     if bf16_on and fp16.enabled:
         raise ConfigError("config keys 'bf16.enabled' and 'fp16.enabled' are both true; enable at most one")
-    out.update(bf16=bf16_on, fp16=fp16, optimizer=_optimizer(cfg.get("optimizer")))
+    out.update(bf16=bf16_on, fp16=fp16, optimizer=_optimizer(cfg.get("optimizer")),
+               activation_checkpointing=parse_activation_checkpointing(cfg.get("activation_checkpointing")))
     return ZeroConfig(**out, raw=raw)

@@ -11,6 +11,7 @@ import torch
 from polyaccel.errors import ConfigError
 from polyaccel.parallel import get_layout, get_plan
 
+from .activation_checkpoint import ActivationCheckpointer
 from .collectives import Collectives, comm
 from .config import ZeroConfig, parse_config
 from .loss_scaler import LossScaler
@@ -102,6 +103,11 @@ class ZeroEngine:
 
         self.offload_optimizer = cfg.offload_optimizer.enabled
         self.host = HostBuffers(self.accelerator, pin=cfg.offload_optimizer.pin_memory or cfg.offload_param.pin_memory)
+        #: ``engine.checkpoint(fn, *args)``: activation checkpointing as the config's ``activation_checkpointing``
+        #: section says (installed into Hugging Face models when the section is present)
+        self.checkpoint = ActivationCheckpointer(cfg.activation_checkpointing, self.accelerator, self.host)
+        if cfg.activation_checkpointing.enabled:
+            self.checkpoint.install(model)
         master_device = torch.device("cpu") if self.offload_optimizer else self.device
 
         def alloc_master(numel: int, dtype: torch.dtype) -> torch.Tensor:
