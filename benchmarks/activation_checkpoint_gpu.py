@@ -16,8 +16,6 @@ import gc
 import json
 import statistics
 
-import torch
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,11 +57,11 @@ def main() -> int:
             return loss.detach()
 
         times, losses = run(step, data, device, acc.synchronize)
-        row = {"config": name, "step_ms": statistics.median(times) * 1e3, "peak_gib": acc.max_memory_allocated() / 2**30,
-               "first_loss": losses[0], "last_loss": losses[-1]}
+        row = {"config": name, "step_ms": statistics.median(times) * 1e3,
+               "peak_gib": acc.max_memory_allocated() / 2**30, "first_loss": losses[0], "last_loss": losses[-1]}
         rows.append(row)
-        print(f"{name:40s} {row['step_ms']:8.1f} ms {row['peak_gib']:7.2f} GiB loss {losses[0]:.4f} -> {losses[-1]:.4f}",
-              flush=True)
+        print(f"{name:40s} {row['step_ms']:8.1f} ms {row['peak_gib']:7.2f} GiB "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
         engine.destroy()
         del engine, model
         gc.collect()
@@ -71,8 +69,8 @@ def main() -> int:
     base_row = rows[0]
     print(f"\nLlama {args.layers}x{args.hidden}, batch {args.batch}x{args.seq}")
     for r in rows:
-        print(f"{r['config']:40s} time x{r['step_ms'] / base_row['step_ms']:5.2f}  peak x{r['peak_gib'] / base_row['peak_gib']:5.2f}"
-              f"  ({base_row['peak_gib'] - r['peak_gib']:.2f} GiB saved)")
+        print(f"{r['config']:40s} time x{r['step_ms'] / base_row['step_ms']:5.2f}  "
+              f"peak x{r['peak_gib'] / base_row['peak_gib']:5.2f}  ({base_row['peak_gib'] - r['peak_gib']:.2f} GiB saved)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

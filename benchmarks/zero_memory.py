@@ -79,8 +79,8 @@ def main() -> int:
         engine = polyaccel.initialize(copy.deepcopy(base_model), {
             "bf16": {"enabled": True}, "zero_optimization": zero,
             "optimizer": {"type": "adamw", "params": {"lr": 1e-4, "weight_decay": 0.01}}})
-        phases(f"polyaccel stage {stage}", lambda ids: engine(input_ids=ids, labels=ids).loss, engine.backward,
-               engine.step)
+        phases(f"polyaccel stage {stage}", lambda ids, engine=engine: engine(input_ids=ids, labels=ids).loss,
+               engine.backward, engine.step)
         engine.destroy()
         engine = None
         gc.collect()

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -34,6 +34,9 @@ model to the accelerator (cast to bf16/fp16 when enabled). The engine has:
   ``engine.last_grad_norm``, ``engine.get_lr()`` / ``engine.set_lr(lr)``,
   ``engine.full_state_dict()`` (gathered parameters; collective in stage 3),
   ``engine.optimizer_state_elements()``, ``engine.destroy()``.
+- ``engine.checkpoint(fn, *args, **kw)``: activation checkpointing as the config's
+  ``activation_checkpointing`` section says (see :mod:`.activation_checkpoint`); with the section
+  present, Hugging Face models get it through their own checkpointing switch.
 
 Over a mesh (``mesh=``, given by ``polyaccel.initialize`` when the config turns on a model layer
 such as ``tensor_parallel`` or ``expert_parallel``), every trainable parameter's
@@ -52,7 +55,16 @@ params: {lr, betas, eps, weight_decay, adam_w_mode, bias_correction, max_coeff, 
 ``zero_optimization.{stage: 1|2|3, reduce_bucket_size, overlap_comm, contiguous_gradients,
 stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_leaf_modules: [class
 name or module path, ...], stage3_check_schedule: bool, offload_optimizer: {device:
-none|cpu, pin_memory}, offload_param: {device: none|cpu, pin_memory} (stage 3)}``.
+none|cpu, pin_memory}, offload_param: {device: none|cpu, pin_memory} (stage 3)}``,
+``activation_checkpointing.{cpu_checkpointing, synchronize_checkpoint_boundary,
+number_checkpoints}`` (``partition_activations``, ``contiguous_memory_optimization`` and
+``profile`` are refused when true: not implemented).
+
+Offload: gradients leave the device in the master dtype, converted on the device (a copy that
+changes dtype across devices leaves the fast DMA path), straight into the pinned fp32 partition
+the first time in an accumulation window; their squared norm is taken on the device on the way,
+so the host never reduces the whole partition. The host optimizer then steps bucket by bucket,
+and each bucket's 16-bit result is uploaded while the host steps the next.
 
 Invariant: every rank issues the same collectives in the same order, whatever its local
 gradients and control flow. Ranks may disagree about which parameters got a gradient (an MoE

@@ -53,6 +53,10 @@ class BucketOrder:
     def is_reduced(self, k: int) -> bool:
         return k < self._next
 
+    def would_reopen(self, i: int) -> bool:
+        """Whether a gradient for parameter ``i`` now would reopen a reduced bucket."""
+        return any(k < self._next for k in self._buckets_of.get(i, ()))
+
     def arrive(self, i: int) -> list[int]:
         """Parameter ``i`` got its gradient; returns the buckets that may be reduced now, in order."""
         for k in self._buckets_of.get(i, ()):

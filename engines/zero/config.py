@@ -28,7 +28,7 @@ _ZERO_KEYS = {
     "prefetch_bucket_size", "stage3_param_persistence_threshold", "offload_optimizer", "offload_param",
     "stage3_leaf_modules", "stage3_check_schedule",
 }
-_OFFLOAD_KEYS = {"device", "pin_memory"}
+_OFFLOAD_KEYS = {"device", "pin_memory", "overlap_step"}
 _BF16_KEYS = {"enabled"}
 _FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
 _OPTIMIZER_KEYS = {"type", "params"}
@@ -62,6 +62,8 @@ class OptimizerConfig:
 class OffloadConfig:
     device: str = "none"
     pin_memory: bool = True
+    #: offload_optimizer only: step each bucket on the host while backward runs, when the step allows it
+    overlap_step: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -154,7 +156,8 @@ def _offload(key: str, value: Any) -> OffloadConfig:
             f"config key '{key}.device' must be one of {', '.join(OFFLOAD_DEVICES)} (got {device!r}; "
             "nvme offload is not implemented)"
         )
-    return OffloadConfig(device=device, pin_memory=_bool(f"{key}.pin_memory", value.get("pin_memory", True)))
+    return OffloadConfig(device=device, pin_memory=_bool(f"{key}.pin_memory", value.get("pin_memory", True)),
+                         overlap_step=_bool(f"{key}.overlap_step", value.get("overlap_step", True)))
 
 
 def _optimizer(value: Any) -> OptimizerConfig:

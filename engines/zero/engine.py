@@ -14,6 +14,7 @@ from polyaccel.parallel import get_layout, get_plan
 from .activation_checkpoint import ActivationCheckpointer
 from .collectives import Collectives, comm
 from .config import ZeroConfig, parse_config
+from .host_step import HostStepper
 from .loss_scaler import LossScaler
 from .offload import HostBuffers, HostTransfer
 from .optimizer import PartitionOptimizer
@@ -121,6 +122,7 @@ class ZeroEngine:
         self.reduction_stream = stream
         self.mesh = mesh
         self.transfer = HostTransfer(self.host, self.accelerator, self.device)
+        self.stepper = HostStepper(self.transfer)
         self.groups = self._build_groups(model, alloc_master, stream)
         first = self.groups[0]
         self.partitioner, self.optimizer = first.partitioner, first.optimizer
@@ -219,10 +221,36 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
         scale = self.scaler.scale / self.gradient_accumulation_steps
-        (loss * scale).backward(retain_graph=retain_graph)
-        for g in self.groups:
-            g.partitioner.end_backward()
+        overlapped = self._step_overlaps_backward()
+        if overlapped:
+            g = self.groups[0]
+            self.stepper.begin(g, self.compute_dtype)
+            g.partitioner.on_settle = self.stepper.submit
+        try:
+            (loss * scale).backward(retain_graph=retain_graph)
+            for g in self.groups:
+                g.partitioner.end_backward()
+        except BaseException:
+            if overlapped:
+                self.stepper.finish()
+            raise
+        finally:
+            for g in self.groups:
+                g.partitioner.on_settle = None
         return loss
+
+    def _step_overlaps_backward(self) -> bool:
+        """Whether the coming step can run bucket by bucket during backward (see :mod:`.host_step`): the
+        optimizer is offloaded and element-wise, and nothing needs the whole gradient before stepping."""
+        cfg = self.config
+        if not (self.offload_optimizer and cfg.offload_optimizer.overlap_step) or cfg.stage == 1:
+            return False
+        if self.gradient_accumulation_steps != 1 or cfg.gradient_clipping > 0 or self.scaler.enabled:
+            return False
+        if not self.stepper.available or self.stepper.active or len(self.groups) != 1:
+            return False
+        g = self.groups[0]
+        return g.grad_sum is None and g.optimizer.steps_in_slices and g.partitioner.eager
 
     @torch.no_grad()
     def step(self) -> bool:
@@ -256,8 +284,12 @@ class ZeroEngine:
         self.last_grad_norm = norm
         if self.config.gradient_clipping > 0:
             scale *= min(1.0, self.config.gradient_clipping / (norm + 1e-6))
-        for g in self.groups:
-            self._apply(g, scale)
+        if self.stepper.active:  # stepped and uploaded bucket by bucket during backward
+            self.stepper.finish()
+            self.groups[0].partitioner.publish()
+        else:
+            for g in self.groups:
+                self._apply(g, scale)
         self.zero_grad()
         return True
 
@@ -349,6 +381,7 @@ class ZeroEngine:
 
     def destroy(self) -> None:
         """Remove hooks, release registered host memory, and tear down comm if the engine set it up."""
+        self.stepper.close()
         for g in self.groups:
             g.partitioner.remove_hooks()
         self.host.release()

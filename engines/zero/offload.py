@@ -67,6 +67,8 @@ class HostTransfer:
         self._sq: dict[int, torch.Tensor | None] = {}  # id(buffer) -> float64 squared norm; None: not exact
         self._up: torch.Tensor | None = None
         self._up_used = 0
+        self._events = self.crosses and accelerator.has("events")
+        self._up_done = None  # an event after the latest upload from the staging buffer
 
     def _buffer(self, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._staging.get(role)
@@ -147,13 +149,17 @@ class HostTransfer:
         """Begin a round of :meth:`upload` calls totalling at most ``numel`` elements of ``dtype``: waits until
         the previous round has left the staging buffer, which the new round overwrites."""
         if self.crosses:
-            self.accelerator.synchronize()
+            if self._up_done is not None:
+                self._up_done.synchronize()
+            else:
+                self.accelerator.synchronize()
             self._up = self._buffer("up", numel, dtype)
         self._up_used = 0
 
     def upload(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``device.copy_(host)`` for each ``(device, host)`` pair: converted on the host into this round's
         staging buffer, then uploaded asynchronously, so the caller's next host work overlaps the copy."""
+        uploaded = False
         for d, h in pairs:
             n = d.numel()
             if not n:
@@ -167,6 +173,10 @@ class HostTransfer:
             self._up_used += n
             piece.copy_(h.reshape(-1))
             d.copy_(piece.view_as(d), non_blocking=True)
+            uploaded = True
+        if uploaded and self._events:
+            self._up_done = self.accelerator.Event()
+            self._up_done.record()
 
     def copy_to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """:meth:`upload` of ``pairs`` as one round."""

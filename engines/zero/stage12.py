@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .bucket_order import BucketOrder
+from .host_step import OverlapError, overlap_message
 from .offload import HostBuffers, HostTransfer
 from .partition import FlatLayout
 
@@ -60,6 +61,7 @@ class FlatPartitioner:
         self._pending: list = []
         self._bucket_at = {b.part_offset: b.index for b in lay.buckets}
         self._uploaded: dict[int, torch.Tensor] = {}  # bucket -> its updated slice on the device, this step
+        self.on_settle = None  # called with a bucket's master ranges once its gradient is on its way to them
         self._hooks = []
         if stage == 2:
             for i, p in enumerate(self.params):
@@ -75,6 +77,8 @@ class FlatPartitioner:
         return buf
 
     def _on_grad(self, i: int, p: torch.nn.Parameter) -> None:
+        if self.on_settle is not None and self.order.would_reopen(i):
+            raise OverlapError(overlap_message(self.layout.names[i]))
         g = p.grad.detach().reshape(-1)
         for k in self.layout.param_buckets[i]:
             po, bo, n = self.layout.overlap(i, k)
@@ -108,6 +112,8 @@ class FlatPartitioner:
         fresh = k in self._unwritten  # the first gradient since zero_grad overwrites: no zeroing, no addition
         self._unwritten.discard(k)
         self.transfer.add_later(self.grad[b.part_offset:b.part_offset + out.numel()], out, self.grad, fresh)
+        if self.on_settle is not None:
+            self.on_settle([(b.part_offset, b.part_offset + out.numel())])
 
     def _finish(self) -> None:
         if self.stream is not None:

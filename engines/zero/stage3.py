@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .bucket_order import BucketOrder
+from .host_step import OverlapError, overlap_message
 from .leaves import ScheduleMismatch, find_leaf_modules
 from .offload import HostBuffers, HostTransfer
 from .partition import ShardLayout
@@ -156,7 +157,8 @@ class ShardedParameters:
                     lambda p, info=info: self._on_grad(info)))
         self._by_index = {i.index: i for i in self.infos.values() if i.index is not None}
         self._by_offset = [self._by_index[k] for k in sorted(self._by_index)]  # partition order
-        self._uploaded: list[tuple[int, int]] = []  # master ranges uploaded this step
+        self._uploaded: set[int] = set()  # layout indices whose shard was uploaded this step
+        self.on_settle = None  # called with a bucket's master ranges once its gradient is on its way to them
         self._unwritten = set(self._by_index)
         self._buckets = self._grad_buckets()
         self.order = BucketOrder(self._buckets)
@@ -331,6 +333,8 @@ class ShardedParameters:
         return buckets
 
     def _on_grad(self, info: _Info) -> None:
+        if self.on_settle is not None and self.order.would_reopen(info.index):
+            raise OverlapError(overlap_message(info.name))
         p = info.param
         g = p.grad.detach().reshape(-1)
         held = self._grads.get(info.index)
@@ -375,6 +379,15 @@ class ShardedParameters:
             self._unwritten.discard(info.index)
             self.transfer.add_later(self.grad[off:off + s], out[col:col + s], self.grad, fresh)
             col += s
+        if self.on_settle is not None:
+            ranges = []
+            for info in sorted(entries, key=lambda i: self.layout.part_offsets[i.index]):
+                lo = self.layout.part_offsets[info.index]
+                if ranges and ranges[-1][1] == lo:
+                    ranges[-1] = (ranges[-1][0], lo + info.shard_size)
+                else:
+                    ranges.append((lo, lo + info.shard_size))
+            self.on_settle(ranges)
 
     def _finish_reductions(self) -> None:
         if self.stream is not None:
@@ -428,10 +441,10 @@ class ShardedParameters:
     @torch.no_grad()
     def upload(self, lo: int, hi: int) -> None:
         """Start copying the updated master shards in ``[lo, hi)`` into the parameter shards."""
-        infos = [i for i in self._by_offset if lo <= self.layout.part_offsets[i.index] < hi]
-        self.transfer.upload([(i.shard, self.master[self.layout.part_offsets[i.index]:][:i.shard_size])
-                              for i in infos])
-        self._uploaded.append((lo, hi))
+        offsets = self.layout.part_offsets
+        infos = [i for i in self._by_offset if lo <= offsets[i.index] < hi and i.index not in self._uploaded]
+        self.transfer.upload([(i.shard, self.master[offsets[i.index]:][:i.shard_size]) for i in infos])
+        self._uploaded.update(i.index for i in infos)
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -439,10 +452,8 @@ class ShardedParameters:
         persistent parameters."""
         if not self._uploaded:
             self.transfer.start_upload(self.layout.partition_size, self.compute_dtype)
-        done = set(self._uploaded)
         for lo, hi in self.upload_chunks():
-            if (lo, hi) not in done:
-                self.upload(lo, hi)
+            self.upload(lo, hi)
         self._uploaded.clear()
         for info in self.infos.values():
             if info.inflight is not None:  # a gather of pre-step values must not survive the step

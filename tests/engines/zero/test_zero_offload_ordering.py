@@ -11,6 +11,7 @@ the engine's ``HostBuffers`` allocated; everything else plays the device.
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ class AsyncCopies(TorchDispatchMode):
         super().__init__()
         self.host: set[int] = set()
         self.queue: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self.issued = 0  # copies queued so far; an event marks a position in this sequence
+        self.completed = 0
+        self.lock = threading.Lock()
         self.deferred = {"down": 0, "up": 0}
         self.violations: list[str] = []
 
@@ -35,22 +39,41 @@ class AsyncCopies(TorchDispatchMode):
         non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
         if func is torch.ops.aten.copy_.default and non_blocking:
             dst, src = args[0], args[1]
-            if self.is_host(dst) and not self.is_host(src):
-                self.queue.append(("down", dst, src.detach().clone()))  # the device reads src in stream order
-                self.deferred["down"] += 1
-                return dst.fill_(float("nan"))
-            if self.is_host(src) and not self.is_host(dst):
-                self.queue.append(("up", src, src.detach().clone()))
-                self.deferred["up"] += 1
+            with self.lock:
+                if self.is_host(dst) and not self.is_host(src):
+                    self.queue.append(("down", dst, src.detach().clone()))  # the device reads src in stream order
+                    self.deferred["down"] += 1
+                    self.issued += 1
+                    return dst.fill_(float("nan"))
+                if self.is_host(src) and not self.is_host(dst):
+                    self.queue.append(("up", src, src.detach().clone()))
+                    self.deferred["up"] += 1
+                    self.issued += 1
         return func(*args, **kwargs)
 
-    def synchronize(self) -> None:
-        for kind, tensor, value in self.queue:
-            if kind == "down":
-                tensor.copy_(value)
-            elif not torch.equal(tensor, value):
-                self.violations.append("a host source was overwritten before its upload finished")
-        self.queue.clear()
+    def synchronize(self, upto: int | None = None) -> None:
+        """Complete the queued copies (those issued before position ``upto``, for an event)."""
+        with self.lock:
+            n = len(self.queue) if upto is None else max(0, upto - self.completed)
+            for kind, tensor, value in self.queue[:n]:
+                if kind == "down":
+                    tensor.copy_(value)
+                elif not torch.equal(tensor, value):
+                    self.violations.append("a host source was overwritten before its upload finished")
+            del self.queue[:n]
+            self.completed += n
+
+
+class AsyncEvent:
+    def __init__(self, mode: AsyncCopies, broken: bool):
+        self.mode, self.mark, self.broken = mode, None, broken
+
+    def record(self, stream=None):
+        self.mark = self.mode.issued
+
+    def synchronize(self):
+        if not self.broken:
+            self.mode.synchronize(self.mark)
 
 
 def _async_transfer(mode: AsyncCopies, broken: bool = False):
@@ -63,6 +86,12 @@ def _async_transfer(mode: AsyncCopies, broken: bool = False):
         def synchronize(self):
             if not broken:
                 mode.synchronize()
+
+        def has(self, capability):
+            return capability == "events" or self._accelerator.has(capability)
+
+        def Event(self):
+            return AsyncEvent(mode, broken)
 
         def __getattr__(self, name):
             return getattr(self._accelerator, name)
@@ -138,17 +167,31 @@ def _reference(zero):
     return losses, dict(ref.named_parameters())
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap_step", "step_after_backward"])
 @pytest.mark.parametrize("name", list(ZERO))
-def test_offloaded_step_with_asynchronous_copies_matches_adamw(monkeypatch, name):
+def test_offloaded_step_with_asynchronous_copies_matches_adamw(monkeypatch, name, overlap):
     from polyaccel.engines.zero import engine as engine_module
+    from polyaccel.engines.zero import host_step
 
     mode = AsyncCopies()
     transfer, buffers = _async_transfer(mode)
     monkeypatch.setattr(engine_module, "HostTransfer", transfer)
     monkeypatch.setattr(engine_module, "HostBuffers", buffers)
+    submitted = []
+    original_submit, original_run = host_step.HostStepper.submit, host_step.HostStepper._run
+
+    def run_with_async_copies(self, ranges, event):  # the worker thread's copies are asynchronous too
+        with mode:
+            original_run(self, ranges, event)
+
+    monkeypatch.setattr(host_step.HostStepper, "submit",
+                        lambda self, r: submitted.append(r) or original_submit(self, r))
+    monkeypatch.setattr(host_step.HostStepper, "_run", run_with_async_copies)
+    zero = {**ZERO[name], "offload_optimizer": {"device": "cpu", "overlap_step": overlap}}
     with mode:
-        losses, _, params = _train(_model(), ZERO[name])
+        losses, _, params = _train(_model(), zero)
     ref_losses, ref_params = _reference(ZERO[name])
+    assert bool(submitted) == (overlap and name != "stage 1")  # stepped during backward where it can
     assert mode.deferred["down"] > 0  # the copies really were asynchronous
     assert mode.deferred["up"] > 0 or "offload_param" in ZERO[name]  # host master -> host shard is no upload
     assert mode.violations == []
@@ -182,3 +225,47 @@ def test_norm_taken_on_the_way_down_equals_the_partition_norm(clip):
     assert all(n > 0 for n in plain)
     for key, p in plain_params.items():
         torch.testing.assert_close(off_params[key], p, rtol=1e-12, atol=1e-12)
+
+
+class SharedTwice(torch.nn.Module):
+    """``lin`` is used inside a reentrant checkpoint and again outside it: its gradient hook fires twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+        return self.head(self.lin(torch.tanh(h)))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_gradient_after_its_bucket_was_stepped_is_refused_with_the_fix(overlap):
+    import polyaccel
+    from polyaccel.engines.zero.host_step import OverlapError
+
+    torch.manual_seed(0)
+    model = SharedTwice().double()
+    ref = copy.deepcopy(model)
+    config = {"optimizer": {"type": "adamw", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000,
+                                    "offload_optimizer": {"device": "cpu", "overlap_step": overlap}}}
+    engine = polyaccel.initialize(model, config=config)
+    try:
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        loss = engine(x).square().sum()
+        if overlap:
+            with pytest.raises(OverlapError, match=r"'lin\.(weight|bias)'.*overlap_step to false"):
+                engine.backward(loss)
+            return
+        engine.backward(loss)
+        engine.step()
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+        ref(x).square().sum().backward()
+        opt.step()
+        full = engine.full_state_dict()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(full[name], p.detach(), rtol=1e-12, atol=1e-12)
+    finally:
+        engine.destroy()

@@ -1,0 +1,90 @@
+"""The offloaded optimizer step, run bucket by bucket while backward is still running.
+
+With the optimizer offloaded, a bucket's gradient lands in host memory long before backward
+ends. When nothing about the step depends on the whole gradient — no clipping, no fp16
+overflow check, no accumulation over micro-steps, no reduction of the partition after
+backward — the host can step that bucket's slice right away and upload its 16-bit result,
+overlapping the host optimizer with the rest of backward instead of running after it.
+
+One worker thread takes the buckets in the order they settle. For each it waits until the
+bucket's copy down has landed (an event recorded after the copy, where the device has
+events; on the cpu plugin the copy is already done), steps the slice and starts its upload.
+Overwriting a bucket's parameters while backward runs is safe because a bucket settles only
+after every one of its parameters' gradient hooks fired, and no kernel reads a parameter
+after its gradient was accumulated — unless backward revisits it (reentrant checkpointing of a
+shared weight): then :class:`OverlapError` stops the step before it is applied twice.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from polyaccel.errors import PolyaccelError
+
+
+class OverlapError(PolyaccelError):
+    """A gradient arrived for a bucket whose optimizer step had already started."""
+
+
+def overlap_message(name: str) -> str:
+    return (f"the gradient of {name!r} arrived after its bucket's offloaded optimizer step had started (backward "
+            "visited it twice, as reentrant activation checkpointing of a shared weight does); set "
+            "zero_optimization.offload_optimizer.overlap_step to false to step after backward instead")
+
+
+class HostStepper:
+    def __init__(self, transfer):
+        self.transfer = transfer
+        self.accelerator = transfer.accelerator
+        self.has_events = transfer.crosses and self.accelerator.has("events")
+        #: a bucket's arrival can be waited for alone: an event after its copy, or no copy at all
+        self.available = self.has_events or not transfer.crosses
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[Future] = []
+        self._group = None
+        self.active = False
+
+    def begin(self, group, compute_dtype) -> None:
+        """Start a step of ``group`` that buckets will join as they settle."""
+        self.wait()
+        self._group = group
+        group.optimizer.begin_step()
+        self.transfer.start_upload(group.partitioner.master.numel(), compute_dtype)
+        self.active = True
+
+    def submit(self, ranges: list[tuple[int, int]]) -> None:
+        """Step and upload these master ranges once the copy down just issued has landed."""
+        event = None
+        if self.has_events:
+            event = self.accelerator.Event()
+            event.record()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyaccel-host-step")
+        self._futures.append(self._pool.submit(self._run, ranges, event))
+
+    def _run(self, ranges, event) -> None:
+        if event is not None:
+            event.synchronize()
+        g = self._group
+        for lo, hi in ranges:
+            g.optimizer.step_slice(g.partitioner.grad, lo, hi)
+            g.partitioner.upload(lo, hi)
+
+    def wait(self) -> None:
+        """Finish every submitted bucket (re-raising a worker's error)."""
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.result()
+
+    def finish(self) -> None:
+        """End of the step: every bucket is stepped and uploaded (or uploading)."""
+        try:
+            self.wait()
+        finally:
+            self.active = False
+
+    def close(self) -> None:
+        self.active = False
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
