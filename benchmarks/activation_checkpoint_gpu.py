@@ -70,7 +70,8 @@ def main() -> int:
     print(f"\nLlama {args.layers}x{args.hidden}, batch {args.batch}x{args.seq}")
     for r in rows:
         print(f"{r['config']:40s} time x{r['step_ms'] / base_row['step_ms']:5.2f}  "
-              f"peak x{r['peak_gib'] / base_row['peak_gib']:5.2f}  ({base_row['peak_gib'] - r['peak_gib']:.2f} GiB saved)")
+              f"peak x{r['peak_gib'] / base_row['peak_gib']:5.2f}  "
+              f"({base_row['peak_gib'] - r['peak_gib']:.2f} GiB saved)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
