@@ -82,14 +82,18 @@ class HostTransfer:
         return self.crosses and a.device != b.device
 
     # ------------------------------------------------------------ norms
-    def _track(self, base: torch.Tensor, src: torch.Tensor, fresh: bool) -> None:
+    def track(self, base: torch.Tensor, src: torch.Tensor, fresh: bool) -> None:
+        """Count ``src``, written into ``base``, in ``base``'s squared norm (``fresh``: it overwrote what was
+        there; otherwise the norm is no longer known). :meth:`add_later` does this unless told not to."""
         key = id(base)
         if not fresh:
             self._sq[key] = None
             return
         if key in self._sq and self._sq[key] is None:
             return
-        sq = torch.linalg.vector_norm(src).double().square()  # a float64 input copy would cost more than the norm
+        # accumulated in fp32 at least (a 16-bit result would keep three digits), never via a float64 copy
+        wide = torch.float32 if src.dtype in (torch.bfloat16, torch.float16) else None
+        sq = torch.linalg.vector_norm(src, dtype=wide).double().square()
         self._sq[key] = sq if self._sq.get(key) is None else self._sq[key] + sq
 
     def squared_norm(self, base: torch.Tensor) -> float | None:
@@ -102,7 +106,8 @@ class HostTransfer:
         self._sq.clear()
 
     # ------------------------------------------------------------ down
-    def add_later(self, dst: torch.Tensor, src: torch.Tensor, base: torch.Tensor, fresh: bool = False) -> None:
+    def add_later(self, dst: torch.Tensor, src: torch.Tensor, base: torch.Tensor, fresh: bool = False,
+                  track: bool = True) -> None:
         """``dst += src`` (``dst = src`` when ``fresh``), ``dst`` a slice of the host buffer ``base``.
 
         On one device it happens at once. Across devices ``src`` is converted to ``dst``'s dtype on its own
@@ -112,7 +117,8 @@ class HostTransfer:
         src = src.reshape(-1)
         if not src.numel():
             return
-        self._track(base, src, fresh)
+        if track:
+            self.track(base, src, fresh)
         if not self._crosses(dst, src):
             if fresh:
                 dst.copy_(src.view_as(dst))

@@ -180,9 +180,13 @@ class ShardedParameters:
         total = sum(i.shard_size for i in infos)
         if self.check_schedule:
             self._agree_on_gather(infos, total)
-        inp = torch.cat([i.shard.to(self.device, non_blocking=True) for i in infos])
-        out = torch.empty(total * self.world, dtype=self.compute_dtype, device=self.device)
-        work = self.coll.all_gather(out, inp, async_op=async_op)
+        shards = [i.shard.to(self.device, non_blocking=True) for i in infos]
+        inp = shards[0] if len(shards) == 1 else torch.cat(shards)
+        if self.world == 1:  # the shard is the parameter: nothing to gather
+            out, work = inp, None
+        else:
+            out = torch.empty(total * self.world, dtype=self.compute_dtype, device=self.device)
+            work = self.coll.all_gather(out, inp, async_op=async_op)
         g = _Gather(infos, out, work, inp)
         for i in infos:
             i.inflight = g
@@ -354,8 +358,14 @@ class ShardedParameters:
             s = info.shard_size
             g = self._grads.pop(info.index, None)
             if g is not None:  # no gradient here this backward: zeros
-                inp[:, col:col + s].copy_(F.pad(g, (0, s * self.world - info.numel)).view(self.world, s))
+                if s * self.world != info.numel:
+                    g = F.pad(g, (0, s * self.world - info.numel))
+                inp[:, col:col + s].copy_(g.view(self.world, s))
             col += s
+        if self.world == 1:  # the sum over one rank
+            inp.div_(self.divisor)
+            self._settle(entries, inp.view(-1))
+            return
         out = torch.empty(total, dtype=self.compute_dtype, device=self.device)
         if self.stream is not None:
             self.stream.wait_stream(self.accelerator.current_stream())
@@ -371,14 +381,16 @@ class ShardedParameters:
         self._pending.append((entries, work, out, inp))
 
     def _settle(self, entries: list[_Info], out: torch.Tensor) -> None:
-        col = 0
+        col, every_fresh = 0, True
         for info in entries:
             s = info.shard_size
             off = self.layout.part_offsets[info.index]
             fresh = info.index in self._unwritten  # the first gradient since zero_grad overwrites
             self._unwritten.discard(info.index)
-            self.transfer.add_later(self.grad[off:off + s], out[col:col + s], self.grad, fresh)
+            self.transfer.add_later(self.grad[off:off + s], out[col:col + s], self.grad, fresh, track=False)
+            every_fresh = every_fresh and fresh
             col += s
+        self.transfer.track(self.grad, out[:col], every_fresh)  # one norm per bucket, not one per parameter
         if self.on_settle is not None:
             ranges = []
             for info in sorted(entries, key=lambda i: self.layout.part_offsets[i.index]):
