@@ -35,6 +35,8 @@ CONFIGS = [
     ("stage 3 + offload_optimizer + offload_param",
      {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
 ]
+# polyaccel only: decoder layers gathered whole (stage3_module_granularity_threshold); peers run the plain row
+GRANULAR = {"stage3_module_granularity_threshold": 60_000_000}
 
 
 SIZES = {  # Llama shapes: 219.7M and 0.95B parameters
@@ -87,6 +89,8 @@ def main() -> int:
     ap.add_argument("--bucket", type=int, default=50_000_000)
     ap.add_argument("--peers", default="deepspeed,fsdp2", help="comma-separated peers to run ('' for none)")
     ap.add_argument("--only", default=None, help="run only the configurations whose name contains this")
+    ap.add_argument("--no-granular", dest="granular", action="store_false",
+                    help="skip the extra stage-3 rows with decoder layers gathered whole")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     for key, value in SIZES[args.size].items():
@@ -181,6 +185,9 @@ def main() -> int:
             return zero_step, engine.destroy, {"engine": "polyaccel", "optimizer_builder": engine.optimizer_builder}
 
         measure(f"polyaccel {name}", polyaccel_row)
+        if zero["stage"] == 3 and args.granular:
+            granular = {**config, "zero_optimization": {**zero, **GRANULAR}}
+            measure(f"polyaccel {name} (layer granularity)", lambda c=granular: polyaccel_row(c))
         if "deepspeed" in peers:
             measure(f"deepspeed {name}", lambda zero=zero: (
                 *deepspeed_step(copy.deepcopy(base_model), zero, args.batch, 1e-4, 0.01), {"engine": "deepspeed"}))

@@ -26,7 +26,7 @@ _TOP_KEYS = {
 _ZERO_KEYS = {
     "stage", "reduce_bucket_size", "overlap_comm", "contiguous_gradients", "stage3_prefetch_bucket_size",
     "prefetch_bucket_size", "stage3_param_persistence_threshold", "offload_optimizer", "offload_param",
-    "stage3_leaf_modules", "stage3_check_schedule",
+    "stage3_leaf_modules", "stage3_check_schedule", "stage3_module_granularity_threshold",
 }
 _OFFLOAD_KEYS = {"device", "pin_memory", "overlap_step"}
 _BF16_KEYS = {"enabled"}
@@ -95,6 +95,8 @@ class ZeroConfig:
     #: class names or module paths whose whole subtree is gathered at once (see ``stage3``)
     stage3_leaf_modules: tuple[str, ...] = ()
     stage3_check_schedule: bool = True
+    #: modules of at most this many parameter elements are gathered whole (0: every module on its own)
+    stage3_module_granularity_threshold: int = 0
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     gradient_accumulation_steps: int = 1
@@ -243,6 +245,9 @@ def parse_config(config: dict | None, world_size: int = 1) -> ZeroConfig:
             raise ConfigError("config key 'zero_optimization.stage3_leaf_modules' must be a list of module class "
                               f"names or module paths (strings), got {leaves!r}")
         out["stage3_leaf_modules"] = tuple(leaves)
+    if "stage3_module_granularity_threshold" in zero:
+        out["stage3_module_granularity_threshold"] = _int(
+            "zero_optimization.stage3_module_granularity_threshold", zero["stage3_module_granularity_threshold"], 0)
     if "stage3_check_schedule" in zero:
         out["stage3_check_schedule"] = _bool("zero_optimization.stage3_check_schedule", zero["stage3_check_schedule"])
     out["offload_optimizer"] = _offload("zero_optimization.offload_optimizer", zero.get("offload_optimizer"))

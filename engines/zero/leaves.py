@@ -11,7 +11,10 @@ Leaves are, outermost first:
   ``"MixtralSparseMoeBlock"`` or a module path such as ``"model.layers.0.mlp"``);
 - modules marked with :func:`set_leaf_modules`;
 - automatically, any module with a ``torch.nn.ModuleList`` child named ``experts`` (the
-  per-expert layout of MoE blocks).
+  per-expert layout of MoE blocks);
+- with ``zero_optimization.stage3_module_granularity_threshold`` > 0, the largest modules whose
+  subtree holds at most that many parameter elements (a decoder layer, say): one gather and one
+  set of hooks per such module instead of one per linear layer and norm.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def _is_expert_block(module: torch.nn.Module) -> bool:
     return isinstance(experts, torch.nn.ModuleList) and any(True for _ in experts.parameters())
 
 
-def find_leaf_modules(model: torch.nn.Module, names=()) -> dict[str, torch.nn.Module]:
+def find_leaf_modules(model: torch.nn.Module, names=(), granularity: int = 0) -> dict[str, torch.nn.Module]:
     """The outermost leaves of ``model``, by path."""
     chosen = {id(m) for m in _match(model, list(names)).values()}
     leaves: dict[str, torch.nn.Module] = {}
@@ -69,7 +72,21 @@ def find_leaf_modules(model: torch.nn.Module, names=()) -> dict[str, torch.nn.Mo
     for path, module in model.named_modules():
         if id(module) in covered:
             continue
-        if id(module) in chosen or getattr(module, _MARK, False) or _is_expert_block(module):
+        if (id(module) in chosen or getattr(module, _MARK, False) or _is_expert_block(module)
+                or _small_enough(module, granularity)):
             leaves[path] = module
             covered.update(id(m) for m in module.modules())
     return leaves
+
+
+def _small_enough(module: torch.nn.Module, granularity: int) -> bool:
+    """A module with parameters in more than one submodule, all together at most ``granularity`` elements."""
+    if granularity <= 0:
+        return False
+    owners = 0
+    total = 0
+    for m in module.modules():
+        own = sum(p.numel() for p in m.parameters(recurse=False))
+        owners += own > 0
+        total += own
+    return owners > 1 and total <= granularity

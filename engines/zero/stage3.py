@@ -135,7 +135,7 @@ class ShardedParameters:
 
         self._module_params: dict[int, list[_Info]] = {}
         self._hooks = []
-        self.leaves = find_leaf_modules(model, config.stage3_leaf_modules)
+        self.leaves = find_leaf_modules(model, config.stage3_leaf_modules, config.stage3_module_granularity_threshold)
         inside = {id(m) for leaf in self.leaves.values() for m in leaf.modules() if m is not leaf}
         leaf_ids = {id(m) for m in self.leaves.values()}
         self._owner: dict[int, str] = {}  # info order -> path of the module whose hooks gather it

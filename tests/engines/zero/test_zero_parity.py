@@ -31,6 +31,9 @@ CASES = {
     "llama-s3-offload": ("llama", torch.float64, {"stage": 3, "offload": True}, {}),
     "llama-s3-offload-param": ("llama", torch.float64, {"stage": 3, "offload": True, "offload_param": True}, {}),
     "llama-s3-persist": ("llama", torch.float64, {"stage": 3, "persistence": 100}, {}),
+    # each decoder layer (2208 elements) gathered whole; with the offloaded step overlapping backward
+    "llama-s3-granular": ("llama", torch.float64, {"stage": 3, "granularity": 3000}, {}),
+    "llama-s3-granular-offload": ("llama", torch.float64, {"stage": 3, "granularity": 3000, "offload": True}, {}),
     # recomputation inside backward; non-reentrant checkpointing aborts it early from inside a module
     "llama-actckpt-s3": ("llama-actckpt", torch.float64, {"stage": 3}, {}),
     "llama-actckpt-s2": ("llama-actckpt", torch.float64, {"stage": 2}, {}),

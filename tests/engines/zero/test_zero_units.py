@@ -333,3 +333,20 @@ def test_offload_registers_host_buffers_through_the_accelerator(monkeypatch, sta
         engine.destroy()
     assert sorted(calls["unregister"]) == sorted(calls["register"])
     assert engine.accelerator.host_registrations() == {}
+
+
+def test_granularity_threshold_makes_decoder_layers_leaves():
+    """The largest modules of at most ``stage3_module_granularity_threshold`` elements are gathered whole;
+    a single linear layer is never a leaf of its own, and 0 turns the rule off."""
+    transformers = pytest.importorskip("transformers")
+    from polyaccel.engines.zero.leaves import find_leaf_modules
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert sorted(find_leaf_modules(model, (), layer)) == [f"model.layers.{i}" for i in range(3)]
+    assert sorted(find_leaf_modules(model, (), layer - 1)) == [f"model.layers.{i}.{part}" for i in range(3)
+                                                               for part in ("mlp", "self_attn")]
+    assert find_leaf_modules(model, (), 0) == {}
+    assert list(find_leaf_modules(model, (), 10**9)) == [""]  # all of it: one gather

@@ -89,11 +89,13 @@ def reference_run(kind, dtype, steps, world, opt="adamw", lr=1e-2, wd=0.01, clip
 
 
 def zero_config(stage, opt="adamw", lr=1e-2, wd=0.01, offload=False, offload_param=False, clip=0.0, gas=1,
-                bucket=2000, persistence=0, **extra):
+                bucket=2000, persistence=0, granularity=0, **extra):
     zero = {"stage": stage, "reduce_bucket_size": bucket}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = persistence
         zero["stage3_prefetch_bucket_size"] = 2000
+        if granularity:
+            zero["stage3_module_granularity_threshold"] = granularity
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     if offload_param:
