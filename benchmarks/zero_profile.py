@@ -1,6 +1,6 @@
 """Profile a few ZeRO steps (world size 1) and print where host and device time go.
 
-    python benchmarks/zero_profile.py [--stage 3] [--offload] [--size 220m] [--rows 30] [--trace out.json]
+    python benchmarks/zero_profile.py [--stage 3] [--offload] [--granularity N] [--size 220m] [--rows 30]
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", type=int, default=3)
     ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--granularity", type=int, default=0, help="stage3_module_granularity_threshold")
     ap.add_argument("--size", default="220m")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
@@ -26,6 +27,8 @@ def main() -> int:
     for key, value in SIZES[args.size].items():
         setattr(args, key, value)
     zero = {"stage": args.stage, "reduce_bucket_size": 50_000_000}
+    if args.granularity:
+        zero["stage3_module_granularity_threshold"] = args.granularity
     if args.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     engine = polyaccel.initialize(build(args), {"bf16": {"enabled": True}, "zero_optimization": zero,
