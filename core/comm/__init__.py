@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from . import emulation, peers
+from . import fallbacks, peers
 from .errors import TIMEOUT_ENV, CommArgumentError, CommError, CommTimeoutError, PeerLostError, translate
 from .handles import CommHandle, wait_all
 from .hooks import EMULATIONS, CommHooks, resolve_hooks
@@ -316,7 +316,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
         _bad(name, f"input has {input.numel()} elements but must have output.numel() * group size = "
                    f"{output.numel()} * {world} = {output.numel() * world}")
     if name in _emulated:
-        launch = lambda ts, a: emulation.reduce_scatter_tensor(ts[0], ts[1], op, group, _timeout_s)
+        launch = lambda ts, a: fallbacks.reduce_scatter_tensor(ts[0], ts[1], op, group, _timeout_s)
     elif _direct:
         try:
             return _wrap(name, _reduce_scatter(output, input, op, group, async_op))
@@ -336,7 +336,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
         _bad(name, f"output_tensor has {output_tensor.numel()} elements but must have input_tensor.numel() * "
                    f"group size = {input_tensor.numel()} * {world} = {input_tensor.numel() * world}")
     if name in _emulated:
-        launch = lambda ts, a: emulation.all_gather_into_tensor(ts[0], ts[1], group, _timeout_s)
+        launch = lambda ts, a: fallbacks.all_gather_into_tensor(ts[0], ts[1], group, _timeout_s)
     elif _direct:
         try:
             return _wrap(name, _all_gather(output_tensor, input_tensor, group, async_op))
@@ -359,7 +359,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         _bad(name, f"output rows have shape {tuple(output.shape[1:])} but input rows {tuple(input.shape[1:])}; "
                    "all dims but the first must match")
     if name in _emulated:
-        launch = lambda ts, a: emulation.all_to_all_single(ts[0], ts[1], output_split_sizes, input_split_sizes,
+        launch = lambda ts, a: fallbacks.all_to_all_single(ts[0], ts[1], output_split_sizes, input_split_sizes,
                                                            group, _timeout_s)
     elif _direct:
         try:

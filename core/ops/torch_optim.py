@@ -10,16 +10,20 @@ the whole list.
   (it needs params, grads and states of equal dtype and always applies bias correction);
   everything else (16-bit params with fp32 states, ``bias_correction=False``, a device
   type without the fused kernel) takes the foreach path.
-* ``fused_lion`` / ``fused_lamb``: foreach ops.
+* ``fused_lion`` / ``fused_lamb``: :func:`foreach_lion` / :func:`foreach_lamb`, on foreach ops;
+  :func:`foreach_builders` makes a backend's builders for them.
 
 Math runs in fp32 for 16-bit tensors and in the tensor's own dtype otherwise.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .reference import optimizers as ref
+from .registry import OpBuilder
 
 
 def fused_kernel_support(device_type: str) -> tuple[bool, str]:
@@ -109,7 +113,7 @@ def foreach_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps,
     _copy_back(exp_avg_sqs, v)
 
 
-def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
+def foreach_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
     ref.check_lists("fused_lion", params, grads, exp_avgs)
     params, grads, exp_avgs = _live(params, grads, exp_avgs)
     if not params:
@@ -125,8 +129,8 @@ def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
     _copy_back(exp_avgs, m)
 
 
-def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
-               bias_correction=True, max_coeff=10.0, min_coeff=0.01):
+def foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
+                 bias_correction=True, max_coeff=10.0, min_coeff=0.01):
     ref.check_lists("fused_lamb", params, grads, exp_avgs, exp_avg_sqs)
     params, grads, exp_avgs, exp_avg_sqs = _live(params, grads, exp_avgs, exp_avg_sqs)
     if not params:
@@ -152,3 +156,25 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
     _copy_back(params, p)
     _copy_back(exp_avgs, m)
     _copy_back(exp_avg_sqs, v)
+
+
+#: op -> (its foreach implementation, what the builder says about it)
+FOREACH_OPS = {
+    "fused_lion": (foreach_lion, "torch._foreach_* ops, fp32 math for 16-bit tensors"),
+    "fused_lamb": (foreach_lamb, "torch._foreach_* ops, fp32 math for 16-bit tensors, per-tensor trust ratios"),
+}
+
+
+def foreach_builders(device_type: str, *, priority: int = 50,
+                     compatible: Callable[[object], tuple[bool, str]] | None = None,
+                     prefix: str | None = None) -> list[OpBuilder]:
+    """Builders of ``fused_lion`` and ``fused_lamb`` on ``device_type``'s ``torch._foreach_*`` kernels.
+
+    Named ``<prefix><op>``, by default ``<device_type>_foreach_<op>``; ``compatible`` as for
+    :class:`OpBuilder` (default: always compatible).
+    """
+    prefix = f"{device_type}_foreach_" if prefix is None else prefix
+    check = {} if compatible is None else {"compatible": compatible}
+    return [OpBuilder(op=op, name=f"{prefix}{op}", device_types=(device_type,), loader=lambda fn=fn: fn,
+                      kind="torch", priority=priority, description=f"{what} on {device_type}", **check)
+            for op, (fn, what) in FOREACH_OPS.items()]

@@ -11,10 +11,8 @@ from polyaccel.ops import OpBuilder, torch_optim
 
 
 def register(registry) -> None:
-    for op, fn, what in (
-        ("fused_adam", torch_optim.fused_adam, "torch's fused CPU Adam/AdamW kernel (foreach for mixed dtypes)"),
-        ("fused_lion", torch_optim.fused_lion, "torch foreach ops"),
-        ("fused_lamb", torch_optim.fused_lamb, "torch foreach ops, per-tensor trust ratios"),
-    ):
-        registry.add(OpBuilder(op=op, name=f"cpu_{op}", device_types=("cpu",), loader=lambda fn=fn: fn,
-                               kind="torch", priority=10, description=what))
+    registry.add(OpBuilder(op="fused_adam", name="cpu_fused_adam", device_types=("cpu",),
+                           loader=lambda: torch_optim.fused_adam, kind="torch", priority=10,
+                           description="torch's fused CPU Adam/AdamW kernel (foreach for mixed dtypes)"))
+    for builder in torch_optim.foreach_builders("cpu", priority=10, prefix="cpu_"):
+        registry.add(builder)

@@ -30,13 +30,7 @@ def metal_compatible(accelerator) -> tuple[bool, str]:
 
 def torch_fused_compatible(accelerator) -> tuple[bool, str]:
     ok, why = _is_mps(accelerator)
-    if not ok:
-        return ok, why
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    if DEVICE_TYPE not in _get_fused_kernels_supported_devices():
-        return False, f"torch {torch.__version__} has no fused Adam kernel for mps"
-    return True, ""
+    return torch_optim.fused_kernel_support(DEVICE_TYPE) if ok else (ok, why)
 
 
 #: torch's fused Adam kernel for mps per dtype group; foreach where its preconditions do not hold
@@ -58,6 +52,5 @@ def register(registry) -> None:
         op="fused_adam", name="mps_torch_fused_adam", device_types=(DEVICE_TYPE,), loader=lambda: torch_fused_adam,
         kind="torch", priority=50, compatible=torch_fused_compatible,
         description="torch's fused Adam/AdamW kernel for mps (foreach fp32 math for mixed dtypes)"))
-    for op, fn in (("fused_lion", torch_optim.fused_lion), ("fused_lamb", torch_optim.fused_lamb)):
-        registry.add(OpBuilder(op=op, name=f"mps_foreach_{op}", device_types=(DEVICE_TYPE,), loader=lambda fn=fn: fn,
-                               kind="torch", priority=50, compatible=_is_mps, description="torch foreach ops on mps"))
+    for builder in torch_optim.foreach_builders(DEVICE_TYPE, compatible=_is_mps):
+        registry.add(builder)

@@ -31,13 +31,7 @@ def _npu_accelerator(acc) -> tuple[bool, str]:
 
 def _fused_adam_compatible(acc) -> tuple[bool, str]:
     ok, why = _npu_accelerator(acc)
-    if not ok:
-        return ok, why
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    if "npu" not in _get_fused_kernels_supported_devices():
-        return False, "torch's fused Adam lists no npu kernel in this torch/torch_npu pair"
-    return True, ""
+    return torch_optim.fused_kernel_support("npu") if ok else (ok, why)
 
 
 def _quantize_compatible(acc) -> tuple[bool, str]:
@@ -89,12 +83,8 @@ def register(registry) -> None:
         op="fused_adam", name="npu_torch_fused_adam", device_types=("npu",), loader=lambda: torch_optim.fused_adam,
         kind="torch", priority=50, compatible=_fused_adam_compatible,
         description="torch._fused_adam(w)_ on npu (torch_npu kernel); foreach fp32 for mixed dtypes"))
-    for op, fn, what in (
-        ("fused_lion", torch_optim.fused_lion, "torch._foreach_* on npu, fp32 math"),
-        ("fused_lamb", torch_optim.fused_lamb, "torch._foreach_* on npu, fp32 math, per-tensor trust ratio"),
-    ):
-        registry.add(OpBuilder(op=op, name=f"npu_foreach_{op}", device_types=("npu",), loader=lambda fn=fn: fn,
-                               kind="torch", priority=50, compatible=_npu_accelerator, description=what))
+    for builder in torch_optim.foreach_builders("npu", compatible=_npu_accelerator):
+        registry.add(builder)
     registry.add(OpBuilder(
         op="quantize", name="npu_quantize", device_types=("npu",), loader=lambda: quantize, kind="vendor",
         priority=50, compatible=_quantize_compatible,

@@ -13,10 +13,6 @@ from polyaccel.ops import OpBuilder, torch_optim
 DEVICE_TYPE = "xpu"
 
 
-def fused_kernel_support(device_type: str = DEVICE_TYPE) -> tuple[bool, str]:
-    return torch_optim.fused_kernel_support(device_type)
-
-
 def _is_xpu(accelerator) -> tuple[bool, str]:
     if accelerator is None or accelerator.device_type != DEVICE_TYPE:
         return False, "no usable xpu accelerator"
@@ -25,7 +21,7 @@ def _is_xpu(accelerator) -> tuple[bool, str]:
 
 def _compatible(accelerator) -> tuple[bool, str]:
     ok, why = _is_xpu(accelerator)
-    return fused_kernel_support() if ok else (ok, why)
+    return torch_optim.fused_kernel_support(DEVICE_TYPE) if ok else (ok, why)
 
 
 def register(registry) -> None:
@@ -33,6 +29,5 @@ def register(registry) -> None:
         op="fused_adam", name="xpu_torch_fused_adam", device_types=(DEVICE_TYPE,),
         loader=lambda: torch_optim.fused_adam, kind="torch", priority=50, compatible=_compatible,
         description="torch's fused Adam/AdamW kernel for XPU (foreach fp32 math for mixed dtypes)"))
-    for op, fn in (("fused_lion", torch_optim.fused_lion), ("fused_lamb", torch_optim.fused_lamb)):
-        registry.add(OpBuilder(op=op, name=f"xpu_foreach_{op}", device_types=(DEVICE_TYPE,), loader=lambda fn=fn: fn,
-                               kind="torch", priority=50, compatible=_is_xpu, description="torch foreach ops on xpu"))
+    for builder in torch_optim.foreach_builders(DEVICE_TYPE, compatible=_is_xpu):
+        registry.add(builder)

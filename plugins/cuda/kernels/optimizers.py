@@ -385,7 +385,7 @@ def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
     """In-place Lion over lists of tensors in one launch per dtype combination."""
     (params, grads, exp_avgs), wide = _split_fp64("fused_lion", (params, grads, exp_avgs))
     if wide is not None:
-        torch_optim.fused_lion(*wide, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+        torch_optim.foreach_lion(*wide, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
         if not params:
             return
     table = table_for("fused_lion", (params, grads, exp_avgs))
@@ -407,7 +407,7 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
         raise ValueError(f"fused_lamb: need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
     (params, grads, exp_avgs, exp_avg_sqs), wide = _split_fp64("fused_lamb", (params, grads, exp_avgs, exp_avg_sqs))
     if wide is not None:
-        torch_optim.fused_lamb(*wide, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        torch_optim.foreach_lamb(*wide, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                step=step, bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff)
         if not params:
             return

@@ -1,7 +1,9 @@
-"""Collectives built from others, for backends that lack them (see ``CommHooks.emulated_collectives``).
+"""Fallback collectives built from others, for backends that lack them.
 
-Each emulation is asynchronous and returns a :class:`CommHandle` whose ``wait()`` finishes
-the job; it never modifies the caller's input.
+A backend lists the collectives it lacks in ``CommHooks.emulated_collectives``; ``polyaccel.comm``
+then runs the fallback here and reports the collective as emulated. Each fallback is asynchronous
+and returns a :class:`CommHandle` whose ``wait()`` finishes the job; it never modifies the
+caller's input.
 """
 
 from __future__ import annotations
