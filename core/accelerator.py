@@ -86,6 +86,8 @@ class Accelerator:
     priority: ClassVar[int] = 0
     #: torch.distributed backend name
     communication_backend: ClassVar[str] = "gloo"
+    #: what the device runtime calls its nonzero return codes, in messages ("error", "ACL error", ...)
+    return_code_name: ClassVar[str] = "error"
 
     # ----------------------------------------------------------------- identity
     def __init__(self) -> None:
@@ -410,6 +412,21 @@ class Accelerator:
                 _LEAKED_HOST_BUFFERS.append(reg)
                 raise
         return True
+
+    def runtime_call_error(self, call: str, rc: int, detail: str = "", *, hint: str = "",
+                           unregistering: bool = False) -> PolyaccelError:
+        """The error to raise when the device runtime's ``call`` returned the nonzero code ``rc``.
+
+        ``detail`` is the runtime's own words for the code. A refused *unregistration* leaves the
+        pages registered, so the device may still DMA into them: :meth:`unregister_host_memory`
+        then keeps the buffer referenced forever (leaked, never freed), and the message says so.
+        """
+        msg = f"{self.name}: {call} failed with {self.return_code_name} {rc}"
+        if detail:
+            msg += f" ({detail})"
+        if unregistering:
+            hint = "the buffer is kept alive (never freed) because the device may still access it"
+        return PolyaccelError(f"{msg}; {hint}" if hint else msg)
 
     def host_registrations(self) -> dict[int, int]:
         """Registered buffers: data pointer -> reference count."""

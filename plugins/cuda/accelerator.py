@@ -18,7 +18,6 @@ import functools
 
 import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
-from polyaccel.errors import PolyaccelError
 
 #: cudaHostRegister flags (cuda_runtime_api.h); Portable: every context sees the registration
 CUDA_HOST_REGISTER_DEFAULT = 0x00
@@ -187,22 +186,18 @@ class CudaAccelerator(Accelerator):
         rc = cudart.cudaHostRegister(ptr, nbytes, self.host_register_flags)
         if int(rc) != 0:
             self._clear_last_error()
-            raise PolyaccelError(
-                f"{self.name}: cudaHostRegister({ptr:#x}, {nbytes}) failed with error {int(rc)} "
-                f"({self._error_string(cudart, rc)}); the buffer stays unregistered (use pin_memory() "
-                "for a pinned copy instead)"
-            )
+            raise self.runtime_call_error(f"cudaHostRegister({ptr:#x}, {nbytes})", int(rc),
+                                          self._error_string(cudart, rc),
+                                          hint="the buffer stays unregistered (use pin_memory() for a pinned copy "
+                                               "instead)")
 
     def _host_unregister(self, ptr: int) -> None:
         cudart = self._cudart()
         rc = cudart.cudaHostUnregister(ptr)
         if int(rc) != 0:
             self._clear_last_error()
-            raise PolyaccelError(
-                f"{self.name}: cudaHostUnregister({ptr:#x}) failed with error {int(rc)} "
-                f"({self._error_string(cudart, rc)}); the buffer is kept alive (never freed) because "
-                "the device may still access it"
-            )
+            raise self.runtime_call_error(f"cudaHostUnregister({ptr:#x})", int(rc), self._error_string(cudart, rc),
+                                          unregistering=True)
 
     # ---------------------------------------------------------------- graphs
     def create_graph(self):

@@ -6,7 +6,7 @@ import threading
 
 import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
-from polyaccel.errors import PolyaccelError, Unsupported
+from polyaccel.errors import Unsupported
 
 from . import runtime
 
@@ -16,6 +16,7 @@ class NpuAccelerator(Accelerator):
     device_type = "npu"
     priority = 100
     communication_backend = "hccl"
+    return_code_name = "ACL error"
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,11 +89,10 @@ class NpuAccelerator(Accelerator):
             raise Unsupported(self.name, "host_register", reason)
         rc = int(binding.npuHostRegister(ptr, nbytes, runtime.ACL_HOST_REG_MAPPED))
         if rc != 0:
-            raise PolyaccelError(
-                f"npu: npuHostRegister({ptr:#x}, {nbytes}, ACL_HOST_REG_MAPPED) failed with ACL error {rc}; "
-                f"the buffer was not registered (range must be {runtime.HOST_REGISTER_ALIGNMENT}-byte aligned "
-                "and not overlap a registered range)"
-            )
+            raise self.runtime_call_error(
+                f"npuHostRegister({ptr:#x}, {nbytes}, ACL_HOST_REG_MAPPED)", rc,
+                hint=f"the buffer was not registered (range must be {runtime.HOST_REGISTER_ALIGNMENT}-byte aligned "
+                     "and not overlap a registered range)")
 
     def _host_unregister(self, ptr: int) -> None:
         binding, reason = self._host_register_binding()
@@ -100,10 +100,7 @@ class NpuAccelerator(Accelerator):
             raise Unsupported(self.name, "host_register", reason)
         rc = int(binding.npuHostUnregister(ptr))
         if rc != 0:
-            raise PolyaccelError(
-                f"npu: npuHostUnregister({ptr:#x}) failed with ACL error {rc}; the buffer is kept alive "
-                "(never freed) because the device may still access it"
-            )
+            raise self.runtime_call_error(f"npuHostUnregister({ptr:#x})", rc, unregistering=True)
 
     # ------------------------------------------------------------------ graphs
     def create_graph(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from polyaccel.accelerator import Accelerator, ProbeResult
-from polyaccel.errors import PolyaccelError, Unsupported
+from polyaccel.errors import Unsupported
 
 from . import runtime
 
@@ -63,29 +63,24 @@ class SupaAccelerator(Accelerator):
             raise Unsupported(self.name, "host_register", reason)
         return binding
 
-    def _check(self, call: str, rc: int) -> None:
-        if rc == 0:
-            return
-        supa = runtime.supa_module()
+    def _error_string(self, rc: int) -> str:
+        """The runtime's words for ``rc``: ``torch.supa.check_error`` raises with them."""
         try:
-            supa.check_error(rc)
-            detail = ""
+            runtime.supa_module().check_error(rc)
         except RuntimeError as exc:
-            detail = f": {exc}"
-        raise PolyaccelError(f"supa: {call} failed with error {rc}{detail}")
+            return str(exc)
+        return ""
 
     def _host_register(self, ptr: int, nbytes: int) -> None:
         rc = int(self._binding().supaHostRegister(ptr, nbytes, runtime.SUPA_HOST_REGISTER_DEFAULT))
-        self._check(f"supaHostRegister({ptr:#x}, {nbytes}, 0)", rc)
+        if rc != 0:
+            raise self.runtime_call_error(f"supaHostRegister({ptr:#x}, {nbytes}, 0)", rc, self._error_string(rc))
 
     def _host_unregister(self, ptr: int) -> None:
         rc = int(self._binding().supaHostUnregister(ptr))
         if rc != 0:
-            try:
-                self._check(f"supaHostUnregister({ptr:#x})", rc)
-            except PolyaccelError as exc:
-                raise PolyaccelError(f"{exc}; the buffer is kept alive (never freed) because the device may "
-                                     "still access it") from None
+            raise self.runtime_call_error(f"supaHostUnregister({ptr:#x})", rc, self._error_string(rc),
+                                          unregistering=True)
 
     # ------------------------------------------------------------------ graphs
     def create_graph(self):
