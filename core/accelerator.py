@@ -1,16 +1,18 @@
 """The accelerator contract: one class per backend, defaults in the base.
 
 Every plugin's accelerator derives from :class:`Accelerator` and overrides only what
-its hardware does differently. Defaults delegate to torch's device-generic APIs
-(``torch.get_device_module(device_type)``), so a backend that torch already knows
-needs very little code.
+its hardware does differently. Defaults delegate to torch's device-generic APIs: the
+device module (``torch.get_device_module(device_type)``) for what it has, and, where torch's
+accelerator is this device type, ``torch.accelerator`` (device, memory, graphs) and
+``torch.Stream``/``torch.Event`` for what the module lacks. A backend that torch already
+knows needs very little code.
 
 A backend whose tensors live in host memory (``device_type = "cpu"``: a plugin that presents
 the host, or a runtime reached through host tensors) gets working defaults too: one device
 per process, program-order execution, and torch's default generator for RNG. Such a plugin
 needs to define only its identity and :meth:`Accelerator.probe`.
 
-Rules for growing this class (see DESIGN.md "The contract is versioned"): new methods
+Rules for growing this class (see docs/design.md, "The contract is versioned"): new methods
 always get a default implementation — never add an abstract method — and optional
 features are declared through :meth:`Accelerator.capabilities`. A feature that is not
 claimed raises :class:`polyaccel.Unsupported`; nothing here is a silent no-op.
@@ -26,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .errors import PolyaccelError, Unsupported
+from .errors import InvalidArgument, PolyaccelError, Unsupported
 from .version import API_VERSION
 
 #: Capability names the core knows about. Plugins may claim extra, free-form names.
@@ -130,6 +132,33 @@ class Accelerator:
                 raise Unsupported(self.name, f"torch.{self.device_type}") from None
             return mod
 
+    def _torch_accelerator_serves(self) -> bool:
+        """Whether ``torch.accelerator`` (and ``torch.Stream``/``torch.Event``) act on this device type.
+
+        torch drives one accelerator per process, the one its build was compiled for; its
+        device-generic APIs serve a backend only when that accelerator is this device type.
+        """
+        current = torch.accelerator.current_accelerator()
+        return current is not None and current.type == self.device_type
+
+    def _device_function(self, name: str, generic: str | None = None):
+        """The device module's ``name``, else ``torch.accelerator.<generic or name>`` where it serves us.
+
+        The module comes first: its functions are the ones its streams, events and emulated
+        stand-ins agree with. Neither having the function raises :class:`Unsupported`.
+        """
+        fn = getattr(self._device_module(required=False), name, None)
+        if fn is None and self._torch_accelerator_serves():
+            fn = getattr(torch.accelerator, generic or name, None)
+        if fn is None:
+            raise self._missing(name, f"torch.accelerator.{generic or name}")
+        return fn
+
+    def _missing(self, name: str, generic: str) -> Unsupported:
+        return Unsupported(self.name, f"torch.{self.device_type}.{name}",
+                           f"torch {torch.__version__} has neither it nor {generic} for device type "
+                           f"{self.device_type!r}; the plugin must implement it")
+
     # ------------------------------------------------------------------- device
     def device(self, index: int | None = None) -> torch.device:
         """The torch device of this backend's tensors; the host under an emulated runtime."""
@@ -143,7 +172,7 @@ class Accelerator:
         """Devices this process can use; the host is one device per process."""
         if self.device_type == "cpu":
             return 1
-        return int(self._device_module().device_count())
+        return int(self._device_function("device_count")())
 
     def current_device(self) -> int:
         """The current device index (0 for the host).
@@ -153,21 +182,21 @@ class Accelerator:
         """
         if self.device_type == "cpu":
             return 0
-        return _device_index(self._device_module().current_device())
+        return _device_index(self._device_function("current_device", "current_device_index")())
 
     def set_device(self, index: int) -> None:
         """Make ``index`` current. The host accepts 0, and this process's LOCAL_RANK (one device per rank)."""
         if self.device_type == "cpu":
             if index not in (0, int(os.environ.get("LOCAL_RANK", 0))):
-                raise ValueError(f"{self.name} has one host device per process; cannot select device {index}")
+                raise InvalidArgument(f"{self.name} has one host device per process; cannot select device {index}")
             return
-        self._device_module().set_device(index)
+        self._device_function("set_device", "set_device_index")(index)
 
     def synchronize(self, index: int | None = None) -> None:
         """Wait for the device's queued work; host work is complete when each call returns."""
         if self.device_type == "cpu":
             return
-        self._device_module().synchronize(index)
+        self._device_function("synchronize")(index)
 
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == ("cpu" if self.is_emulated() else self.device_type)
@@ -189,28 +218,47 @@ class Accelerator:
         return self.device_type == "cpu"
 
     # ---------------------------------------------------------- streams/events
-    def Stream(self, *args, **kwargs):
+    # The device module's classes where it has them, torch.Stream/torch.Event where it has none:
+    # torch.cuda.Stream compares unequal to a generic torch.Stream for the same queue, so the
+    # streams of one backend must all come from one family.
+    def Stream(self, device=None, **kwargs):
+        """A new stream (``priority=`` as a keyword) on ``device`` (index or device; None: current)."""
         self.require("streams")
-        return self._device_module().Stream(*args, **kwargs)
+        cls = getattr(self._device_module(required=False), "Stream", None)
+        if cls is not None:
+            return cls(device, **kwargs)
+        if not self._torch_accelerator_serves():
+            raise self._missing("Stream", "torch.Stream")
+        index = device if device is None or isinstance(device, int) else torch.device(device).index
+        return torch.Stream(torch.device(self.device_type, index), **kwargs)
 
-    def Event(self, *args, **kwargs):
+    def Event(self, **kwargs):
+        """A new event; ``enable_timing=``, ``blocking=``, ``interprocess=`` as keywords."""
         self.require("events")
-        return self._device_module().Event(*args, **kwargs)
+        cls = getattr(self._device_module(required=False), "Event", None)
+        if cls is not None:
+            return cls(**kwargs)
+        if not self._torch_accelerator_serves():
+            raise self._missing("Event", "torch.Event")
+        return torch.Event(self.device_type, **kwargs)
 
     def current_stream(self, index: int | None = None):
         self.require("streams")
-        return self._device_module().current_stream(index)
+        return self._device_function("current_stream")(index)
 
     def default_stream(self, index: int | None = None):
         self.require("streams")
-        return self._device_module().default_stream(index)
+        return self._device_function("default_stream")(index)
 
     def stream(self, stream):
         """Context manager making ``stream`` current. ``None`` is an explicit no-op."""
         if stream is None:
             return contextlib.nullcontext()
         self.require("streams")
-        return self._device_module().stream(stream)
+        switch = getattr(self._device_module(required=False), "stream", None)
+        if switch is None and isinstance(stream, torch.Stream):
+            return stream  # a torch.Stream is its own context manager
+        return (switch or self._device_function("stream"))(stream)
 
     # --------------------------------------------------------------------- RNG
     # Guarded by "rng". The host's generator is torch's default one (torch.cpu has no RNG API).
@@ -253,9 +301,9 @@ class Accelerator:
             mod.set_rng_state(state, index)
 
     # ------------------------------------------------------------------ memory
-    def _memory_call(self, fn: str, index: int | None):
+    def _memory_call(self, fn: str, index: int | None, generic: str | None = None):
         self.require("memory_stats")
-        return getattr(self._device_module(), fn)(index)
+        return self._device_function(fn, generic)(index)
 
     def memory_allocated(self, index: int | None = None) -> int:
         return int(self._memory_call("memory_allocated", index))
@@ -273,18 +321,17 @@ class Accelerator:
         return dict(self._memory_call("memory_stats", index))
 
     def empty_cache(self) -> None:
-        mod = self._device_module(required=False)
-        if mod is not None and hasattr(mod, "empty_cache"):
-            mod.empty_cache()
+        """Release cached device memory; a runtime that keeps no cache (the host) has nothing to do."""
+        if self.device_type == "cpu":
+            return
+        self._device_function("empty_cache")()
 
     def total_memory(self, index: int | None = None) -> int:
-        self.require("memory_stats")
-        free, total = self._device_module().mem_get_info(index)
+        free, total = self._memory_call("mem_get_info", index, "get_memory_info")
         return int(total)
 
     def available_memory(self, index: int | None = None) -> int:
-        self.require("memory_stats")
-        free, total = self._device_module().mem_get_info(index)
+        free, total = self._memory_call("mem_get_info", index, "get_memory_info")
         return int(free)
 
     # ------------------------------------------------------------------ dtypes
@@ -433,13 +480,27 @@ class Accelerator:
         return {k: r.count for k, r in self._host_regs.items()}
 
     # ------------------------------------------------------------------- graphs
-    def create_graph(self):
+    # Default: torch's device-generic torch.accelerator.Graph, only where torch's accelerator is
+    # this device type; everywhere else Unsupported, never a graph of another backend.
+    def _require_graphs(self) -> None:
         self.require("graphs", "use eager execution; this backend has no device graphs")
-        return self._device_module().CUDAGraph()
+        if not (hasattr(torch.accelerator, "Graph") and self._torch_accelerator_serves()):
+            raise Unsupported(self.name, "graphs",
+                              f"torch {torch.__version__} has no device-generic graph (torch.accelerator.Graph) for "
+                              f"device type {self.device_type!r}; the plugin must implement create_graph, "
+                              "capture_to_graph and replay_graph")
+
+    def create_graph(self):
+        self._require_graphs()
+        return torch.accelerator.Graph()
 
     def capture_to_graph(self, graph, pool=None, stream=None):
-        self.require("graphs", "use eager execution; this backend has no device graphs")
-        return self._device_module().graph(graph, pool=pool, stream=stream)
+        """Context manager capturing into ``graph`` on ``stream`` (a fresh side stream by default:
+        runtimes refuse to capture the default stream); ``pool`` shares another graph's memory pool."""
+        self._require_graphs()
+        if pool is not None:
+            graph.graph_pool = pool
+        return _capturing(graph, self.stream(self.Stream() if stream is None else stream))
 
     def replay_graph(self, graph) -> None:
         self.require("graphs", "use eager execution; this backend has no device graphs")
@@ -451,6 +512,12 @@ class Accelerator:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} device_type={self.device_type!r}>"
+
+
+@contextlib.contextmanager
+def _capturing(graph, stream_context):
+    with stream_context, graph:
+        yield graph
 
 
 def _device_index(current: Any) -> int:

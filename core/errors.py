@@ -25,12 +25,20 @@ class Unsupported(PolyaccelError, NotImplementedError):
         super().__init__(msg)
 
 
+class InvalidArgument(PolyaccelError, ValueError):
+    """A call got an argument value it cannot take; a ``ValueError`` too, as torch's own checks raise."""
+
+
 class SelectionError(PolyaccelError):
     """No accelerator could be selected as asked (unknown name, unavailable, tie)."""
 
 
 class OpError(PolyaccelError):
     """An op could not be resolved or was called with bad arguments."""
+
+
+class OpArgumentError(OpError, InvalidArgument):
+    """An op was called with arguments it cannot take (lengths, shapes, dtypes, devices, modes)."""
 
 
 class ConfigError(PolyaccelError, ValueError):

@@ -208,10 +208,6 @@ class CudaAccelerator(Accelerator):
         self.require("graphs")
         return torch.cuda.graph(graph, pool=pool, stream=stream)
 
-    def replay_graph(self, graph) -> None:
-        self.require("graphs")
-        graph.replay()
-
     def graph_pool_handle(self):
         """A memory pool id to share between captures (``torch.cuda.graph_pool_handle()``)."""
         self.require("graphs")

@@ -60,9 +60,6 @@ class MpsAccelerator(Accelerator):
         return self._caps
 
     # ---------------------------------------------------------------- device
-    def device_count(self) -> int:
-        return int(torch.mps.device_count())
-
     def current_device(self) -> int:
         return 0
 
@@ -81,9 +78,8 @@ class MpsAccelerator(Accelerator):
         return True
 
     # ------------------------------------------------------------------- RNG
-    def manual_seed(self, seed: int) -> None:
-        torch.mps.manual_seed(seed)
-
+    # torch.mps has manual_seed (the base's default) but no manual_seed_all or initial_seed,
+    # and its get/set_rng_state take no device index
     def manual_seed_all(self, seed: int) -> None:
         torch.mps.manual_seed(seed)
 
@@ -97,9 +93,6 @@ class MpsAccelerator(Accelerator):
         torch.mps.set_rng_state(state)
 
     # ---------------------------------------------------------------- memory
-    def empty_cache(self) -> None:
-        torch.mps.empty_cache()
-
     def memory_report(self) -> dict[str, int]:
         """What torch.mps counts (it keeps no peak, so 'memory_stats' is not claimed)."""
         return {"current_allocated": int(torch.mps.current_allocated_memory()),
@@ -112,19 +105,6 @@ class MpsAccelerator(Accelerator):
 
     def unregister_host_memory(self, tensor: torch.Tensor) -> bool:
         raise Unsupported(self.name, "host_register", _UNIFIED)
-
-    # ---------------------------------------------------------------- graphs
-    def _no_graphs(self):
-        raise Unsupported(self.name, "graphs", "MPS has no device graphs; use eager execution (or torch.compile)")
-
-    def create_graph(self):
-        self._no_graphs()
-
-    def capture_to_graph(self, graph, pool=None, stream=None):
-        self._no_graphs()
-
-    def replay_graph(self, graph) -> None:
-        self._no_graphs()
 
     def report(self) -> dict[str, Any]:
         return {"unified_memory": "pin_memory copies into MPS's shared allocator; host registration is unsupported",

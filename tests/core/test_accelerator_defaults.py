@@ -1,0 +1,141 @@
+"""The base class's defaults: the device module first, torch's device-generic APIs where it has nothing,
+graphs only through torch.accelerator.Graph (never another backend's graph class), else Unsupported."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from polyaccel.accelerator import Accelerator, ProbeResult
+from polyaccel.errors import PolyaccelError, Unsupported
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the base class called a backend-specific graph API")
+
+
+class ModuleBacked(Accelerator):
+    """A plugin whose device module is ``self.module``; claims what ``self.claims`` says."""
+
+    name = "modulebacked"
+    device_type = "fakedev"
+
+    def __init__(self, module, claims=(), torch_serves=False):
+        super().__init__()
+        self.module, self.claims, self.torch_serves = module, frozenset(claims), torch_serves
+
+    def probe(self):
+        return ProbeResult(True, "", 1)
+
+    def capabilities(self):
+        return self.claims
+
+    def _device_module(self, required=True):
+        return self.module
+
+    def _torch_accelerator_serves(self):
+        return self.torch_serves
+
+
+GRAPH_CALLS = (
+    ("create_graph()", lambda acc: acc.create_graph()),
+    ("capture_to_graph()", lambda acc: acc.capture_to_graph(object())),
+    ("replay_graph()", lambda acc: acc.replay_graph(object())),
+)
+
+
+@pytest.mark.parametrize("what,call", GRAPH_CALLS, ids=[c[0] for c in GRAPH_CALLS])
+def test_graphs_are_unsupported_in_the_base_class_when_not_claimed(what, call):
+    acc = ModuleBacked(SimpleNamespace(CUDAGraph=_refuse, graph=_refuse))
+    with pytest.raises(Unsupported, match="'modulebacked' does not support graphs") as info:
+        call(acc)
+    assert (info.value.plugin, info.value.feature) == ("modulebacked", "graphs")
+
+
+@pytest.mark.parametrize("what,call", GRAPH_CALLS[:2], ids=[c[0] for c in GRAPH_CALLS[:2]])
+def test_a_claimed_graph_without_torch_accelerator_graph_is_unsupported_not_a_cuda_graph(what, call):
+    """Claiming graphs is not enough: the base has no graph of its own, and never borrows CUDA's."""
+    acc = ModuleBacked(SimpleNamespace(CUDAGraph=_refuse, graph=_refuse), claims={"graphs"})
+    with pytest.raises(Unsupported, match=r"torch\.accelerator\.Graph.*must implement create_graph"):
+        call(acc)
+
+
+def test_device_functions_come_from_the_device_module_first():
+    calls = []
+    module = SimpleNamespace(memory_allocated=lambda i: calls.append(("module", i)) or 7,
+                             mem_get_info=lambda i: (3, 10))
+    acc = ModuleBacked(module, claims={"memory_stats"}, torch_serves=True)
+    assert acc.memory_allocated(0) == 7 and calls == [("module", 0)]
+    assert (acc.available_memory(), acc.total_memory()) == (3, 10)
+
+
+def test_what_the_device_module_lacks_comes_from_torch_accelerator(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "memory_allocated", lambda i: calls.append(("generic", i)) or 5)
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda i: (1, 8))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 2)
+    acc = ModuleBacked(SimpleNamespace(), claims={"memory_stats"}, torch_serves=True)
+    assert acc.memory_allocated(1) == 5 and calls == [("generic", 1)]
+    assert (acc.available_memory(1), acc.total_memory(1)) == (1, 8)
+    assert acc.current_device() == 2
+
+
+def test_neither_the_module_nor_torch_accelerator_having_it_is_unsupported():
+    acc = ModuleBacked(SimpleNamespace(), claims={"memory_stats"})
+    with pytest.raises(Unsupported, match=r"torch\.fakedev\.memory_allocated.*torch\.accelerator\.memory_allocated"):
+        acc.memory_allocated()
+    with pytest.raises(Unsupported, match="must implement it"):
+        acc.device_count()
+
+
+def test_streams_and_events_fall_back_to_torch_stream_and_event():
+    """A device module without Stream/Event classes gets torch's generic ones (here on the host type)."""
+
+    class HostModule(ModuleBacked):
+        device_type = "cpu"
+
+    acc = HostModule(SimpleNamespace(), claims={"streams", "events"}, torch_serves=True)
+    stream = acc.Stream()
+    assert type(stream) is torch.Stream and stream.device.type == "cpu"
+    with acc.stream(stream):
+        pass
+    assert type(acc.Event(enable_timing=False)) is torch.Event
+    with pytest.raises(Unsupported, match=r"torch\.Stream"):
+        HostModule(SimpleNamespace(), claims={"streams"}).Stream()
+
+
+def test_a_refused_unregistration_says_the_buffer_is_kept_alive():
+    acc = ModuleBacked(SimpleNamespace())
+    err = acc.runtime_call_error("hostUnregister(0x10)", 3, "busy", unregistering=True)
+    assert isinstance(err, PolyaccelError)
+    assert str(err) == ("modulebacked: hostUnregister(0x10) failed with error 3 (busy); the buffer is kept alive "
+                        "(never freed) because the device may still access it")
+    assert str(acc.runtime_call_error("hostRegister(0x10)", 1, hint="not registered")) == (
+        "modulebacked: hostRegister(0x10) failed with error 1; not registered")
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and hasattr(torch.accelerator, "Graph")),
+                    reason="needs a GPU and torch.accelerator.Graph")
+def test_a_plugin_claiming_graphs_gets_torch_accelerator_graph_on_a_device_torch_serves():
+    class GenericGpu(Accelerator):
+        name = "genericgpu"
+        device_type = torch.accelerator.current_accelerator().type
+
+        def probe(self):
+            return ProbeResult(True, "", torch.accelerator.device_count())
+
+        def capabilities(self):
+            return frozenset({"graphs", "streams", "events"})
+
+    acc = GenericGpu()
+    x = torch.randn(1031, device=acc.device())
+    graph = acc.create_graph()
+    assert isinstance(graph, torch.accelerator.Graph)
+    with acc.capture_to_graph(graph):
+        y = x * 2.0 + 1.0
+    for _ in range(2):
+        x.copy_(torch.randn(1031, device=acc.device()))
+        acc.replay_graph(graph)
+        acc.synchronize()
+        torch.testing.assert_close(y, x * 2.0 + 1.0)
