@@ -1,8 +1,8 @@
-"""Package discovery for the three source roots (core/, plugins/, engines/) under one name."""
+"""Package discovery for the four source roots (core/, plugins/, engines/, apps/) under one name."""
 
 from setuptools import find_packages, setup
 
-ROOTS = {"polyaccel": "core", "polyaccel.plugins": "plugins", "polyaccel.engines": "engines"}
+ROOTS = {"polyaccel": "core", "polyaccel.plugins": "plugins", "polyaccel.engines": "engines", "polyaccel.apps": "apps"}
 packages = []
 for pkg, root in ROOTS.items():
     packages.append(pkg)

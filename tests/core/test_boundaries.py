@@ -1,4 +1,5 @@
-"""Architecture rules: core imports neither plugins nor engines; plugins only core; import is light."""
+"""Architecture rules: core imports neither plugins, engines nor apps; plugins only core; engines no plugins;
+apps (``polyaccel train``) core and engines only; import is light."""
 
 import ast
 import json
@@ -28,12 +29,18 @@ def imported_modules(folder: Path):
 
 def test_core_imports_neither_plugins_nor_engines():
     bad = [(str(p), m) for p, m in imported_modules(ROOT / "core")
-           if m.startswith(("polyaccel.plugins", "polyaccel.engines"))]
+           if m.startswith(("polyaccel.plugins", "polyaccel.engines", "polyaccel.apps"))]
     assert not bad, bad
 
 
 def test_engines_import_core_only():
-    bad = [(str(p), m) for p, m in imported_modules(ROOT / "engines") if m.startswith("polyaccel.plugins")]
+    bad = [(str(p), m) for p, m in imported_modules(ROOT / "engines")
+           if m.startswith(("polyaccel.plugins", "polyaccel.apps"))]
+    assert not bad, bad
+
+
+def test_apps_import_core_and_engines_only():
+    bad = [(str(p), m) for p, m in imported_modules(ROOT / "apps") if m.startswith("polyaccel.plugins")]
     assert not bad, bad
 
 
@@ -58,7 +65,7 @@ def test_import_and_selection_load_no_triton_vendor_runtime_or_engine():
         "light = [m for m in ('torch', 'triton', 'transformers') if m in sys.modules]\n"
         "polyaccel.get_accelerator()\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('triton', 'torch_npu', 'torch_supa',"
-        " 'intel_extension_for_pytorch', 'transformers') or m.startswith('polyaccel.engines')]\n"
+        " 'intel_extension_for_pytorch', 'transformers') or m.startswith(('polyaccel.engines', 'polyaccel.apps'))]\n"
         "print(json.dumps({'light': light, 'heavy': heavy}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from polyaccel.apps.train import launcher
+from polyaccel.apps.train.options import options_from_args
 from polyaccel.cli import main
-from polyaccel.engines.train import launcher
-from polyaccel.engines.train.options import options_from_args
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -66,8 +66,8 @@ def test_train_tp2(capfd, tmp_path):
     assert "tensor parallel" in captured.out and "AutoTP: tensor 2 x data 1; plan: 5 column, 2 row" in captured.out
     assert res["tokens_per_step"] == 4 * 32
     # step 1's loss is the unsharded model's on the same batch (both ranks of the group read data rank 0's rows)
-    from polyaccel.engines.train.data import ByteTokenizer, TokenSampler, load_text
-    from polyaccel.engines.train.model import ModelSpec, build_model
+    from polyaccel.apps.train.data import ByteTokenizer, TokenSampler, load_text
+    from polyaccel.apps.train.model import ModelSpec, build_model
 
     opts = options_from_args(_args([*TINY, "--nproc", "2", "--tp", "2", "--steps", "4"]), _acc())
     torch.manual_seed(opts.seed)

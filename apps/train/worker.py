@@ -1,6 +1,6 @@
 """What each rank runs: set up the process, train, save, and (rank 0) report.
 
-Spawned by :mod:`polyaccel.engines.train.launcher` through torchrun's API, so the rendezvous
+Spawned by :mod:`polyaccel.apps.train.launcher` through torchrun's API, so the rendezvous
 environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``) is set.
 Hardware is reached only through the contracts: the selected accelerator, ``polyaccel.comm``
 and the engine returned by ``polyaccel.initialize``.

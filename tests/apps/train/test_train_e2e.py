@@ -66,8 +66,8 @@ def test_stage3_offload_bf16_gpt2_with_accumulation(capfd, tmp_path):
 
 def test_a_failing_rank_is_reported_clearly(capfd, tmp_path):
     # metadata says a checkpoint exists, but the engine's files are missing: the ranks fail on load
-    from polyaccel.engines.train.model import ModelSpec
-    from polyaccel.engines.train.options import write_checkpoint_meta
+    from polyaccel.apps.train.model import ModelSpec
+    from polyaccel.apps.train.options import write_checkpoint_meta
 
     spec = ModelSpec(hidden_size=64, num_layers=1, num_heads=2)
     write_checkpoint_meta(str(tmp_path), "step2", {"step": 2, "model": spec.as_dict()})

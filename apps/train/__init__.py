@@ -1,5 +1,5 @@
 """``polyaccel train``: the main job (launcher, model, data, training loop, summary).
 
-The command module is :mod:`polyaccel.engines.train.command`, registered in the entry-point
+The command module is :mod:`polyaccel.apps.train.command`, registered in the entry-point
 group ``polyaccel.commands``. Nothing heavy is imported here.
 """

@@ -9,9 +9,9 @@ import json
 import polyaccel
 import pytest
 import torch
+from polyaccel.apps.train import launcher
+from polyaccel.apps.train.options import options_from_args
 from polyaccel.cli import build_parser, main
-from polyaccel.engines.train import launcher
-from polyaccel.engines.train.options import options_from_args
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -32,7 +32,7 @@ def _opts(argv):
 
 
 def _init_file(tmp_path, seed: int = 99, **changes) -> str:
-    from polyaccel.engines.train.model import build_model
+    from polyaccel.apps.train.model import build_model
     from safetensors.torch import save_file
 
     spec = _opts(TINY).model
@@ -85,8 +85,8 @@ def test_init_from_checked_before_spawning(no_spawn, capsys, tmp_path):
 
 
 def test_train_tp2_ep2_from_a_hf_state_dict_then_zero_to_fp32(capfd, tmp_path):
-    from polyaccel.engines.train.data import ByteTokenizer, TokenSampler, load_text
-    from polyaccel.engines.train.model import build_model, hf_config
+    from polyaccel.apps.train.data import ByteTokenizer, TokenSampler, load_text
+    from polyaccel.apps.train.model import build_model, hf_config
     from safetensors.torch import load_file
     from transformers import MixtralForCausalLM
 

@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from polyaccel.apps.train import launcher
+from polyaccel.apps.train.options import META_PREFIX, TrainOptions, options_from_args
 from polyaccel.cli import main
-from polyaccel.engines.train import launcher
-from polyaccel.engines.train.options import META_PREFIX, TrainOptions, options_from_args
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-from polyaccel.engines.train.data import VOCAB_SIZE, ByteTokenizer, TokenSampler, load_text
-from polyaccel.engines.train.model import ModelSpec, build_model, count_parameters
+from polyaccel.apps.train.data import VOCAB_SIZE, ByteTokenizer, TokenSampler, load_text
+from polyaccel.apps.train.model import ModelSpec, build_model, count_parameters
 from polyaccel.errors import ConfigError
 
 
