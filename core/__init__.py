@@ -7,7 +7,7 @@ Plugins are discovered and the accelerator selected on the first
 
 from __future__ import annotations
 
-from .errors import ConfigError, OpError, PolyaccelError, SelectionError, Unsupported
+from .errors import ConfigError, InvalidArgument, OpArgumentError, OpError, PolyaccelError, SelectionError, Unsupported
 from .version import API_VERSION
 
 __version__ = "0.1.0"
@@ -45,7 +45,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "API_VERSION", "Accelerator", "ConfigError", "OpError", "PolyaccelError", "ProbeResult",
-    "SelectionError", "Unsupported", "get_accelerator", "hookimpl", "initialize", "ops", "optim",
+    "API_VERSION", "Accelerator", "ConfigError", "InvalidArgument", "OpArgumentError", "OpError", "PolyaccelError",
+    "ProbeResult", "SelectionError", "Unsupported", "get_accelerator", "hookimpl", "initialize", "ops", "optim",
     "register_plugin", "set_accelerator",
 ]

@@ -19,6 +19,7 @@ from collections import defaultdict
 import torch
 
 from . import ops
+from .errors import InvalidArgument, OpError
 
 
 def _state_dtype(p: torch.Tensor) -> torch.dtype:
@@ -30,11 +31,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _check_common(self, lr, betas, weight_decay):
         if not 0.0 <= lr:
-            raise ValueError(f"invalid learning rate {lr!r}: must be >= 0")
+            raise InvalidArgument(f"invalid learning rate {lr!r}: must be >= 0")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"invalid betas {betas!r}: need two values in [0, 1)")
+            raise InvalidArgument(f"invalid betas {betas!r}: need two values in [0, 1)")
         if not 0.0 <= weight_decay:
-            raise ValueError(f"invalid weight_decay {weight_decay!r}: must be >= 0")
+            raise InvalidArgument(f"invalid weight_decay {weight_decay!r}: must be >= 0")
 
     def _init_state(self, p: torch.Tensor, capturable: bool) -> dict:
         st = self.state[p]
@@ -52,7 +53,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                raise OpError(f"{type(self).__name__} does not support sparse gradients")
             capturable = group.get("capturable", False)
             st = self._init_state(p, capturable)
             if capturable and st["step"].device != p.device:
@@ -95,7 +96,7 @@ class FusedAdam(_FusedOptimizer):
                  adam_w_mode=True, bias_correction=True, capturable=False):
         self._check_common(lr, betas, weight_decay)
         if not eps > 0:
-            raise ValueError(f"invalid eps {eps!r}: must be > 0")
+            raise InvalidArgument(f"invalid eps {eps!r}: must be > 0")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       adam_w_mode=adam_w_mode, bias_correction=bias_correction,
                                       capturable=capturable))
@@ -130,9 +131,9 @@ class FusedLamb(_FusedOptimizer):
                  bias_correction=True, max_coeff=10.0, min_coeff=0.01, capturable=False):
         self._check_common(lr, betas, weight_decay)
         if not eps > 0:
-            raise ValueError(f"invalid eps {eps!r}: must be > 0")
+            raise InvalidArgument(f"invalid eps {eps!r}: must be > 0")
         if not 0 < min_coeff <= max_coeff:
-            raise ValueError(f"invalid trust-ratio bounds min_coeff={min_coeff}, max_coeff={max_coeff}")
+            raise InvalidArgument(f"invalid trust-ratio bounds min_coeff={min_coeff}, max_coeff={max_coeff}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       bias_correction=bias_correction, max_coeff=max_coeff,
                                       min_coeff=min_coeff, capturable=capturable))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from polyaccel.errors import ConfigError
+from polyaccel.errors import ConfigError, InvalidArgument
 
 #: byte-level: every byte value is a token, so any UTF-8 text round-trips
 VOCAB_SIZE = 256
@@ -90,7 +90,7 @@ class TokenSampler:
     def batch(self, step: int, micro_step: int, rank: int, world_size: int) -> Batch:
         """This rank's rows of the global batch for ``step`` (0-based) and ``micro_step``."""
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world size {world_size}")
+            raise InvalidArgument(f"rank {rank} is outside world size {world_size}")
         g = self.global_batch(step, micro_step, world_size)
         rows = slice(rank * self.batch_size, (rank + 1) * self.batch_size)
         return Batch(g.input_ids[rows], g.labels[rows])

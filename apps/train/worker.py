@@ -127,7 +127,7 @@ def train(opts: TrainOptions, acc, device) -> dict | None:
             client_state = engine.load_checkpoint(opts.resume, tag=opts.resume_tag) or {}
             saved = client_state.get("train", {}).get("step")
             if saved != opts.start_step:
-                raise RuntimeError(
+                raise polyaccel.PolyaccelError(
                     f"checkpoint {opts.resume_tag!r} in {opts.resume} says step {saved}, "
                     f"its metadata file says {opts.start_step}; the directory is inconsistent"
                 )

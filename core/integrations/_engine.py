@@ -9,6 +9,8 @@ accumulation window. The polyaccel engine counts micro-steps itself and exposes 
 
 from __future__ import annotations
 
+from ..errors import PolyaccelError
+
 
 class EngineAdapter:
     """Wrap a polyaccel engine (``polyaccel.initialize``'s result) with the trainer-facing extras.
@@ -53,7 +55,7 @@ class EngineAdapter:
             if want:  # a short window: move the count to the window's last micro-step
                 eng.micro_steps += gas - 1 - eng.micro_steps % gas
             elif gas == 1:
-                raise RuntimeError("the engine's gradient_accumulation_steps is 1: every micro-step is an optimizer "
+                raise PolyaccelError("the engine's gradient_accumulation_steps is 1: every micro-step is an optimizer "
                                    "boundary, so the trainer cannot defer one; configure the engine with the "
                                    "trainer's accumulation steps")
             else:

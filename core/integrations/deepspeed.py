@@ -94,7 +94,8 @@ class CPUAdamOp:
                     exp_avg, exp_avg_sq):
         opt = self._optimizers.get(optimizer_id)
         if opt is None:
-            raise RuntimeError(f"polyaccel CPUAdam: optimizer {optimizer_id} was never created (create_adam)")
+            raise polyaccel.PolyaccelError(
+                f"polyaccel CPUAdam: optimizer {optimizer_id} was never created (create_adam)")
         CPUAdamOp.calls += 1
         _ops.fused_adam([params], [grads], [exp_avg], [exp_avg_sq], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                         weight_decay=weight_decay, step=step, adam_w_mode=opt["adam_w_mode"],

@@ -40,7 +40,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from polyaccel import selection
-from polyaccel.errors import ConfigError
+from polyaccel.errors import ConfigError, PolyaccelError
 
 from ._engine import EngineAdapter
 
@@ -453,7 +453,7 @@ class PolyaccelStrategy(DDPStrategy):
             raise TypeError("PolyaccelStrategy writes checkpoints itself; storage_options is not supported")
         filepath = self.broadcast(str(filepath))
         if self.polyaccel_engine is None:
-            raise RuntimeError("PolyaccelStrategy saves checkpoints while fitting (the engine holds the state)")
+            raise PolyaccelError("PolyaccelStrategy saves checkpoints while fitting (the engine holds the state)")
         self.polyaccel_engine.save_checkpoint(filepath, tag=ENGINE_TAG)
         if self.is_global_zero:
             state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -468,7 +468,7 @@ class PolyaccelStrategy(DDPStrategy):
         if not os.path.isfile(meta):
             raise FileNotFoundError(f"{path} is not a PolyaccelStrategy checkpoint (no {LIGHTNING_STATE} in it)")
         if self.polyaccel_engine is None:
-            raise RuntimeError("PolyaccelStrategy loads checkpoints into the engine: resume with "
+            raise PolyaccelError("PolyaccelStrategy loads checkpoints into the engine: resume with "
                                "trainer.fit(..., ckpt_path=...)")
         self.polyaccel_engine.load_checkpoint(path, tag=ENGINE_TAG)
         # our own file, written by save_checkpoint above (Lightning's loops and callbacks are plain objects)

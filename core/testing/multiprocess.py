@@ -42,7 +42,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
 
-from ..errors import PolyaccelError
+from ..errors import InvalidArgument, PolyaccelError
 
 #: what the forkserver imports once, so ranks start without importing torch again
 #: (``torch.distributed.tensor`` is what the first ``torch.testing.assert_close`` would import: ~1 s a rank)
@@ -142,13 +142,13 @@ def _context(start_method: str):
         return ctx
     if start_method == "spawn":
         return mp.get_context("spawn")
-    raise ValueError(f"start_method must be 'forkserver' or 'spawn' (a clean interpreter), got {start_method!r}")
+    raise InvalidArgument(f"start_method must be 'forkserver' or 'spawn' (a clean interpreter), got {start_method!r}")
 
 
 def _check_fn(fn) -> None:
     qualname = getattr(fn, "__qualname__", "")
     if not callable(fn) or "<locals>" in qualname or "<lambda>" in qualname:
-        raise ValueError(
+        raise InvalidArgument(
             f"run_ranks needs a module-level function (it is pickled by name into each rank); got {fn!r}. "
             "Move it to the top level of its module."
         )
@@ -225,9 +225,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, backend: str = 
     rules); ``env`` adds environment variables for the ranks.
     """
     if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        raise InvalidArgument(f"world_size must be a positive int, got {world_size!r}")
     if not timeout or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout!r}")
     _check_fn(fn)
     import torch.distributed as dist
 

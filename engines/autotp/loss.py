@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from polyaccel import comm
+from polyaccel.errors import InvalidArgument
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -73,7 +74,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
     that are not ignored (``F.cross_entropy``'s rule); ``num_items_in_batch`` divides the sum instead.
     """
     if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        raise InvalidArgument(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     flat = logits.reshape(-1, logits.shape[-1])
     tgt = target.reshape(-1).to(flat.device)
     per_token = _VocabParallelCE.apply(flat, tgt, vocab_start, group, ignore_index)

@@ -20,6 +20,7 @@ Without the extension the builders are incompatible and the registry picks the r
 from __future__ import annotations
 
 import torch
+from polyaccel.errors import OpError
 from polyaccel.ops import OpBuilder
 from polyaccel.ops.reference import optimizers as ref_optim
 
@@ -46,7 +47,7 @@ def _kernel(name: str):
 
     ops = runtime.deepspeed_ops()
     if ops is None or not hasattr(ops, name):
-        raise RuntimeError(f"torch.ops.deepspeed.{name} is not registered (import torch_supa_ext.deepspeed)")
+        raise OpError(f"torch.ops.deepspeed.{name} is not registered (import torch_supa_ext.deepspeed)")
     return getattr(ops, name)
 
 

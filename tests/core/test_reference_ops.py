@@ -91,6 +91,15 @@ def test_swiglu_forward_and_backward_match_autograd_float64():
     assert torch.autograd.gradcheck(ref.swiglu, (gate.detach().requires_grad_(), up.detach().requires_grad_()))
 
 
+def test_bad_op_arguments_raise_polyaccels_op_argument_error_which_is_a_value_error_too():
+    import polyaccel
+
+    with pytest.raises(polyaccel.OpArgumentError) as info:
+        ref.swiglu(torch.randn(3), torch.randn(4))
+    for base in (polyaccel.OpError, polyaccel.InvalidArgument, polyaccel.PolyaccelError, ValueError):
+        assert isinstance(info.value, base), base
+
+
 def test_swiglu_bad_inputs():
     with pytest.raises(ValueError, match="differ in shape"):
         ref.swiglu(torch.randn(3), torch.randn(4))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import OpArgumentError
+
 
 def check_grouped_mm_shapes(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None:
     """Validate what needs no look at the offsets' values (no synchronisation).
@@ -12,18 +14,18 @@ def check_grouped_mm_shapes(x: torch.Tensor, weight: torch.Tensor, offsets: torc
     end row of each expert (int32 or int64, non-decreasing, last <= tokens).
     """
     if x.dim() != 2 or weight.dim() != 3:
-        raise ValueError(f"grouped_mm: x must be 2-D and weight 3-D, got {x.dim()}-D and {weight.dim()}-D")
+        raise OpArgumentError(f"grouped_mm: x must be 2-D and weight 3-D, got {x.dim()}-D and {weight.dim()}-D")
     if x.shape[1] != weight.shape[1]:
-        raise ValueError(f"grouped_mm: x has {x.shape[1]} features but weight expects {weight.shape[1]}")
+        raise OpArgumentError(f"grouped_mm: x has {x.shape[1]} features but weight expects {weight.shape[1]}")
     if offsets.dim() != 1 or offsets.numel() != weight.shape[0]:
-        raise ValueError(
+        raise OpArgumentError(
             f"grouped_mm: offsets must be 1-D with one entry per expert ({weight.shape[0]}), "
             f"got shape {tuple(offsets.shape)}"
         )
     if offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"grouped_mm: offsets must be int32 or int64, got {offsets.dtype}")
+        raise OpArgumentError(f"grouped_mm: offsets must be int32 or int64, got {offsets.dtype}")
     if x.dtype != weight.dtype:
-        raise ValueError(f"grouped_mm: x is {x.dtype} but weight is {weight.dtype}")
+        raise OpArgumentError(f"grouped_mm: x is {x.dtype} but weight is {weight.dtype}")
 
 
 def check_grouped_mm_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -40,10 +42,10 @@ def last_offset(off: torch.Tensor, rows: int) -> int:
         return 0
     host = off.cpu()
     if bool((host[1:] < host[:-1]).any()) or int(host[0]) < 0:
-        raise ValueError("grouped_mm: offsets must be non-decreasing and non-negative")
+        raise OpArgumentError("grouped_mm: offsets must be non-decreasing and non-negative")
     last = int(host[-1])
     if last > rows:
-        raise ValueError(f"grouped_mm: last offset {last} exceeds the {rows} rows of x")
+        raise OpArgumentError(f"grouped_mm: last offset {last} exceeds the {rows} rows of x")
     return last
 
 

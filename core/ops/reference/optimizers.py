@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from ...errors import OpArgumentError
+
 
 def upcast(t: torch.Tensor) -> torch.Tensor:
     """Math dtype of the reference: fp32 for 16-bit tensors, the tensor's own dtype otherwise."""
@@ -30,14 +32,14 @@ def check_lists(name: str, *lists) -> None:
     n = len(lists[0])
     for lst in lists[1:]:
         if len(lst) != n:
-            raise ValueError(f"{name}: tensor lists differ in length ({[len(x) for x in lists]})")
+            raise OpArgumentError(f"{name}: tensor lists differ in length ({[len(x) for x in lists]})")
     for i, group in enumerate(zip(*lists, strict=True)):
         shape = group[0].shape
         for t in group[1:]:
             if t.shape != shape:
-                raise ValueError(f"{name}: tensor {i} has mismatched shapes {[tuple(x.shape) for x in group]}")
+                raise OpArgumentError(f"{name}: tensor {i} has mismatched shapes {[tuple(x.shape) for x in group]}")
             if t.device != group[0].device:
-                raise ValueError(f"{name}: tensor {i} spans devices {[str(x.device) for x in group]}")
+                raise OpArgumentError(f"{name}: tensor {i} spans devices {[str(x.device) for x in group]}")
 
 
 def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...errors import OpArgumentError
+
 MODES = ("int8", "int4", "fp8")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 FP8_MAX = 448.0
@@ -59,26 +61,27 @@ def qmax(mode: str, symmetric: bool) -> int:
 
 def check_quantize_args(x: torch.Tensor, mode: str, group_size: int, symmetric: bool) -> None:
     if mode not in MODES:
-        raise ValueError(f"quantize: mode {mode!r} is not one of {MODES}")
+        raise OpArgumentError(f"quantize: mode {mode!r} is not one of {MODES}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize: expected a tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"quantize: input dtype {x.dtype} is not a float type; use one of {FLOAT_DTYPES}")
+        raise OpArgumentError(f"quantize: input dtype {x.dtype} is not a float type; use one of {FLOAT_DTYPES}")
     if x.numel() == 0:
-        raise ValueError("quantize: the input is empty; there is nothing to quantize")
+        raise OpArgumentError("quantize: the input is empty; there is nothing to quantize")
     if not x.is_contiguous():
-        raise ValueError("quantize: the input is not contiguous; call .contiguous() first")
+        raise OpArgumentError("quantize: the input is not contiguous; call .contiguous() first")
     if not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"quantize: group_size must be a positive int, got {group_size!r}")
+        raise OpArgumentError(f"quantize: group_size must be a positive int, got {group_size!r}")
     if x.numel() % group_size:
-        raise ValueError(
+        raise OpArgumentError(
             f"quantize: group_size {group_size} does not divide the {x.numel()} elements of the input; "
             "pad the input or pick a divisor"
         )
     if mode == "int4" and group_size % 2:
-        raise ValueError(f"quantize: int4 packs two values per byte, so group_size must be even (got {group_size})")
+        raise OpArgumentError(
+            f"quantize: int4 packs two values per byte, so group_size must be even (got {group_size})")
     if mode == "fp8" and not symmetric:
-        raise ValueError("quantize: fp8 is symmetric only; pass symmetric=True")
+        raise OpArgumentError("quantize: fp8 is symmetric only; pass symmetric=True")
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import OpArgumentError
 from .optimizers import upcast
 
 
@@ -24,13 +25,13 @@ def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
 
 def check_swiglu_args(gate: torch.Tensor, up: torch.Tensor) -> None:
     if gate.shape != up.shape:
-        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+        raise OpArgumentError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
     if gate.dtype != up.dtype:
-        raise ValueError(f"swiglu: gate is {gate.dtype} but up is {up.dtype}; pass the same dtype")
+        raise OpArgumentError(f"swiglu: gate is {gate.dtype} but up is {up.dtype}; pass the same dtype")
     if gate.device != up.device:
-        raise ValueError(f"swiglu: gate is on {gate.device} but up is on {up.device}")
+        raise OpArgumentError(f"swiglu: gate is on {gate.device} but up is on {up.device}")
     if not gate.is_floating_point():
-        raise ValueError(f"swiglu: needs floating-point inputs, got {gate.dtype}")
+        raise OpArgumentError(f"swiglu: needs floating-point inputs, got {gate.dtype}")
 
 
 def make_swiglu(forward, backward):

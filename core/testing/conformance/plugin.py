@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from ...errors import PolyaccelError
 from . import results
 from .results import (
     FAIL,
@@ -103,7 +104,7 @@ def pytest_report_header(config):
 def get_target(config) -> Target:
     state = config.stash[_STATE]
     if state.target is None:
-        raise RuntimeError("the polyaccel conformance plugin has no target accelerator")
+        raise PolyaccelError("the polyaccel conformance plugin has no target accelerator")
     return state.target
 
 

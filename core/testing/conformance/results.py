@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ...errors import InvalidArgument
+
 SCHEMA = "polyaccel-conformance"
 SCHEMA_VERSION = 1
 
@@ -137,8 +139,8 @@ def load(path: str) -> dict[str, Any]:
     with open(path) as fh:
         data = json.load(fh)
     if data.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: not a polyaccel conformance document (schema={data.get('schema')!r})")
+        raise InvalidArgument(f"{path}: not a polyaccel conformance document (schema={data.get('schema')!r})")
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema_version {data.get('schema_version')!r}, this polyaccel reads "
+        raise InvalidArgument(f"{path}: schema_version {data.get('schema_version')!r}, this polyaccel reads "
                          f"{SCHEMA_VERSION}")
     return data

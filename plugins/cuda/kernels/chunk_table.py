@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+from polyaccel.errors import ConfigError, OpArgumentError
 from polyaccel.ops.reference.optimizers import check_lists
 
 from ..triton_support import interpreting
@@ -57,7 +58,7 @@ def set_launch_config(block: int | None, iters: int | None = None, num_warps: in
         _config_override = None
         return
     if block & (block - 1) or block < 16:
-        raise ValueError(f"BLOCK must be a power of two >= 16, got {block}")
+        raise ConfigError(f"BLOCK must be a power of two >= 16, got {block}")
     _config_override = (int(block), int(iters or 1), int(num_warps or 4))
     clear_cache()
 
@@ -110,18 +111,18 @@ def _check(op: str, lists) -> torch.device:
     check_lists(op, *lists)
     device = lists[0][0].device
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
-        raise ValueError(f"{op}: the Triton kernel needs CUDA tensors, got tensors on {device} "
+        raise OpArgumentError(f"{op}: the Triton kernel needs CUDA tensors, got tensors on {device} "
                          "(on CPU it runs only under TRITON_INTERPRET=1, for tests)")
     for li, lst in enumerate(lists):
         for i, t in enumerate(lst):
             if t.device != device:
-                raise ValueError(f"{op}: {names[li]}[{i}] is on {t.device}, {names[0]}[0] on {device}; "
+                raise OpArgumentError(f"{op}: {names[li]}[{i}] is on {t.device}, {names[0]}[0] on {device}; "
                                  "one call takes tensors of one device")
             if t.dtype not in _SUPPORTED:
                 raise TypeError(f"{op}: {names[li]}[{i}] has dtype {t.dtype}; the Triton kernel takes "
                                 "float32, bfloat16 or float16")
             if not t.is_contiguous():
-                raise ValueError(f"{op}: {names[li]}[{i}] is not contiguous; pass contiguous tensors "
+                raise OpArgumentError(f"{op}: {names[li]}[{i}] is not contiguous; pass contiguous tensors "
                                  "(e.g. .contiguous(), or keep optimizer state contiguous)")
     return device
 
@@ -186,7 +187,7 @@ def _env_config() -> None:
         try:
             b, i, w = (int(x) for x in raw.split(","))
         except ValueError:
-            raise ValueError(f"POLYACCEL_TRITON_OPTIM_CONFIG={raw!r} is not 'BLOCK,ITERS,WARPS'") from None
+            raise ConfigError(f"POLYACCEL_TRITON_OPTIM_CONFIG={raw!r} is not 'BLOCK,ITERS,WARPS'") from None
         set_launch_config(b, i, w)
 
 

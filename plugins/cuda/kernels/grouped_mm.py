@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from polyaccel.errors import OpArgumentError
 from polyaccel.ops.reference.grouped_mm import check_grouped_mm_shapes, last_offset
 from polyaccel.ops.reference.grouped_mm import grouped_mm as reference_grouped_mm
 
@@ -181,18 +182,18 @@ def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, off_ptr, T, K, N,
 def _check_layout(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None:
     """The checks that need no device values (safe inside CUDA graph capture)."""
     if x.dim() != 2 or weight.dim() != 3:
-        raise ValueError(f"grouped_mm: x must be 2-D and weight 3-D, got {x.dim()}-D and {weight.dim()}-D")
+        raise OpArgumentError(f"grouped_mm: x must be 2-D and weight 3-D, got {x.dim()}-D and {weight.dim()}-D")
     if x.shape[1] != weight.shape[1]:
-        raise ValueError(f"grouped_mm: x has {x.shape[1]} features but weight expects {weight.shape[1]}")
+        raise OpArgumentError(f"grouped_mm: x has {x.shape[1]} features but weight expects {weight.shape[1]}")
     if offsets.dim() != 1 or offsets.numel() != weight.shape[0]:
-        raise ValueError(f"grouped_mm: offsets must be 1-D with one entry per expert ({weight.shape[0]}), "
+        raise OpArgumentError(f"grouped_mm: offsets must be 1-D with one entry per expert ({weight.shape[0]}), "
                          f"got shape {tuple(offsets.shape)}")
     if offsets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"grouped_mm: offsets must be int32 or int64, got {offsets.dtype}")
+        raise OpArgumentError(f"grouped_mm: offsets must be int32 or int64, got {offsets.dtype}")
     if x.dtype != weight.dtype:
-        raise ValueError(f"grouped_mm: x is {x.dtype} but weight is {weight.dtype}")
+        raise OpArgumentError(f"grouped_mm: x is {x.dtype} but weight is {weight.dtype}")
     if x.device != weight.device or offsets.device != x.device:
-        raise ValueError(f"grouped_mm: x ({x.device}), weight ({weight.device}) and offsets ({offsets.device}) "
+        raise OpArgumentError(f"grouped_mm: x ({x.device}), weight ({weight.device}) and offsets ({offsets.device}) "
                          "must be on one device")
 
 
@@ -233,7 +234,7 @@ def _launch_grouped(a, b, off64, out, cfg: TileConfig | None):
 
 def _check_dtype(x: torch.Tensor) -> None:
     if x.dtype not in _DOT_DTYPES:
-        raise ValueError(f"grouped_mm: the Triton kernel takes {_DOT_DTYPES}, got {x.dtype}; "
+        raise OpArgumentError(f"grouped_mm: the Triton kernel takes {_DOT_DTYPES}, got {x.dtype}; "
                          "use polyaccel.ops.override('grouped_mm', 'reference') for other dtypes")
 
 

@@ -29,6 +29,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from polyaccel.errors import OpArgumentError
 from polyaccel.ops import torch_optim
 from polyaccel.ops.reference.optimizers import check_lists
 
@@ -332,17 +333,17 @@ def _step_args(step, bias_correction: bool, beta1: float, beta2: float, device):
         return None, False, 1.0, 1.0, log_b1, log_b2
     if isinstance(step, torch.Tensor):
         if step.numel() != 1:
-            raise ValueError(f"step must be an int or a one-element tensor, got shape {tuple(step.shape)}")
+            raise OpArgumentError(f"step must be an int or a one-element tensor, got shape {tuple(step.shape)}")
         if step.device.type == "cpu" and device.type != "cpu":
             step = step.item()  # a host tensor: reading it costs no device synchronisation
     if isinstance(step, torch.Tensor):
         if step.device != device:
-            raise ValueError(f"step tensor is on {step.device} but the parameters are on {device}; "
+            raise OpArgumentError(f"step tensor is on {step.device} but the parameters are on {device}; "
                              "keep it on the parameters' device (a captured graph reads it there)")
         return step, True, 1.0, 1.0, log_b1, log_b2
     s = float(step)
     if s < 1:
-        raise ValueError(f"step must be >= 1 (the count after incrementing), got {step!r}")
+        raise OpArgumentError(f"step must be >= 1 (the count after incrementing), got {step!r}")
     return None, False, 1.0 - beta1 ** s, 1.0 - beta2 ** s, log_b1, log_b2
 
 
@@ -404,7 +405,7 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
                bias_correction=True, max_coeff=10.0, min_coeff=0.01):
     """In-place LAMB: moments + partial norms, per-tensor trust ratios, update (three launches)."""
     if not 0 < min_coeff <= max_coeff:
-        raise ValueError(f"fused_lamb: need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
+        raise OpArgumentError(f"fused_lamb: need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
     (params, grads, exp_avgs, exp_avg_sqs), wide = _split_fp64("fused_lamb", (params, grads, exp_avgs, exp_avg_sqs))
     if wide is not None:
         torch_optim.foreach_lamb(*wide, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from polyaccel.errors import Unsupported
+from polyaccel.errors import OpArgumentError, Unsupported
 from polyaccel.ops.reference.quantize import FP8_MAX, QuantizedTensor, check_quantize_args, qmax
 from triton.language.extra import libdevice
 
@@ -262,25 +262,25 @@ def _check_quantized(qt: QuantizedTensor) -> None:
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"dequantize: expected a QuantizedTensor, got {type(qt).__name__}")
     if qt.mode not in _MODE_IDS:
-        raise ValueError(f"dequantize: mode {qt.mode!r} is not one of {tuple(_MODE_IDS)}")
+        raise OpArgumentError(f"dequantize: mode {qt.mode!r} is not one of {tuple(_MODE_IDS)}")
     n = 1
     for s in qt.shape:
         n *= int(s)
     if n % qt.group_size:
-        raise ValueError(f"dequantize: group_size {qt.group_size} does not divide the {n} elements of shape "
+        raise OpArgumentError(f"dequantize: group_size {qt.group_size} does not divide the {n} elements of shape "
                          f"{tuple(qt.shape)}")
     per_byte = 2 if qt.mode == "int4" else 1
     if qt.data.numel() * per_byte != n or qt.scales.numel() != n // qt.group_size:
-        raise ValueError(
+        raise OpArgumentError(
             f"dequantize: data has {qt.data.numel()} entries and scales {qt.scales.numel()} for shape "
             f"{tuple(qt.shape)} and group_size {qt.group_size}; the QuantizedTensor is inconsistent"
         )
     if qt.scales.dtype != torch.float32:
-        raise ValueError(f"dequantize: scales must be float32, got {qt.scales.dtype}")
+        raise OpArgumentError(f"dequantize: scales must be float32, got {qt.scales.dtype}")
     for name in ("data", "scales", "zero_points"):
         t = getattr(qt, name)
         if t is not None and (t.device != qt.data.device or not t.is_contiguous()):
-            raise ValueError(f"dequantize: {name} must be contiguous and on {qt.data.device}")
+            raise OpArgumentError(f"dequantize: {name} must be contiguous and on {qt.data.device}")
 
 
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:

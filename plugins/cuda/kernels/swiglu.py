@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from polyaccel.errors import OpArgumentError
 from polyaccel.ops.reference.swiglu import check_swiglu_args, make_swiglu
 
 #: elements per program and warps per program (one configuration: both kernels are memory-bound)
@@ -64,7 +65,7 @@ def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     """(d_gate, d_up) of ``out = silu(gate) * up`` in one kernel."""
     check_swiglu_args(gate, up)
     if grad_out.shape != gate.shape:
-        raise ValueError(f"swiglu backward: grad_out {tuple(grad_out.shape)} does not match gate "
+        raise OpArgumentError(f"swiglu backward: grad_out {tuple(grad_out.shape)} does not match gate "
                          f"{tuple(gate.shape)}")
     grad_out, gate, up = grad_out.contiguous(), gate.contiguous(), up.contiguous()
     d_gate = torch.empty_like(gate)
