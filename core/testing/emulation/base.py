@@ -830,6 +830,15 @@ def device_module_functions(rt: EmulatedRuntime, *, device_name: str, invalid_de
     *is* the host, so the device RNG functions act on torch's default (CPU) generator.
     """
 
+    def get_device_name(device=None) -> str:
+        return device_name
+
+    functions = [get_device_name, *_device_functions(rt, invalid_device), *_rng_functions(rt),
+                 *_memory_functions(rt, total_memory), *_stream_functions(rt)]
+    return {fn.__name__: fn for fn in functions}
+
+
+def _device_functions(rt: EmulatedRuntime, invalid_device: str) -> list[Callable[..., Any]]:
     def is_available() -> bool:
         rt.record("is_available")
         return rt.device_count > 0
@@ -851,6 +860,10 @@ def device_module_functions(rt: EmulatedRuntime, *, device_name: str, invalid_de
         rt.record("synchronize", device_index(device))
         rt.synchronize_all()
 
+    return [is_available, device_count, current_device, set_device, synchronize]
+
+
+def _rng_functions(rt: EmulatedRuntime) -> list[Callable[..., Any]]:
     def manual_seed(seed: int) -> None:
         rt.record("manual_seed", int(seed))
         torch.manual_seed(int(seed))
@@ -868,6 +881,10 @@ def device_module_functions(rt: EmulatedRuntime, *, device_name: str, invalid_de
     def set_rng_state(new_state: torch.Tensor, device=None) -> None:
         torch.set_rng_state(new_state)
 
+    return [manual_seed, manual_seed_all, initial_seed, get_rng_state, set_rng_state]
+
+
+def _memory_functions(rt: EmulatedRuntime, total_memory: int) -> list[Callable[..., Any]]:
     def memory_allocated(device=None) -> int:
         return rt.memory.allocated
 
@@ -890,9 +907,11 @@ def device_module_functions(rt: EmulatedRuntime, *, device_name: str, invalid_de
     def mem_get_info(device=None) -> tuple[int, int]:
         return total_memory - rt.memory.reserved, total_memory
 
-    def get_device_name(device=None) -> str:
-        return device_name
+    return [memory_allocated, max_memory_allocated, memory_reserved, reset_peak_memory_stats, memory_stats,
+            empty_cache, mem_get_info]
 
+
+def _stream_functions(rt: EmulatedRuntime) -> list[Callable[..., Any]]:
     def Stream(device=None, priority: int = 0, **kwargs) -> EmulatedStream:  # noqa: N802
         return EmulatedStream(rt, device, priority)
 
@@ -908,11 +927,7 @@ def device_module_functions(rt: EmulatedRuntime, *, device_name: str, invalid_de
     def stream(s):
         return rt.use_stream(s)
 
-    return {fn.__name__: fn for fn in (
-        is_available, device_count, current_device, set_device, synchronize, manual_seed, manual_seed_all,
-        initial_seed, get_rng_state, set_rng_state, memory_allocated, max_memory_allocated, memory_reserved,
-        reset_peak_memory_stats, memory_stats, empty_cache, mem_get_info, get_device_name, Stream, Event,
-        current_stream, default_stream, stream)}
+    return [Stream, Event, current_stream, default_stream, stream]
 
 
 def emulation_fixture(emulate: Callable[..., contextlib.AbstractContextManager], **faults: Any):
