@@ -135,6 +135,37 @@ def options_from_args(args, accelerator) -> TrainOptions:
     """Validate parsed arguments against each other and the selected accelerator."""
     spec = ModelSpec(name=args.model, hidden_size=args.hidden_size, num_layers=args.layers,
                      num_heads=args.heads, max_positions=max(256, args.seq_len)).validate()
+    _check_hyperparameters(args)
+    _check_dtype(args.dtype, accelerator)
+    _check_checkpoint_flags(args)
+    nproc = _nproc(args.nproc, accelerator)
+    tp = getattr(args, "tp", 1)
+    ep = getattr(args, "ep", 1)
+    _check_tp(tp, nproc, spec)
+    _check_ep(ep, nproc, tp, spec)
+    _check_plans(tp, ep, spec)
+    init_from = _init_from(args, spec)
+    # the ranks share the host's cores: for the model itself on cpu, for the offloaded optimizer on a device
+    threads = args.threads or max(1, _cpu_count() // nproc)
+    _positive("--threads", threads)
+    _check_text(args)
+    _check_save_dir(args.save)
+    resume_tag, start_step = _resume_point(args, spec)
+    _check_metrics_out(args.metrics_out)
+    log_every = args.log_every if args.log_every else max(1, args.steps // 10)
+    _positive("--log-every", log_every)
+    return TrainOptions(
+        model=spec, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
+        lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, stage=args.stage,
+        offload=args.offload, tp=tp, ep=ep, dtype=args.dtype, seed=args.seed, nproc=nproc, threads=threads,
+        accelerator=accelerator.name, text=args.text, save=args.save, save_every=args.save_every,
+        resume=args.resume, resume_tag=resume_tag, init_from=init_from, start_step=start_step, log_every=log_every,
+        metrics_out=args.metrics_out,
+    )
+
+
+def _check_hyperparameters(args) -> None:
+    """Step counts, sizes, optimizer numbers and the ZeRO stage."""
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
                         ("--grad-accum", args.grad_accum)):
         _positive(flag, value)
@@ -149,12 +180,19 @@ def options_from_args(args, accelerator) -> TrainOptions:
         raise ConfigError(f"--grad-clip {args.grad_clip}: must be >= 0 (0 turns clipping off)")
     if args.stage not in STAGES:
         raise ConfigError(f"--stage {args.stage}: choose one of {', '.join(map(str, STAGES))}")
-    if args.dtype not in DTYPES:
-        raise ConfigError(f"--dtype {args.dtype!r}: choose one of {', '.join(DTYPES)}")
-    if args.dtype == "bf16" and not accelerator.is_bf16_supported():
+
+
+def _check_dtype(dtype: str, accelerator) -> None:
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype == "bf16" and not accelerator.is_bf16_supported():
         raise ConfigError(f"--dtype bf16: accelerator {accelerator.name!r} does not support bfloat16; use fp32")
-    if args.dtype == "fp16" and not accelerator.is_fp16_supported():
+    if dtype == "fp16" and not accelerator.is_fp16_supported():
         raise ConfigError(f"--dtype fp16: accelerator {accelerator.name!r} does not support float16; use fp32")
+
+
+def _check_checkpoint_flags(args) -> None:
+    """The save/resume flags that need one another."""
     if args.save_every < 0:
         raise ConfigError(f"--save-every {args.save_every}: must be >= 0 (0: save only at the end)")
     if args.save_every and not args.save:
@@ -162,70 +200,64 @@ def options_from_args(args, accelerator) -> TrainOptions:
     if args.resume_tag and not args.resume:
         raise ConfigError("--resume-tag needs --resume DIR")
 
-    nproc = _nproc(args.nproc, accelerator)
-    tp = getattr(args, "tp", 1)
-    ep = getattr(args, "ep", 1)
-    _check_tp(tp, nproc, spec)
-    _check_ep(ep, nproc, tp, spec)
-    _check_plans(tp, ep, spec)
-    init_from = getattr(args, "init_from", None)
-    if init_from:
-        if args.resume:
-            raise ConfigError(f"--init-from {init_from} with --resume {args.resume}: a resumed run takes its weights "
-                              "from the checkpoint; pass one of them")
-        init_from = str(resolve_init_from(init_from, spec))
-    # the ranks share the host's cores: for the model itself on cpu, for the offloaded optimizer on a device
-    threads = args.threads or max(1, _cpu_count() // nproc)
-    _positive("--threads", threads)
 
+def _init_from(args, spec: ModelSpec) -> str | None:
+    """The resolved ``--init-from`` file (None without the flag); a resumed run cannot take one."""
+    init_from = getattr(args, "init_from", None)
+    if not init_from:
+        return init_from
+    if args.resume:
+        raise ConfigError(f"--init-from {init_from} with --resume {args.resume}: a resumed run takes its weights "
+                          "from the checkpoint; pass one of them")
+    return str(resolve_init_from(init_from, spec))
+
+
+def _check_text(args) -> None:
+    """The training text loads and holds at least one batch."""
     from .data import ByteTokenizer, TokenSampler, load_text
 
     tokens = ByteTokenizer().encode(load_text(args.text))
     TokenSampler(tokens, args.seq_len, args.batch_size, args.seed)  # raises on a text too short
 
-    if args.save:
-        save = Path(args.save)
-        if save.exists() and not save.is_dir():
-            raise ConfigError(f"--save {args.save}: exists and is not a directory")
-        if not save.exists() and not save.parent.resolve().is_dir():
-            raise ConfigError(f"--save {args.save}: parent directory {save.parent} does not exist")
 
-    start_step = 0
-    if args.resume:
-        tag, meta = read_checkpoint_meta(args.resume, args.resume_tag)
-        saved_spec = ModelSpec(**meta["model"])
-        if saved_spec != spec:
-            diff = {k: (v, getattr(spec, k)) for k, v in saved_spec.as_dict().items() if getattr(spec, k) != v}
-            raise ConfigError(
-                f"--resume {args.resume}: checkpoint {tag!r} holds a different model "
-                f"({', '.join(f'{k}: saved {a}, asked {b}' for k, (a, b) in diff.items())}); "
-                "pass the same --model/--hidden-size/--layers/--heads/--seq-len as the saved run"
-            )
-        start_step = int(meta["step"])
-        if start_step >= args.steps:
-            raise ConfigError(
-                f"--steps {args.steps}: checkpoint {tag!r} in {args.resume} is already at step {start_step}; "
-                f"pass --steps greater than {start_step} to continue training"
-            )
-        resume_tag = tag
-    else:
-        resume_tag = None
+def _check_save_dir(save_dir: str | None) -> None:
+    if not save_dir:
+        return
+    save = Path(save_dir)
+    if save.exists() and not save.is_dir():
+        raise ConfigError(f"--save {save_dir}: exists and is not a directory")
+    if not save.exists() and not save.parent.resolve().is_dir():
+        raise ConfigError(f"--save {save_dir}: parent directory {save.parent} does not exist")
 
-    if args.metrics_out:
-        parent = Path(args.metrics_out).resolve().parent
-        if not parent.is_dir():
-            raise ConfigError(f"--metrics-out {args.metrics_out}: directory {parent} does not exist")
 
-    log_every = args.log_every if args.log_every else max(1, args.steps // 10)
-    _positive("--log-every", log_every)
-    return TrainOptions(
-        model=spec, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
-        lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, stage=args.stage,
-        offload=args.offload, tp=tp, ep=ep, dtype=args.dtype, seed=args.seed, nproc=nproc, threads=threads,
-        accelerator=accelerator.name, text=args.text, save=args.save, save_every=args.save_every,
-        resume=args.resume, resume_tag=resume_tag, init_from=init_from, start_step=start_step, log_every=log_every,
-        metrics_out=args.metrics_out,
-    )
+def _resume_point(args, spec: ModelSpec) -> tuple[str | None, int]:
+    """(checkpoint tag, its step) for ``--resume``, after checking it holds this model and is before ``--steps``."""
+    if not args.resume:
+        return None, 0
+    tag, meta = read_checkpoint_meta(args.resume, args.resume_tag)
+    saved_spec = ModelSpec(**meta["model"])
+    if saved_spec != spec:
+        diff = {k: (v, getattr(spec, k)) for k, v in saved_spec.as_dict().items() if getattr(spec, k) != v}
+        raise ConfigError(
+            f"--resume {args.resume}: checkpoint {tag!r} holds a different model "
+            f"({', '.join(f'{k}: saved {a}, asked {b}' for k, (a, b) in diff.items())}); "
+            "pass the same --model/--hidden-size/--layers/--heads/--seq-len as the saved run"
+        )
+    start_step = int(meta["step"])
+    if start_step >= args.steps:
+        raise ConfigError(
+            f"--steps {args.steps}: checkpoint {tag!r} in {args.resume} is already at step {start_step}; "
+            f"pass --steps greater than {start_step} to continue training"
+        )
+    return tag, start_step
+
+
+def _check_metrics_out(path: str | None) -> None:
+    if not path:
+        return
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise ConfigError(f"--metrics-out {path}: directory {parent} does not exist")
 
 
 def _check_tp(tp: int, nproc: int, spec: ModelSpec) -> None:
