@@ -214,14 +214,8 @@ def _fp16(value: Any) -> Fp16Config:
     return Fp16Config(**out)
 
 
-def parse_config(config: dict | None, world_size: int = 1) -> ZeroConfig:
-    """Validate ``config`` (never modified) for a data-parallel group of ``world_size`` ranks."""
-    if config is None:
-        config = {}
-    raw = copy.deepcopy(config)
-    cfg = _check_keys("", raw, _TOP_KEYS)
-    zero = _check_keys("zero_optimization", cfg.get("zero_optimization", {}), _ZERO_KEYS)
-
+def _zero_optimization(zero: dict) -> dict[str, Any]:
+    """The ZeroConfig fields of the ``zero_optimization`` section."""
     stage = zero.get("stage", 1)
     if isinstance(stage, bool) or stage not in (1, 2, 3):
         raise ConfigError(f"config key 'zero_optimization.stage' must be one of 1, 2, 3, got {stage!r}")
@@ -257,7 +251,11 @@ def parse_config(config: dict | None, world_size: int = 1) -> ZeroConfig:
             f"config key 'zero_optimization.offload_param' needs 'zero_optimization.stage' 3 (got stage {stage}); "
             "use offload_optimizer for stages 1 and 2"
         )
+    return out
 
+
+def _batch_sizes(cfg: dict, world_size: int) -> dict[str, Any]:
+    """Micro batch, accumulation steps and global batch: any two given fix the third (DeepSpeed's rule)."""
     gas = _int("gradient_accumulation_steps", cfg.get("gradient_accumulation_steps", 1), 1, allow_none=True) or 1
     micro = _int("train_micro_batch_size_per_gpu", cfg.get("train_micro_batch_size_per_gpu"), 1, allow_none=True)
     total = _int("train_batch_size", cfg.get("train_batch_size"), 1, allow_none=True)
@@ -281,8 +279,18 @@ def parse_config(config: dict | None, world_size: int = 1) -> ZeroConfig:
                 f"config keys disagree: 'train_batch_size' ({total}) must equal train_micro_batch_size_per_gpu "
                 f"({micro}) x gradient_accumulation_steps ({gas}) x world size ({world_size})"
             )
-    out.update(gradient_accumulation_steps=gas, train_micro_batch_size_per_gpu=micro,
-               train_batch_size=total if total is not None else (micro * gas * world_size if micro else None))
+    return dict(gradient_accumulation_steps=gas, train_micro_batch_size_per_gpu=micro,
+                train_batch_size=total if total is not None else (micro * gas * world_size if micro else None))
+
+
+def parse_config(config: dict | None, world_size: int = 1) -> ZeroConfig:
+    """Validate ``config`` (never modified) for a data-parallel group of ``world_size`` ranks."""
+    if config is None:
+        config = {}
+    raw = copy.deepcopy(config)
+    cfg = _check_keys("", raw, _TOP_KEYS)
+    out = _zero_optimization(_check_keys("zero_optimization", cfg.get("zero_optimization", {}), _ZERO_KEYS))
+    out.update(_batch_sizes(cfg, world_size))
     out["gradient_clipping"] = _float("gradient_clipping", cfg.get("gradient_clipping", 0.0))
 
     bf16 = cfg.get("bf16")

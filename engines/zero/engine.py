@@ -83,6 +83,32 @@ class ZeroEngine:
         cfg = self.config
         self.stage = cfg.stage
 
+        self._place_model(model)
+        self._index_parameters(model)
+        alloc_master = self._master_allocator()
+        #: ``engine.checkpoint(fn, *args)``: activation checkpointing as the config's ``activation_checkpointing``
+        #: section says (installed into Hugging Face models when the section is present)
+        self.checkpoint = ActivationCheckpointer(cfg.activation_checkpointing, self.accelerator, self.host)
+        if cfg.activation_checkpointing.enabled:
+            self.checkpoint.install(model)
+        self.reduction_stream = self._reduction_stream()
+        self.mesh = mesh
+        self.transfer = HostTransfer(self.host, self.accelerator, self.device)
+        self.stepper = HostStepper(self.transfer)
+        self.groups = self._build_groups(model, alloc_master, self.reduction_stream)
+        first = self.groups[0]
+        self.partitioner, self.optimizer = first.partitioner, first.optimizer
+        self.scaler = LossScaler(cfg.fp16)
+        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def _place_model(self, model: torch.nn.Module) -> None:
+        """Pick the compute and master dtypes, move the model to the device and cast it for mixed precision."""
+        cfg = self.config
         self.compute_dtype = self._compute_dtype(model)
         self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         model.to(self.device)
@@ -90,7 +116,8 @@ class ZeroEngine:
             model.to(self.compute_dtype)
         self.module = model
 
-        # every parameter once, in registration order; aliases (tied weights) remembered by name
+    def _index_parameters(self, model: torch.nn.Module) -> None:
+        """Every parameter once, in registration order; aliases (tied weights) remembered by name."""
         seen: dict[int, str] = {}
         self.aliases: dict[str, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -102,13 +129,12 @@ class ZeroEngine:
         self.trainable = [(n, p) for n, p in entries if p.requires_grad]
         self.frozen = [(n, p) for n, p in entries if not p.requires_grad]
 
+    def _master_allocator(self):
+        """Set up the host buffers; return ``alloc_master(numel, dtype)`` for the fp32 master partitions
+        (pinned host memory under optimizer offload, else the device)."""
+        cfg = self.config
         self.offload_optimizer = cfg.offload_optimizer.enabled
         self.host = HostBuffers(self.accelerator, pin=cfg.offload_optimizer.pin_memory or cfg.offload_param.pin_memory)
-        #: ``engine.checkpoint(fn, *args)``: activation checkpointing as the config's ``activation_checkpointing``
-        #: section says (installed into Hugging Face models when the section is present)
-        self.checkpoint = ActivationCheckpointer(cfg.activation_checkpointing, self.accelerator, self.host)
-        if cfg.activation_checkpointing.enabled:
-            self.checkpoint.install(model)
         master_device = torch.device("cpu") if self.offload_optimizer else self.device
 
         def alloc_master(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -116,24 +142,15 @@ class ZeroEngine:
                 return self.host.empty(numel, dtype)
             return torch.empty(numel, dtype=dtype, device=master_device)
 
-        stream = None
-        if cfg.overlap_comm and self.accelerator.has("streams") and not self.accelerator.is_synchronized_device():
-            stream = self.accelerator.Stream()
-        self.reduction_stream = stream
-        self.mesh = mesh
-        self.transfer = HostTransfer(self.host, self.accelerator, self.device)
-        self.stepper = HostStepper(self.transfer)
-        self.groups = self._build_groups(model, alloc_master, stream)
-        first = self.groups[0]
-        self.partitioner, self.optimizer = first.partitioner, first.optimizer
-        self.scaler = LossScaler(cfg.fp16)
-        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self.last_grad_norm: float | None = None
+        return alloc_master
 
-    # ------------------------------------------------------------------ set-up
+    def _reduction_stream(self):
+        """A side stream for gradient reduction when overlap_comm is on and the device has streams, else None."""
+        acc = self.accelerator
+        if self.config.overlap_comm and acc.has("streams") and not acc.is_synchronized_device():
+            return acc.Stream()
+        return None
+
     def _build_groups(self, model, alloc_master, stream) -> list[ParamGroup]:
         """One partitioner and optimizer per kind of parameter layout (see :mod:`polyaccel.parallel`)."""
         cfg = self.config
