@@ -90,6 +90,9 @@ class Accelerator:
     communication_backend: ClassVar[str] = "gloo"
     #: what the device runtime calls its nonzero return codes, in messages ("error", "ACL error", ...)
     return_code_name: ClassVar[str] = "error"
+    #: the device module's graph class ("CUDAGraph", "NPUGraph", ...), captured through the module's
+    #: ``graph(graph, pool=, stream=)`` context manager; empty: torch.accelerator.Graph where torch serves
+    graph_class: ClassVar[str] = ""
 
     # ----------------------------------------------------------------- identity
     def __init__(self) -> None:
@@ -480,24 +483,32 @@ class Accelerator:
         return {k: r.count for k, r in self._host_regs.items()}
 
     # ------------------------------------------------------------------- graphs
-    # Default: torch's device-generic torch.accelerator.Graph, only where torch's accelerator is
-    # this device type; everywhere else Unsupported, never a graph of another backend.
+    # The device module's graph_class where the plugin names one; else torch's device-generic
+    # torch.accelerator.Graph, only where torch's accelerator is this device type; everywhere
+    # else Unsupported, never a graph of another backend.
     def _require_graphs(self) -> None:
+        if self.graph_class:
+            self.require("graphs", f"torch.{self.device_type} has no {self.graph_class}; use eager execution")
+            return
         self.require("graphs", "use eager execution; this backend has no device graphs")
         if not (hasattr(torch.accelerator, "Graph") and self._torch_accelerator_serves()):
             raise Unsupported(self.name, "graphs",
                               f"torch {torch.__version__} has no device-generic graph (torch.accelerator.Graph) for "
-                              f"device type {self.device_type!r}; the plugin must implement create_graph, "
-                              "capture_to_graph and replay_graph")
+                              f"device type {self.device_type!r}; the plugin must name its graph_class or implement "
+                              "create_graph, capture_to_graph and replay_graph")
 
     def create_graph(self):
         self._require_graphs()
+        if self.graph_class:
+            return getattr(self._device_module(), self.graph_class)()
         return torch.accelerator.Graph()
 
     def capture_to_graph(self, graph, pool=None, stream=None):
-        """Context manager capturing into ``graph`` on ``stream`` (a fresh side stream by default:
-        runtimes refuse to capture the default stream); ``pool`` shares another graph's memory pool."""
+        """Context manager capturing into ``graph`` on ``stream`` (by default a side stream: runtimes
+        refuse to capture the default stream); ``pool`` shares another graph's memory pool."""
         self._require_graphs()
+        if self.graph_class:
+            return self._device_module().graph(graph, pool=pool, stream=stream)
         if pool is not None:
             graph.graph_pool = pool
         return _capturing(graph, self.stream(self.Stream() if stream is None else stream))

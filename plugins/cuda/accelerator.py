@@ -9,6 +9,10 @@ What this backend adds to the base class:
   with return codes checked (the base class does the refcounting and never frees a buffer
   whose unregistration failed);
 * real CUDA graphs (``torch.cuda.CUDAGraph`` / ``torch.cuda.graph``).
+
+``cudaHostRegister`` takes any address and length (it pins the pages covering them), so the
+exact range is registered (the base class's alignment of 1): rounding out to pages would make
+neighbouring buffers that share a page collide ("already registered").
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class CudaAccelerator(Accelerator):
     #: the runtime library and its "read and reset the last error" function
     runtime_library = "libcudart"
     last_error_symbol = "cudaGetLastError"
+    graph_class = "CUDAGraph"
 
     # ------------------------------------------------------------------ probe
     def _runtime_reason(self) -> str:
@@ -150,20 +155,7 @@ class CudaAccelerator(Accelerator):
         except Exception:  # noqa: BLE001 - describe() must never fail
             return super().describe()
 
-    # ------------------------------------------------------- execution model
-    def resolves_data_dependency(self) -> bool:
-        return False  # cross-stream dependencies need explicit events / wait_stream
-
-    def handles_memory_backpressure(self) -> bool:
-        return False
-
     # --------------------------------------------------------- pinned memory
-    def pin_memory_alignment(self) -> int:
-        """cudaHostRegister takes any address and length (it pins the pages covering them), so
-        the exact range is registered: rounding out to pages would make neighbouring buffers that
-        share a page collide ("already registered")."""
-        return 1
-
     def _cudart(self):
         return torch.cuda.cudart()
 
@@ -200,14 +192,6 @@ class CudaAccelerator(Accelerator):
                                           unregistering=True)
 
     # ---------------------------------------------------------------- graphs
-    def create_graph(self):
-        self.require("graphs")
-        return torch.cuda.CUDAGraph()
-
-    def capture_to_graph(self, graph, pool=None, stream=None):
-        self.require("graphs")
-        return torch.cuda.graph(graph, pool=pool, stream=stream)
-
     def graph_pool_handle(self):
         """A memory pool id to share between captures (``torch.cuda.graph_pool_handle()``)."""
         self.require("graphs")

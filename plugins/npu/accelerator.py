@@ -17,6 +17,7 @@ class NpuAccelerator(Accelerator):
     priority = 100
     communication_backend = "hccl"
     return_code_name = "ACL error"
+    graph_class = "NPUGraph"
 
     def __init__(self) -> None:
         super().__init__()
@@ -101,12 +102,3 @@ class NpuAccelerator(Accelerator):
         rc = int(binding.npuHostUnregister(ptr))
         if rc != 0:
             raise self.runtime_call_error(f"npuHostUnregister({ptr:#x})", rc, unregistering=True)
-
-    # ------------------------------------------------------------------ graphs
-    def create_graph(self):
-        self.require("graphs", "this torch_npu has no torch.npu.NPUGraph; use eager execution")
-        return self._device_module().NPUGraph()
-
-    def capture_to_graph(self, graph, pool=None, stream=None):
-        self.require("graphs", "this torch_npu has no torch.npu.graph; use eager execution")
-        return self._device_module().graph(graph, pool=pool, stream=stream)

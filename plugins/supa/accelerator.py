@@ -16,6 +16,7 @@ class SupaAccelerator(Accelerator):
     #: above the CUDA-like plugins: torch_supa also answers as torch.cuda, SUPA must win
     priority = 110
     communication_backend = "bccl" if sys.platform != "win32" else "gloo"
+    graph_class = "SUPAGraph"
 
     def probe(self) -> ProbeResult:
         mod, reason = runtime.import_torch_supa()
@@ -81,12 +82,3 @@ class SupaAccelerator(Accelerator):
         if rc != 0:
             raise self.runtime_call_error(f"supaHostUnregister({ptr:#x})", rc, self._error_string(rc),
                                           unregistering=True)
-
-    # ------------------------------------------------------------------ graphs
-    def create_graph(self):
-        self.require("graphs", "this torch_supa has no torch.supa.SUPAGraph; use eager execution")
-        return self._device_module().SUPAGraph()
-
-    def capture_to_graph(self, graph, pool=None, stream=None):
-        self.require("graphs", "this torch_supa has no torch.supa.graph; use eager execution")
-        return self._device_module().graph(graph, pool=pool, stream=stream)

@@ -57,8 +57,37 @@ def test_graphs_are_unsupported_in_the_base_class_when_not_claimed(what, call):
 def test_a_claimed_graph_without_torch_accelerator_graph_is_unsupported_not_a_cuda_graph(what, call):
     """Claiming graphs is not enough: the base has no graph of its own, and never borrows CUDA's."""
     acc = ModuleBacked(SimpleNamespace(CUDAGraph=_refuse, graph=_refuse), claims={"graphs"})
-    with pytest.raises(Unsupported, match=r"torch\.accelerator\.Graph.*must implement create_graph"):
+    with pytest.raises(Unsupported, match=r"torch\.accelerator\.Graph.*must name its graph_class or implement"):
         call(acc)
+
+
+def test_a_named_graph_class_is_made_and_captured_through_the_device_module():
+    made, captures = [], []
+
+    class FakeGraph:
+        def __init__(self):
+            made.append(self)
+
+        def replay(self):
+            made.append("replay")
+
+    def graph(g, pool=None, stream=None):
+        captures.append((g, pool, stream))
+        return "capture-context"
+
+    class Named(ModuleBacked):
+        graph_class = "FakeGraph"
+
+    acc = Named(SimpleNamespace(FakeGraph=FakeGraph, graph=graph, CUDAGraph=_refuse), claims={"graphs"})
+    g = acc.create_graph()
+    assert made == [g]
+    assert acc.capture_to_graph(g, pool="pool", stream="side") == "capture-context"
+    assert captures == [(g, "pool", "side")]
+    acc.replay_graph(g)
+    assert made[-1] == "replay"
+    unclaimed = Named(SimpleNamespace(FakeGraph=FakeGraph, graph=graph))
+    with pytest.raises(Unsupported, match="torch.fakedev has no FakeGraph"):
+        unclaimed.create_graph()
 
 
 def test_device_functions_come_from_the_device_module_first():
