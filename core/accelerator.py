@@ -144,16 +144,17 @@ class Accelerator:
         current = torch.accelerator.current_accelerator()
         return current is not None and current.type == self.device_type
 
-    def _device_function(self, name: str, generic: str | None = None):
+    def _device_function(self, name: str, generic: str | None = None, required: bool = True):
         """The device module's ``name``, else ``torch.accelerator.<generic or name>`` where it serves us.
 
         The module comes first: its functions are the ones its streams, events and emulated
-        stand-ins agree with. Neither having the function raises :class:`Unsupported`.
+        stand-ins agree with. Neither having the function raises :class:`Unsupported`
+        (returns None when not ``required``).
         """
         fn = getattr(self._device_module(required=False), name, None)
         if fn is None and self._torch_accelerator_serves():
             fn = getattr(torch.accelerator, generic or name, None)
-        if fn is None:
+        if fn is None and required:
             raise self._missing(name, f"torch.accelerator.{generic or name}")
         return fn
 
@@ -324,10 +325,10 @@ class Accelerator:
         return dict(self._memory_call("memory_stats", index))
 
     def empty_cache(self) -> None:
-        """Release cached device memory; a runtime that keeps no cache (the host) has nothing to do."""
-        if self.device_type == "cpu":
-            return
-        self._device_function("empty_cache")()
+        """Release cached device memory; a runtime that keeps no cache (the host) has nothing to release."""
+        release = None if self.device_type == "cpu" else self._device_function("empty_cache", required=False)
+        if release is not None:
+            release()
 
     def total_memory(self, index: int | None = None) -> int:
         free, total = self._memory_call("mem_get_info", index, "get_memory_info")
