@@ -127,7 +127,9 @@ def _override_from_env() -> dict[str, str]:
 class OpRegistry:
     """All builders of all plugins, and the per-(op, device type) choice."""
 
-    def __init__(self, accelerator_for: Callable[[str], Any] | None = None, lock=None):
+    def __init__(self, accelerator_for: Callable[[str | None], Any] | None = None, lock=None):
+        """``accelerator_for(device_type)`` gives the accelerator serving a device type (None if none is
+        usable); ``accelerator_for(None)`` gives this process's accelerator, which ``explain`` defaults to."""
         self._builders: dict[str, list[OpBuilder]] = {}
         self._cache: dict[tuple[str, str], Callable[..., Any]] = {}
         self._chosen: dict[tuple[str, str], OpBuilder] = {}
@@ -288,9 +290,10 @@ class OpRegistry:
     def explain(self, op: str, device_type: str | None = None) -> str:
         """A readable table of every candidate for ``op`` and why it was or was not chosen."""
         if device_type is None:
-            from ..selection import get_accelerator
-
-            device_type = get_accelerator().device_type
+            acc = self._accelerator_for(None)
+            if acc is None:
+                raise OpError(f"explain({op!r}): no accelerator to take the device type from; pass device_type")
+            device_type = acc.device_type
         lines = [f"op {op!r} on device type {device_type!r}:"]
         for c in self.candidates(op, device_type):
             mark = "->" if c.chosen else "  "

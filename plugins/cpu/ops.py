@@ -10,11 +10,13 @@ from __future__ import annotations
 from polyaccel.ops import OpBuilder, torch_optim
 
 
-def register(registry) -> None:
-    for op, fn, what in (
-        ("fused_adam", torch_optim.fused_adam, "torch's fused CPU Adam/AdamW kernel (foreach for mixed dtypes)"),
-        ("fused_lion", torch_optim.fused_lion, "torch foreach ops"),
-        ("fused_lamb", torch_optim.fused_lamb, "torch foreach ops, per-tensor trust ratios"),
-    ):
-        registry.add(OpBuilder(op=op, name=f"cpu_{op}", device_types=("cpu",), loader=lambda fn=fn: fn,
-                               kind="torch", priority=10, description=what))
+def builders() -> list[OpBuilder]:
+    return [
+        OpBuilder(op=op, name=f"cpu_{op}", device_types=("cpu",), loader=lambda fn=fn: fn, kind="torch", priority=10,
+                  description=what)
+        for op, fn, what in (
+            ("fused_adam", torch_optim.fused_adam, "torch's fused CPU Adam/AdamW kernel (foreach for mixed dtypes)"),
+            ("fused_lion", torch_optim.fused_lion, "torch foreach ops"),
+            ("fused_lamb", torch_optim.fused_lamb, "torch foreach ops, per-tensor trust ratios"),
+        )
+    ]

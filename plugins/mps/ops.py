@@ -49,15 +49,16 @@ def _load_metal():
     return MetalFusedAdam(fallback=torch_fused_adam)
 
 
-def register(registry) -> None:
-    registry.add(OpBuilder(
-        op="fused_adam", name="mps_metal_fused_adam", device_types=(DEVICE_TYPE,), loader=_load_metal,
-        kind="native", priority=60, compatible=metal_compatible,
-        description="Metal kernel compiled with torch.mps.compile_shader, fp32 math"))
-    registry.add(OpBuilder(
-        op="fused_adam", name="mps_torch_fused_adam", device_types=(DEVICE_TYPE,), loader=lambda: torch_fused_adam,
-        kind="torch", priority=50, compatible=torch_fused_compatible,
-        description="torch's fused Adam/AdamW kernel for mps (foreach fp32 math for mixed dtypes)"))
-    for op, fn in (("fused_lion", torch_optim.fused_lion), ("fused_lamb", torch_optim.fused_lamb)):
-        registry.add(OpBuilder(op=op, name=f"mps_foreach_{op}", device_types=(DEVICE_TYPE,), loader=lambda fn=fn: fn,
-                               kind="torch", priority=50, compatible=_is_mps, description="torch foreach ops on mps"))
+def builders() -> list[OpBuilder]:
+    return [
+        OpBuilder(op="fused_adam", name="mps_metal_fused_adam", device_types=(DEVICE_TYPE,), loader=_load_metal,
+                  kind="native", priority=60, compatible=metal_compatible,
+                  description="Metal kernel compiled with torch.mps.compile_shader, fp32 math"),
+        OpBuilder(op="fused_adam", name="mps_torch_fused_adam", device_types=(DEVICE_TYPE,),
+                  loader=lambda: torch_fused_adam, kind="torch", priority=50, compatible=torch_fused_compatible,
+                  description="torch's fused Adam/AdamW kernel for mps (foreach fp32 math for mixed dtypes)"),
+    ] + [
+        OpBuilder(op=op, name=f"mps_foreach_{op}", device_types=(DEVICE_TYPE,), loader=lambda fn=fn: fn,
+                  kind="torch", priority=50, compatible=_is_mps, description="torch foreach ops on mps")
+        for op, fn in (("fused_lion", torch_optim.fused_lion), ("fused_lamb", torch_optim.fused_lamb))
+    ]

@@ -84,18 +84,21 @@ def quantize(x, mode="int8", group_size=128, symmetric=True):
     return QuantizedTensor(data, scale, zp, mode, group_size, x.shape, x.dtype)
 
 
-def register(registry) -> None:
-    registry.add(OpBuilder(
-        op="fused_adam", name="npu_torch_fused_adam", device_types=("npu",), loader=lambda: torch_optim.fused_adam,
-        kind="torch", priority=50, compatible=_fused_adam_compatible,
-        description="torch._fused_adam(w)_ on npu (torch_npu kernel); foreach fp32 for mixed dtypes"))
-    for op, fn, what in (
-        ("fused_lion", torch_optim.fused_lion, "torch._foreach_* on npu, fp32 math"),
-        ("fused_lamb", torch_optim.fused_lamb, "torch._foreach_* on npu, fp32 math, per-tensor trust ratio"),
-    ):
-        registry.add(OpBuilder(op=op, name=f"npu_foreach_{op}", device_types=("npu",), loader=lambda fn=fn: fn,
-                               kind="torch", priority=50, compatible=_npu_accelerator, description=what))
-    registry.add(OpBuilder(
-        op="quantize", name="npu_quantize", device_types=("npu",), loader=lambda: quantize, kind="vendor",
-        priority=50, compatible=_quantize_compatible,
-        description="group scales in torch, rounding/saturation by torch_npu.npu_quantize (fp8: reference)"))
+def builders() -> list[OpBuilder]:
+    foreach = [
+        OpBuilder(op=op, name=f"npu_foreach_{op}", device_types=("npu",), loader=lambda fn=fn: fn, kind="torch",
+                  priority=50, compatible=_npu_accelerator, description=what)
+        for op, fn, what in (
+            ("fused_lion", torch_optim.fused_lion, "torch._foreach_* on npu, fp32 math"),
+            ("fused_lamb", torch_optim.fused_lamb, "torch._foreach_* on npu, fp32 math, per-tensor trust ratio"),
+        )
+    ]
+    return [
+        OpBuilder(op="fused_adam", name="npu_torch_fused_adam", device_types=("npu",),
+                  loader=lambda: torch_optim.fused_adam, kind="torch", priority=50, compatible=_fused_adam_compatible,
+                  description="torch._fused_adam(w)_ on npu (torch_npu kernel); foreach fp32 for mixed dtypes"),
+        *foreach,
+        OpBuilder(op="quantize", name="npu_quantize", device_types=("npu",), loader=lambda: quantize, kind="vendor",
+                  priority=50, compatible=_quantize_compatible,
+                  description="group scales in torch, rounding/saturation by torch_npu.npu_quantize (fp8: reference)"),
+    ]

@@ -28,11 +28,13 @@ def _compatible(accelerator) -> tuple[bool, str]:
     return fused_kernel_support() if ok else (ok, why)
 
 
-def register(registry) -> None:
-    registry.add(OpBuilder(
-        op="fused_adam", name="xpu_torch_fused_adam", device_types=(DEVICE_TYPE,),
-        loader=lambda: torch_optim.fused_adam, kind="torch", priority=50, compatible=_compatible,
-        description="torch's fused Adam/AdamW kernel for XPU (foreach fp32 math for mixed dtypes)"))
-    for op, fn in (("fused_lion", torch_optim.fused_lion), ("fused_lamb", torch_optim.fused_lamb)):
-        registry.add(OpBuilder(op=op, name=f"xpu_foreach_{op}", device_types=(DEVICE_TYPE,), loader=lambda fn=fn: fn,
-                               kind="torch", priority=50, compatible=_is_xpu, description="torch foreach ops on xpu"))
+def builders() -> list[OpBuilder]:
+    return [
+        OpBuilder(op="fused_adam", name="xpu_torch_fused_adam", device_types=(DEVICE_TYPE,),
+                  loader=lambda: torch_optim.fused_adam, kind="torch", priority=50, compatible=_compatible,
+                  description="torch's fused Adam/AdamW kernel for XPU (foreach fp32 math for mixed dtypes)"),
+    ] + [
+        OpBuilder(op=op, name=f"xpu_foreach_{op}", device_types=(DEVICE_TYPE,), loader=lambda fn=fn: fn,
+                  kind="torch", priority=50, compatible=_is_xpu, description="torch foreach ops on xpu")
+        for op, fn in (("fused_lion", torch_optim.fused_lion), ("fused_lamb", torch_optim.fused_lamb))
+    ]

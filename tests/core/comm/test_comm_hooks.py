@@ -9,7 +9,7 @@ import pytest
 import torch
 from polyaccel import ConfigError, comm, hookimpl
 from polyaccel.comm import CommHooks
-from polyaccel.comm.hooks import resolve_hooks
+from polyaccel.comm import resolve_hooks
 from polyaccel.report import build_report
 
 
