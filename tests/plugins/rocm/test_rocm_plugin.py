@@ -13,7 +13,6 @@ from polyaccel import ops, selection
 from polyaccel.errors import PolyaccelError
 from polyaccel.plugins import rocm as rocm_plugin
 from polyaccel.plugins.cuda import accelerator as cuda_acc
-from polyaccel.plugins.cuda.accelerator import CudaAccelerator
 from polyaccel.plugins.rocm.accelerator import RocmAccelerator
 
 ARCHS = {
