@@ -3,7 +3,7 @@
 An *op* is a named function with one semantics everywhere (the core's reference
 implementation defines it). A *builder* is one way to get that op on some device
 types: a Triton kernel, a native extension, a vendor library, plain torch. Builders
-are contributed by plugins through the ``polyaccel_register_ops`` hook; resolution
+are contributed by plugins through the ``polyaccel_op_builders`` hook; resolution
 happens once per (op, device type) and the loaded callable is then called directly.
 """
 
