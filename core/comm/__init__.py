@@ -121,7 +121,6 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
     ``backend`` overrides the comm hooks' backend name. When a process group already exists
     (created by us or by the application) it is adopted and nothing is re-created.
     """
-    global _timeout_s
     runtime = current()
     session = runtime.comm
     if session.active and dist.is_initialized():
@@ -133,7 +132,6 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
     if owned:
         _init_process_group(accelerator, hooks, backend, limit, init_method, rank, world_size)
     session.accelerator, session.timeout, session.owned = accelerator, limit, owned
-    _timeout_s = limit.total_seconds()
     _install(hooks)
 
 
@@ -154,13 +152,11 @@ def _init_process_group(accelerator, hooks: CommHooks, backend: str | None, time
 
 def destroy() -> None:
     """Tear down every process group and forget the session (safe to call twice)."""
-    global _timeout_s
     try:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     finally:
         current().comm.end()
-        _timeout_s = None
         _install(None)
 
 
@@ -228,9 +224,10 @@ def _staging_pool() -> StagingPool:
 
 
 def _install(hooks: CommHooks | None) -> None:
-    global _direct, _emulated, _hook_caller
+    global _direct, _emulated, _hook_caller, _timeout_s
     runtime = current()
     runtime.comm.hooks = hooks
+    _timeout_s = runtime.comm.timeout.total_seconds() if runtime.comm.timeout is not None else None
     _hook_caller = wrappers.wrapper_caller(runtime.plugins().pm)
     _emulated = hooks.emulated_collectives if hooks is not None else frozenset()
     _direct = _hook_caller is None and (hooks is None or not hooks.stages)

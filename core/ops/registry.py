@@ -156,15 +156,6 @@ class OpRegistry:
         """Shorthand for ``add(OpBuilder(op, name, device_types, loader, **kw))``."""
         return self.add(OpBuilder(op=op, name=name, device_types=tuple(device_types), loader=loader, **kw))
 
-    def discard(self, builders) -> None:
-        """Remove these builder objects (a plugin's, when its registration failed)."""
-        drop = {id(b) for b in builders}
-        with self._lock:
-            for op in list(self._builders):
-                self._builders[op] = [b for b in self._builders[op] if id(b) not in drop]
-            self._cache.clear()
-            self._chosen.clear()
-
     def record_plugin_failure(self, plugin: str, reason: str, dropped: list[tuple[str, str]]) -> None:
         """Remember that ``plugin``'s builders are ignored and why (shown by :meth:`explain`)."""
         with self._lock:
