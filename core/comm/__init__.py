@@ -234,10 +234,13 @@ def _install(hooks: CommHooks | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------- dispatch
-def _call(op: str, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, a c10d failure re-raised as the :class:`CommError` that says what happened."""
+def _call(op: str, fn, *args):
+    """``fn(*args)``, a c10d failure re-raised as the :class:`CommError` that says what happened.
+
+    Positional arguments only: this wraps every direct call, and keywords cost time there.
+    """
     try:
-        return fn(*args, **kwargs)
+        return fn(*args)
     except Exception as exc:
         err = translate(op, exc, _timeout_s)
         if err is exc:
@@ -255,8 +258,9 @@ def _invoke(op: str, group, entries: tuple, launch, async_op: bool):
     def call():
         hooks = current().comm.hooks
         if hooks is not None and hooks.stages and any(hooks.needs_staging(t) for t, _ in entries):
-            result = _call(op, run_staged, op, entries, launch, pool=_staging_pool(),
-                           needs_staging=hooks.needs_staging, accelerator=_accelerator(), timeout_s=_timeout_s)
+            result = _call(op, lambda: run_staged(op, entries, launch, pool=_staging_pool(),
+                                                  needs_staging=hooks.needs_staging, accelerator=_accelerator(),
+                                                  timeout_s=_timeout_s))
         else:
             result = _call(op, launch, [t for t, _ in entries], async_op)
             if result is None or isinstance(result, int):
@@ -373,7 +377,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
 def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op: bool = False,
               group_src: int | None = None):
     if _direct:
-        return _wrap("broadcast", _call("broadcast", dist.broadcast, tensor, src, group, async_op, group_src=group_src))
+        return _wrap("broadcast", _call("broadcast", dist.broadcast, tensor, src, group, async_op, group_src))
     is_src = get_rank(group) == group_src if src is None else get_rank() == src
     return _invoke("broadcast", group, ((tensor, IN if is_src else OUT),),
                    lambda ts, a: dist.broadcast(ts[0], src, group, a, group_src=group_src), async_op)
