@@ -126,6 +126,25 @@ class Accelerator:
     def describe(self) -> str:
         return f"{self.name} (torch device type {self.device_type!r})"
 
+    # ------------------------------------------------------- comm and report
+    def comm_hooks(self):
+        """How ``polyaccel.comm`` talks over this backend (a :class:`polyaccel.comm.CommHooks`).
+
+        Default: ``communication_backend``, device tensors handed to it as they are, nothing
+        staged or emulated. Another plugin may override the answer (``polyaccel_comm_hooks``).
+        """
+        from .comm.hooks import CommHooks
+
+        return CommHooks.defaults_for(self)
+
+    def report_facts(self) -> dict[str, Any] | None:
+        """Facts about this accelerator for ``polyaccel report`` (runtime versions, devices), or None.
+
+        Asked of every accelerator that was probed, available or not, so a plugin can say why
+        its runtime is unusable; shown under the plugin's name.
+        """
+        return None
+
     def _device_module(self, required: bool = True):
         try:
             return torch.get_device_module(self.device_type)

@@ -119,11 +119,35 @@ class PluginSet:
             lines.append(f"  - {r.name}: {r.status}{emu}{extra}")
         return "\n".join(lines)
 
+    def find(self, name: str) -> PluginRecord | None:
+        """The record providing the accelerator called ``name`` (plugin or accelerator name), else the plugin's."""
+        for rec in self.records.values():
+            if rec.accelerator_cls is not None and name in (rec.name, rec.accelerator_cls.name):
+                return rec
+        return self.records.get(name)
+
+    def mark_selected(self, accelerator: Accelerator) -> None:
+        """Show ``accelerator``'s record as selected (and a previous choice as available again)."""
+        for rec in self.records.values():
+            if rec.status == SELECTED:
+                rec.status = AVAILABLE
+            if rec.accelerator is accelerator:
+                rec.status = SELECTED
+
 
 def new_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     return pm
+
+
+def plugin_hook(pm: pluggy.PluginManager, hook_name: str, plugin: Any):
+    """``pm.hook.<hook_name>`` restricted to ``plugin``'s implementation: what it raises is that plugin's alone.
+
+    Calling it returns pluggy's list of results (empty when the plugin does not implement the hook).
+    """
+    others = [p for p in pm.get_plugins() if p is not plugin]
+    return pm.subset_hook_caller(hook_name, remove_plugins=others)
 
 
 def _check_api_version(plugin: Any, rec: PluginRecord) -> bool:
@@ -150,15 +174,11 @@ def _check_api_version(plugin: Any, rec: PluginRecord) -> bool:
 
 
 def _accelerator_classes(pm: pluggy.PluginManager, plugin: Any) -> list[type[Accelerator]]:
-    impl = getattr(plugin, "polyaccel_accelerators", None)
-    if impl is None:
-        return []
-    out = impl()
-    if out is None:
-        return []
-    if isinstance(out, type):
-        out = [out]
-    classes = list(out)
+    classes: list = []
+    for answer in plugin_hook(pm, "polyaccel_accelerators", plugin)():
+        if answer is None:
+            continue
+        classes += [answer] if isinstance(answer, type) else list(answer)
     for cls in classes:
         if not (isinstance(cls, type) and issubclass(cls, Accelerator)):
             raise TypeError(f"polyaccel_accelerators returned {cls!r}, not an Accelerator subclass")
@@ -215,6 +235,16 @@ def _record_key(result: PluginSet, name: str) -> str:
     return f"{name}#{n}"
 
 
+def _candidates(extra_plugins: list[tuple[str, Any]] | None) -> list[tuple[str, str, Any, str | None]]:
+    """Entry points (unless autoload is disabled), then the registered plugins: (name, source, loader, dist)."""
+    found = []
+    if os.environ.get("POLYACCEL_DISABLE_PLUGIN_AUTOLOAD", "").strip() not in ("1", "true", "yes"):
+        found += _entry_point_candidates()
+    for name, obj in extra_plugins or []:
+        found.append((name, "registered", lambda obj=obj: obj, None))
+    return found
+
+
 def discover(extra_plugins: list[tuple[str, Any]] | None = None) -> PluginSet:
     """Load entry-point plugins (subject to the env switches) plus explicitly registered ones.
 
@@ -223,73 +253,75 @@ def discover(extra_plugins: list[tuple[str, Any]] | None = None) -> PluginSet:
     a plugin name claimed twice goes to the first in :data:`NAME_PRECEDENCE` order, and
     the other is recorded as a duplicate whose reason names the winner.
     """
-    pm = new_plugin_manager()
-    result = PluginSet(pm)
+    result = PluginSet(new_plugin_manager())
     allow = _env_list("POLYACCEL_PLUGINS")
     block = set(_env_list("POLYACCEL_DISABLE_PLUGINS") or [])
-    autoload = os.environ.get("POLYACCEL_DISABLE_PLUGIN_AUTOLOAD", "").strip() not in ("1", "true", "yes")
-
-    candidates: list[tuple[str, str, Any, str | None]] = []  # (name, source, loader, dist)
-    if autoload:
-        candidates += _entry_point_candidates()
-    for name, obj in extra_plugins or []:
-        candidates.append((name, "registered", lambda obj=obj: obj, None))
-
     winners: dict[str, PluginRecord] = {}  # plugin name -> the record that holds it
     blocked_names: set[str] = set()
-    for name, source, loader, dist_name in candidates:
+    for name, source, loader, dist_name in _candidates(extra_plugins):
         blocked = _blocked_reason(name, source, allow, block)
         if blocked is not None:
-            rec = PluginRecord(name=_record_key(result, name), source=source, dist_name=dist_name)
-            rec.status = BLOCKED
-            rec.reason = blocked
-            result.records[rec.name] = rec
+            _add_record(result, name, source, dist_name, BLOCKED, blocked)
             blocked_names.add(name)
-            continue
-        if name in winners:
-            first = winners[name]
-            dup = PluginRecord(name=_record_key(result, name), source=source, dist_name=dist_name)
-            dup.status = DUPLICATE
-            dup.reason = (
-                f"plugin name {name!r} is also provided by {first.source}, which wins "
-                f"({NAME_PRECEDENCE}); this one is ignored"
-            )
-            result.records[dup.name] = dup
-            continue
-        if name in result.records:  # held by a blocked record: the plugin that loads gets the plain name
-            key = _record_key(result, name)
-            held = result.records.pop(name)
-            held.name = key
-            result.records[key] = held
-        rec = PluginRecord(name=name, source=source, dist_name=dist_name)
-        result.records[name] = rec
-        winners[name] = rec
-        try:
-            plugin = loader()
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a plugin must never break discovery
-            rec.status = FAILED
-            rec.reason = f"import failed: {_short_error(exc)}"
-            rec.plugin = traceback.format_exc()
-            continue
-        rec.plugin = plugin
-        if not _check_api_version(plugin, rec):
-            continue
-        try:
-            classes = _accelerator_classes(pm, plugin)
-        except Exception as exc:  # noqa: BLE001
-            rec.status = FAILED
-            rec.reason = f"polyaccel_accelerators raised {_short_error(exc)}"
-            continue
-        try:
-            pm.register(plugin, name=name)
-        except Exception as exc:  # noqa: BLE001
-            rec.status = FAILED
-            rec.reason = f"could not register hooks: {_short_error(exc)}"
-            continue
-        _attach_accelerators(result, rec, classes)
+        elif name in winners:
+            _add_record(result, name, source, dist_name, DUPLICATE, (
+                f"plugin name {name!r} is also provided by {winners[name].source}, which wins "
+                f"({NAME_PRECEDENCE}); this one is ignored"))
+        else:
+            winners[name] = _claim_name(result, name, source, dist_name)
+            _load(result, winners[name], loader)
     for name in blocked_names - set(winners):
-        pm.set_blocked(name)
+        result.pm.set_blocked(name)
     return result
+
+
+def _add_record(result: PluginSet, name: str, source: str, dist_name: str | None, status: str,
+                reason: str) -> PluginRecord:
+    """A record for a plugin that is not loaded; under ``name#N`` when ``name`` is taken."""
+    rec = PluginRecord(name=_record_key(result, name), source=source, dist_name=dist_name, status=status,
+                       reason=reason)
+    result.records[rec.name] = rec
+    return rec
+
+
+def _claim_name(result: PluginSet, name: str, source: str, dist_name: str | None) -> PluginRecord:
+    """The record of the plugin that loads under ``name``; a blocked record holding the name moves aside."""
+    if name in result.records:
+        key = _record_key(result, name)
+        held = result.records.pop(name)
+        held.name = key
+        result.records[key] = held
+    rec = PluginRecord(name=name, source=source, dist_name=dist_name)
+    result.records[name] = rec
+    return rec
+
+
+def _load(result: PluginSet, rec: PluginRecord, loader) -> None:
+    """Import the plugin, check its contract version, register its hooks and attach its accelerators."""
+    try:
+        plugin = loader()
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a plugin must never break discovery
+        rec.status = FAILED
+        rec.reason = f"import failed: {_short_error(exc)}"
+        rec.plugin = traceback.format_exc()
+        return
+    rec.plugin = plugin
+    if not _check_api_version(plugin, rec):
+        return
+    try:
+        result.pm.register(plugin, name=rec.name)
+    except Exception as exc:  # noqa: BLE001
+        rec.status = FAILED
+        rec.reason = f"could not register hooks: {_short_error(exc)}"
+        return
+    try:
+        classes = _accelerator_classes(result.pm, plugin)
+    except Exception as exc:  # noqa: BLE001
+        result.pm.unregister(plugin)
+        rec.status = FAILED
+        rec.reason = f"polyaccel_accelerators raised {_short_error(exc)}"
+        return
+    _attach_accelerators(result, rec, classes)
 
 
 def _attach_accelerators(result: PluginSet, rec: PluginRecord, classes: list[type[Accelerator]]):

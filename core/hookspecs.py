@@ -6,8 +6,12 @@ the entry-point group ``polyaccel.plugins`` and carrying ``POLYACCEL_API_VERSION
 arguments than a spec lists: arguments added to a spec later never break them.
 
 Hooks run at set-up time only (discovery, selection, op registration, comm set-up).
-Nothing on a per-tensor path goes through pluggy: results are resolved once and
-then called directly.
+What concerns one accelerator (its comm hooks, its report facts) is a method of its
+:class:`polyaccel.Accelerator` subclass, not a hook: the comm and report hooks are for a
+plugin that overrides, or adds to, what concerns another plugin's accelerator.
+Each plugin's hooks are called for that plugin alone where a failure must stay its own
+(:func:`polyaccel.discovery.plugin_hook`). Nothing on a per-tensor path goes through
+pluggy: results are resolved once and then called directly.
 """
 
 from __future__ import annotations
@@ -31,30 +35,46 @@ def polyaccel_accelerators():
 
 
 @hookspec
-def polyaccel_register_ops(registry):
-    """Add op builders to ``registry`` with ``registry.add(OpBuilder(...))``.
+def polyaccel_op_builders():
+    """Return the op builders this plugin contributes: a list of :class:`polyaccel.ops.OpBuilder`.
 
-    Called once per process, at discovery (after the probes, before selection). Any plugin
-    may serve any device type: a third party's faster CUDA quantizer simply registers a
-    builder with a higher priority than ours. All or nothing: if the hook raises, the
-    builders it added are dropped and the plugin is isolated (status ``failed``, with the
-    error, in ``polyaccel report`` and ``polyaccel.ops.explain``).
+    Called once per process for each loaded plugin, at discovery (after the probes, before
+    selection). Any plugin may serve any device type: a third party's faster CUDA quantizer
+    simply returns a builder with a higher priority than ours. All or nothing: if the hook
+    raises, or returns something that is not a builder or a builder whose name its op
+    already has, none of the plugin's builders is used and the plugin is isolated (status
+    ``failed``, with the reason, in ``polyaccel report`` and ``polyaccel.ops.explain``).
+    """
+
+
+@hookspec
+def polyaccel_register_ops(registry):
+    """The contract-1.0 form of :func:`polyaccel_op_builders`, still honoured.
+
+    ``registry.add(OpBuilder(...))`` (or ``registry.register(op, name, device_types, loader,
+    **kw)``) contributes a builder; the same all-or-nothing rule applies, and if the hook
+    raises, the builders it had added are listed as dropped.
     """
 
 
 @hookspec(firstresult=True)
 def polyaccel_comm_hooks(accelerator):
-    """Return the :class:`polyaccel.comm.CommHooks` to use with ``accelerator``, or None.
+    """Override the :class:`polyaccel.comm.CommHooks` of ``accelerator`` (any plugin's), or return None.
 
-    The first non-None answer wins. Plugins answer for their own accelerator
-    (``accelerator.name``); with no answer the core's defaults are used
-    (``accelerator.communication_backend``, device tensors allowed, no staging).
+    An accelerator states its own comm hooks with :meth:`polyaccel.Accelerator.comm_hooks`;
+    this hook is for a plugin that changes another's (a vendor collective library, a test
+    harness). The first non-None answer wins over the accelerator's own.
     """
 
 
 @hookspec
 def polyaccel_report(accelerator):
-    """Return a dict of extra facts for ``polyaccel report`` (versions, runtime notes), or None."""
+    """Return a dict of facts for ``polyaccel report`` about the selected ``accelerator`` (None if none), or None.
+
+    An accelerator reports on itself with :meth:`polyaccel.Accelerator.report_facts`; this
+    hook is for what a plugin knows about whichever accelerator is selected (an op-only
+    plugin's library versions, for instance). The answer is shown under the plugin's name.
+    """
 
 
 @hookspec(firstresult=True)

@@ -29,16 +29,16 @@ import datetime
 import math
 import operator
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from . import fallbacks, peers
+from ..runtime import current
+from . import fallbacks, peers, wrappers
 from .errors import TIMEOUT_ENV, CommArgumentError, CommError, CommTimeoutError, PeerLostError, translate
 from .handles import CommHandle, wait_all
-from .hooks import EMULATIONS, CommHooks, resolve_hooks
+from .hooks import EMULATIONS, CommHooks
 from .staging import IN, INOUT, OUT, StagingPool, StagingStats, run_staged
 
 ReduceOp = dist.ReduceOp
@@ -54,23 +54,12 @@ __all__ = [
 ]
 
 
-@dataclass
-class _Session:
-    accelerator: object
-    hooks: CommHooks
-    timeout: datetime.timedelta
-    owned: bool  # False when the process group was created outside polyaccel
-
-
-_session: _Session | None = None
-_hooks: CommHooks | None = None  # the active hooks; None = defaults (direct calls)
-_pool: StagingPool | None = None
-_timeout_s: float | None = None
-
-# dispatch state, recomputed by refresh(); read on every call
+# The session (accelerator, hooks, timeout, staging pool) is the runtime's. What follows is derived
+# from it by _install() and read on every call, so the untraced, unstaged path costs one flag test.
 _direct = True  # no tracing wrapper and nothing to stage: call torch.distributed straight away
 _emulated: frozenset[str] = frozenset()
 _hook_caller = None  # pluggy HookCaller of polyaccel_collective while a wrapper is registered
+_timeout_s: float | None = None  # the session's timeout in seconds, given to every CommHandle
 
 # torch >= 2.10 renamed these two (the old names warn)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -101,6 +90,30 @@ def resolve_timeout(timeout: datetime.timedelta | float | int | None = None) -> 
     return datetime.timedelta(seconds=seconds)
 
 
+def resolve_hooks(accelerator, plugin_set=None) -> CommHooks:
+    """The comm hooks for ``accelerator``: a plugin's override (``polyaccel_comm_hooks``), else its own."""
+    if plugin_set is None:
+        plugin_set = current().plugins()
+    try:
+        hooks = plugin_set.pm.hook.polyaccel_comm_hooks(accelerator=accelerator)
+    except Exception as exc:
+        raise ConfigError(
+            f"a plugin's polyaccel_comm_hooks raised for accelerator {accelerator.name!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if hooks is None:
+        hooks = accelerator.comm_hooks()
+        if not isinstance(hooks, CommHooks):
+            raise ConfigError(f"{type(accelerator).__name__}.comm_hooks() returned {type(hooks).__name__}; "
+                              "return a polyaccel.comm.CommHooks")
+    elif not isinstance(hooks, CommHooks):
+        raise ConfigError(
+            f"polyaccel_comm_hooks for accelerator {accelerator.name!r} returned {type(hooks).__name__}; "
+            "return a polyaccel.comm.CommHooks (or None for the defaults)"
+        )
+    return hooks
+
+
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | float | None = None, *,
                      init_method: str = "env://", rank: int | None = None, world_size: int | None = None) -> None:
     """Create the world process group for the selected accelerator (idempotent).
@@ -108,42 +121,42 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
     ``backend`` overrides the comm hooks' backend name. When a process group already exists
     (created by us or by the application) it is adopted and nothing is re-created.
     """
-    global _session, _timeout_s
-    if _session is not None and dist.is_initialized():
+    runtime = current()
+    session = runtime.comm
+    if session.active and dist.is_initialized():
         return
-    from .. import selection
-
-    accelerator = selection.get_accelerator()
-    hooks = resolve_hooks(accelerator)
+    accelerator = runtime.accelerator()
+    hooks = resolve_hooks(accelerator, runtime.plugins())
     limit = resolve_timeout(timeout)
     owned = not dist.is_initialized()
     if owned:
-        kwargs: dict = {"backend": backend or hooks.backend, "init_method": init_method, "timeout": limit}
-        if rank is not None:
-            kwargs["rank"] = rank
-        if world_size is not None:
-            kwargs["world_size"] = world_size
-        if hooks.pass_device_id:
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            accelerator.set_device(local_rank)
-            kwargs["device_id"] = accelerator.device(local_rank)
-        dist.init_process_group(**kwargs)
-        peers.publish()
-    _session = _Session(accelerator, hooks, limit, owned)
-    _timeout_s = limit.total_seconds()
+        _init_process_group(accelerator, hooks, backend, limit, init_method, rank, world_size)
+    session.accelerator, session.timeout, session.owned = accelerator, limit, owned
     _install(hooks)
+
+
+def _init_process_group(accelerator, hooks: CommHooks, backend: str | None, timeout: datetime.timedelta,
+                        init_method: str, rank: int | None, world_size: int | None) -> None:
+    kwargs: dict = {"backend": backend or hooks.backend, "init_method": init_method, "timeout": timeout}
+    if rank is not None:
+        kwargs["rank"] = rank
+    if world_size is not None:
+        kwargs["world_size"] = world_size
+    if hooks.pass_device_id:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        accelerator.set_device(local_rank)
+        kwargs["device_id"] = accelerator.device(local_rank)
+    dist.init_process_group(**kwargs)
+    peers.publish()
 
 
 def destroy() -> None:
     """Tear down every process group and forget the session (safe to call twice)."""
-    global _session, _timeout_s, _pool
     try:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     finally:
-        _session = None
-        _timeout_s = None
-        _pool = None
+        current().comm.end()
         _install(None)
 
 
@@ -165,12 +178,13 @@ def get_world_size(group=None) -> int:
 
 def get_timeout() -> datetime.timedelta:
     """The timeout the world group was created with (or the one init_distributed would use)."""
-    return _session.timeout if _session is not None else resolve_timeout()
+    timeout = current().comm.timeout
+    return timeout if timeout is not None else resolve_timeout()
 
 
 def active_hooks() -> CommHooks | None:
     """The comm hooks in force (None before :func:`init_distributed`: plain torch.distributed)."""
-    return _hooks
+    return current().comm.hooks
 
 
 def set_hooks(hooks: CommHooks | None) -> CommHooks | None:
@@ -179,7 +193,7 @@ def set_hooks(hooks: CommHooks | None) -> CommHooks | None:
     For tests and embedding applications; ``backend`` and ``pass_device_id`` only matter at
     :func:`init_distributed`. ``None`` goes back to plain calls.
     """
-    previous = _hooks
+    previous = current().comm.hooks
     if hooks is not None and not isinstance(hooks, CommHooks):
         raise ConfigError(f"set_hooks expects a polyaccel.comm.CommHooks or None, got {type(hooks).__name__}")
     _install(hooks)
@@ -193,38 +207,45 @@ def staging_stats() -> StagingStats:
 
 def refresh() -> None:
     """Re-read which ``polyaccel_collective`` wrappers are registered (done by init and by tracers)."""
-    _install(_hooks)
+    _install(current().comm.hooks)
+
+
+def _accelerator():
+    """The session's accelerator; before :func:`init_distributed`, the selected one."""
+    runtime = current()
+    return runtime.comm.accelerator or runtime.accelerator()
 
 
 def _staging_pool() -> StagingPool:
-    global _pool
-    if _pool is None:
-        if _session is not None:
-            accelerator = _session.accelerator
-        else:
-            from .. import selection
-
-            accelerator = selection.get_accelerator()
-        _pool = StagingPool(accelerator)
-    return _pool
+    session = current().comm
+    if session.staging_pool is None:
+        session.staging_pool = StagingPool(_accelerator())
+    return session.staging_pool
 
 
 def _install(hooks: CommHooks | None) -> None:
-    global _hooks, _direct, _emulated, _hook_caller
-    from . import tracing
-
-    _hooks = hooks
-    _hook_caller = tracing.wrapper_caller()
+    global _direct, _emulated, _hook_caller, _timeout_s
+    runtime = current()
+    runtime.comm.hooks = hooks
+    _timeout_s = runtime.comm.timeout.total_seconds() if runtime.comm.timeout is not None else None
+    _hook_caller = wrappers.wrapper_caller(runtime.plugins().pm)
     _emulated = hooks.emulated_collectives if hooks is not None else frozenset()
     _direct = _hook_caller is None and (hooks is None or not hooks.stages)
 
 
 # ---------------------------------------------------------------------------------------- dispatch
-def _fail(op: str, exc: BaseException):
-    err = translate(op, exc, _timeout_s)
-    if err is exc:
-        raise exc
-    raise err from exc
+def _call(op: str, fn, *args):
+    """``fn(*args)``, a c10d failure re-raised as the :class:`CommError` that says what happened.
+
+    Positional arguments only: this wraps every direct call, and keywords cost time there.
+    """
+    try:
+        return fn(*args)
+    except Exception as exc:
+        err = translate(op, exc, _timeout_s)
+        if err is exc:
+            raise
+        raise err from exc
 
 
 def _wrap(op: str, work):
@@ -235,19 +256,13 @@ def _invoke(op: str, group, entries: tuple, launch, async_op: bool):
     """The full path: tracing wrapper, staging, emulation and handle wrapping."""
 
     def call():
-        hooks = _hooks
+        hooks = current().comm.hooks
         if hooks is not None and hooks.stages and any(hooks.needs_staging(t) for t, _ in entries):
-            accelerator = _session.accelerator if _session is not None else _staging_pool()._accelerator
-            try:
-                result = run_staged(op, entries, launch, pool=_staging_pool(), needs_staging=hooks.needs_staging,
-                                    accelerator=accelerator, timeout_s=_timeout_s)
-            except Exception as exc:
-                _fail(op, exc)
+            result = _call(op, lambda: run_staged(op, entries, launch, pool=_staging_pool(),
+                                                  needs_staging=hooks.needs_staging, accelerator=_accelerator(),
+                                                  timeout_s=_timeout_s))
         else:
-            try:
-                result = launch([t for t, _ in entries], async_op)
-            except Exception as exc:
-                _fail(op, exc)
+            result = _call(op, launch, [t for t, _ in entries], async_op)
             if result is None or isinstance(result, int):
                 return result
         handle = result if isinstance(result, CommHandle) else CommHandle(op, (result,), None, _timeout_s)
@@ -298,11 +313,7 @@ def _check_splits(op: str, name: str, splits, tensor: torch.Tensor, tensor_name:
 # ---------------------------------------------------------------------------------------- collectives
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     if _direct:
-        try:
-            work = dist.all_reduce(tensor, op, group, async_op)
-        except Exception as exc:
-            _fail("all_reduce", exc)
-        return None if work is None else CommHandle("all_reduce", (work,), None, _timeout_s)
+        return _wrap("all_reduce", _call("all_reduce", dist.all_reduce, tensor, op, group, async_op))
     return _invoke("all_reduce", group, ((tensor, INOUT),), lambda ts, a: dist.all_reduce(ts[0], op, group, a),
                    async_op)
 
@@ -318,10 +329,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     if name in _emulated:
         launch = lambda ts, a: fallbacks.reduce_scatter_tensor(ts[0], ts[1], op, group, _timeout_s)
     elif _direct:
-        try:
-            return _wrap(name, _reduce_scatter(output, input, op, group, async_op))
-        except Exception as exc:
-            _fail(name, exc)
+        return _wrap(name, _call(name, _reduce_scatter, output, input, op, group, async_op))
     else:
         launch = lambda ts, a: _reduce_scatter(ts[0], ts[1], op, group, a)
     return _invoke(name, group, ((output, OUT), (input, IN)), launch, async_op)
@@ -338,10 +346,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     if name in _emulated:
         launch = lambda ts, a: fallbacks.all_gather_into_tensor(ts[0], ts[1], group, _timeout_s)
     elif _direct:
-        try:
-            return _wrap(name, _all_gather(output_tensor, input_tensor, group, async_op))
-        except Exception as exc:
-            _fail(name, exc)
+        return _wrap(name, _call(name, _all_gather, output_tensor, input_tensor, group, async_op))
     else:
         launch = lambda ts, a: _all_gather(ts[0], ts[1], group, a)
     return _invoke(name, group, ((output_tensor, OUT), (input_tensor, IN)), launch, async_op)
@@ -362,11 +367,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         launch = lambda ts, a: fallbacks.all_to_all_single(ts[0], ts[1], output_split_sizes, input_split_sizes,
                                                            group, _timeout_s)
     elif _direct:
-        try:
-            return _wrap(name, dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group,
-                                                      async_op))
-        except Exception as exc:
-            _fail(name, exc)
+        return _wrap(name, _call(name, dist.all_to_all_single, output, input, output_split_sizes, input_split_sizes,
+                                 group, async_op))
     else:
         launch = lambda ts, a: dist.all_to_all_single(ts[0], ts[1], output_split_sizes, input_split_sizes, group, a)
     return _invoke(name, group, ((output, OUT), (input, IN)), launch, async_op)
@@ -375,10 +377,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
 def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op: bool = False,
               group_src: int | None = None):
     if _direct:
-        try:
-            return _wrap("broadcast", dist.broadcast(tensor, src, group, async_op, group_src=group_src))
-        except Exception as exc:
-            _fail("broadcast", exc)
+        return _wrap("broadcast", _call("broadcast", dist.broadcast, tensor, src, group, async_op, group_src))
     is_src = get_rank(group) == group_src if src is None else get_rank() == src
     return _invoke("broadcast", group, ((tensor, IN if is_src else OUT),),
                    lambda ts, a: dist.broadcast(ts[0], src, group, a, group_src=group_src), async_op)
@@ -386,10 +385,7 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group=None, async_op
 
 def barrier(group=None, async_op: bool = False):
     if _direct:
-        try:
-            return _wrap("barrier", dist.barrier(group, async_op))
-        except Exception as exc:
-            _fail("barrier", exc)
+        return _wrap("barrier", _call("barrier", dist.barrier, group, async_op))
     return _invoke("barrier", group, (), lambda ts, a: dist.barrier(group, a), async_op)
 
 
@@ -402,20 +398,14 @@ def new_group(ranks=None, timeout=None, backend=None, **kwargs):
 # ---------------------------------------------------------------------------------------- point to point
 def send(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: int | None = None):
     if _direct:
-        try:
-            return dist.send(tensor, dst, group, tag, group_dst)
-        except Exception as exc:
-            _fail("send", exc)
+        return _call("send", dist.send, tensor, dst, group, tag, group_dst)
     _invoke("send", group, ((tensor, IN),), lambda ts, a: dist.isend(ts[0], dst, group, tag, group_dst), False)
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0, group_src: int | None = None):
     """Blocking receive; returns the sender's rank like torch (``src`` as given when staged)."""
     if _direct:
-        try:
-            return dist.recv(tensor, src, group, tag, group_src)
-        except Exception as exc:
-            _fail("recv", exc)
+        return _call("recv", dist.recv, tensor, src, group, tag, group_src)
     _invoke("recv", group, ((tensor, OUT),), lambda ts, a: dist.irecv(ts[0], src, group, tag, group_src), False)
     return src if src is not None else group_src
 
@@ -424,10 +414,7 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group=None, tag: int = 0
           group_dst: int | None = None) -> CommHandle:
     """Non-blocking send: returns at once with a handle; the tensor must not change until ``wait()``."""
     if _direct:
-        try:
-            return CommHandle("isend", (dist.isend(tensor, dst, group, tag, group_dst),), None, _timeout_s)
-        except Exception as exc:
-            _fail("isend", exc)
+        return CommHandle("isend", (_call("isend", dist.isend, tensor, dst, group, tag, group_dst),), None, _timeout_s)
     return _invoke("isend", group, ((tensor, IN),), lambda ts, a: dist.isend(ts[0], dst, group, tag, group_dst),
                    True)
 
@@ -436,10 +423,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0
           group_src: int | None = None) -> CommHandle:
     """Non-blocking receive: returns at once; ``tensor`` holds the data after ``wait()``."""
     if _direct:
-        try:
-            return CommHandle("irecv", (dist.irecv(tensor, src, group, tag, group_src),), None, _timeout_s)
-        except Exception as exc:
-            _fail("irecv", exc)
+        return CommHandle("irecv", (_call("irecv", dist.irecv, tensor, src, group, tag, group_src),), None, _timeout_s)
     return _invoke("irecv", group, ((tensor, OUT),), lambda ts, a: dist.irecv(ts[0], src, group, tag, group_src),
                    True)
 
@@ -457,10 +441,8 @@ def batch_isend_irecv(p2p_op_list) -> list[CommHandle]:
     if not ops:
         return []
     if _direct:
-        try:
-            return [CommHandle("batch_isend_irecv", (w,), None, _timeout_s) for w in dist.batch_isend_irecv(ops)]
-        except Exception as exc:
-            _fail("batch_isend_irecv", exc)
+        works = _call("batch_isend_irecv", dist.batch_isend_irecv, ops)
+        return [CommHandle("batch_isend_irecv", (w,), None, _timeout_s) for w in works]
     entries = tuple((p.tensor, IN if p.op is dist.isend else OUT) for p in ops)
 
     def launch(ts, a):

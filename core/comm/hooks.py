@@ -1,9 +1,9 @@
 """The comm-hooks contract: what a backend tells ``polyaccel.comm`` about its collectives.
 
-A plugin answers the ``polyaccel_comm_hooks(accelerator)`` hook with a :class:`CommHooks`
-for its own accelerator; the first non-None answer wins. With no answer the defaults are
-built from ``accelerator.communication_backend``: device tensors go to the backend as they
-are, nothing is staged and nothing is emulated.
+An accelerator gives its own with :meth:`polyaccel.Accelerator.comm_hooks` (the base class
+builds them from ``communication_backend``: device tensors go to the backend as they are,
+nothing is staged and nothing is emulated); a plugin may override another's through the
+``polyaccel_comm_hooks(accelerator)`` hook. :func:`polyaccel.comm.resolve_hooks` decides.
 """
 
 from __future__ import annotations
@@ -78,26 +78,3 @@ class CommHooks:
             "stage_host_tensors": self.stage_host_tensors,
             "emulated_collectives": {name: EMULATIONS[name] for name in sorted(self.emulated_collectives)},
         }
-
-
-def resolve_hooks(accelerator, plugin_set=None) -> CommHooks:
-    """The comm hooks for ``accelerator``: the first plugin answer, else the defaults."""
-    if plugin_set is None:
-        from .. import selection
-
-        plugin_set = selection.plugins()
-    try:
-        answer = plugin_set.pm.hook.polyaccel_comm_hooks(accelerator=accelerator)
-    except Exception as exc:
-        raise ConfigError(
-            f"a plugin's polyaccel_comm_hooks raised for accelerator {accelerator.name!r}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    if answer is None:
-        return CommHooks.defaults_for(accelerator)
-    if not isinstance(answer, CommHooks):
-        raise ConfigError(
-            f"polyaccel_comm_hooks for accelerator {accelerator.name!r} returned {type(answer).__name__}; "
-            "return a polyaccel.comm.CommHooks (or None for the defaults)"
-        )
-    return answer

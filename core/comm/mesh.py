@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import ConfigError
+from ..runtime import current
 
 DIMS = ("data", "tensor", "expert", "expert_data")
 
@@ -98,9 +99,7 @@ def init_parallel_mesh(data: int = -1, tensor: int = 1, expert: int = 1,
                           "parallelism is carved out of data parallelism); expert sizes that fit: "
                           f"{[d for d in range(1, data + 1) if data % d == 0]}")
     if device_type is None:
-        from .. import selection
-
-        device_type = selection.get_accelerator().device_type
+        device_type = current().accelerator().device_type
     mesh = init_device_mesh(device_type, (data // expert, expert, tensor),
                             mesh_dim_names=("expert_data", "expert", "tensor"))
     flat = mesh["expert_data", "expert"]._flatten("data")

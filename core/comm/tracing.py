@@ -12,35 +12,8 @@ import time
 from dataclasses import dataclass
 
 from ..hookspecs import hookimpl
-
-
-class _Runner:
-    """The innermost implementation: performs the call the wrappers wrap."""
-
-    @hookimpl(trylast=True)
-    def polyaccel_collective(self, call):
-        return call()
-
-
-_RUNNER = _Runner()
-_RUNNER_NAME = "polyaccel.comm.runner"
-
-
-def _plugin_manager():
-    from .. import selection
-
-    return selection.plugins().pm
-
-
-def wrapper_caller():
-    """The hook caller when a wrapper besides the runner is registered, else None."""
-    pm = _plugin_manager()
-    caller = pm.hook.polyaccel_collective
-    if not any(impl.plugin is not _RUNNER for impl in caller.get_hookimpls()):
-        return None
-    if not pm.is_registered(_RUNNER):
-        pm.register(_RUNNER, name=_RUNNER_NAME)
-    return caller
+from ..runtime import current
+from . import refresh
 
 
 def group_ranks(group) -> tuple[int, ...]:
@@ -116,16 +89,12 @@ class CommTracer:
         self.events.clear()
 
     def __enter__(self) -> CommTracer:
-        from . import refresh
-
-        self._pm = _plugin_manager()
+        self._pm = current().plugins().pm
         self._pm.register(self, name=f"polyaccel.comm.tracer.{id(self)}")
         refresh()
         return self
 
     def __exit__(self, *exc_info) -> None:
-        from . import refresh
-
         if self._pm is not None and self._pm.is_registered(self):
             self._pm.unregister(self)
         self._pm = None

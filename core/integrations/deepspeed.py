@@ -190,7 +190,7 @@ class PolyaccelDeepSpeedAccelerator(DeepSpeedAccelerator):
         self.polyaccel = accelerator if accelerator is not None else polyaccel.get_accelerator()
         self._host = self.polyaccel.device(0).type == "cpu"  # host tensors (cpu, example, emulated runtimes)
         self._name = "cpu" if self._host else self.polyaccel.device_type
-        from polyaccel.comm.hooks import resolve_hooks
+        from polyaccel.comm import resolve_hooks
 
         self._communication_backend_name = resolve_hooks(self.polyaccel).backend
         self._compile_backend = "inductor"

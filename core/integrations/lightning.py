@@ -67,7 +67,7 @@ class PolyaccelAccelerator(Accelerator):
             sel = selection.selected_or_none()
             if sel is not None and sel.name == cls.plugin:
                 return sel
-            rec = selection._find(selection.plugins(), cls.plugin)
+            rec = selection.plugins().find(cls.plugin)
             if rec is None or rec.accelerator is None:
                 raise ConfigError(f"no polyaccel plugin named {cls.plugin!r} is available")
             return rec.accelerator

@@ -10,93 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import OpError
-from ..selection import _lock as _selection_lock
+from ..runtime import current
 from .reference.quantize import QuantizedTensor
 from .registry import ANY_DEVICE, Candidate, OpBuilder, OpRegistry
 
-
-def _accelerator_for(device_type: str):
-    from ..selection import accelerator_for_device_type
-
-    return accelerator_for_device_type(device_type)
-
-
-def _populate(reg: OpRegistry) -> None:
-    """The core's reference builders, then every loaded plugin's, in discovery order.
-
-    A plugin's ``polyaccel_register_ops`` is all or nothing: its builders enter the registry
-    only when the hook returns. If it raises, what it added is dropped, the registry keeps
-    the failure (``explain`` shows it) and the plugin is isolated (``polyaccel report``).
-    """
-    from .. import discovery
-    from ..selection import plugins
-    from . import builtin
-
-    builtin.register_reference_ops(reg)
-    ps = plugins()
-    impls = {impl.plugin_name: impl for impl in ps.pm.hook.polyaccel_register_ops.get_hookimpls()}
-    for rec in list(ps.records.values()):
-        impl = impls.get(rec.name)
-        # unavailable plugins still contribute: explain() then shows why their builders are not used
-        if impl is None or rec.status not in discovery.LOADED_STATUSES:
-            continue
-        scoped = _PluginScopedRegistry(reg, rec.name)
-        try:
-            impl.function(*[{"registry": scoped}[a] for a in impl.argnames])
-            added = scoped.commit()
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - isolate a broken plugin's ops
-            error = f"polyaccel_register_ops raised {type(exc).__name__}: {exc}"
-            reg.discard(scoped.pending)
-            reg.record_plugin_failure(rec.name, error, [(b.op, b.name) for b in scoped.pending])
-            discovery.isolate(ps, rec, error)
-            continue
-        if rec.status == discovery.LOADED:
-            listed = ", ".join(f"{b.name} ({b.op})" for b in added)
-            rec.reason = ("provides no accelerator (nothing to select); "
-                          + (f"op builders: {listed}" if listed else "its hooks are in use"))
-
-
-class _PluginScopedRegistry:
-    """What a plugin's ``polyaccel_register_ops`` receives.
-
-    Stamps builders with the plugin name and holds them until the hook returns
-    (:meth:`commit`), so a hook that raises half way leaves nothing behind.
-    """
-
-    def __init__(self, reg: OpRegistry, plugin: str):
-        self._reg = reg
-        self.plugin = plugin
-        self.pending: list[OpBuilder] = []
-
-    def add(self, builder: OpBuilder) -> OpBuilder:
-        if not isinstance(builder, OpBuilder):
-            raise TypeError(f"registry.add() takes a polyaccel.ops.OpBuilder, got {type(builder).__name__}")
-        if not builder.plugin:
-            builder.plugin = self.plugin
-        taken = [b for b in self._reg._builders.get(builder.op, []) + self.pending
-                 if b.op == builder.op and b.name == builder.name]
-        if taken:
-            owner = taken[0].plugin or "?"
-            raise OpError(f"op {builder.op!r} already has a builder named {builder.name!r} "
-                          f"(from plugin {owner!r}); builder names are unique per op")
-        self.pending.append(builder)
-        return builder
-
-    def register(self, op, name, device_types, loader, **kw) -> OpBuilder:
-        """Shorthand for ``add(OpBuilder(op, name, device_types, loader, **kw))``."""
-        kw.setdefault("plugin", self.plugin)
-        return self.add(OpBuilder(op=op, name=name, device_types=tuple(device_types), loader=loader, **kw))
-
-    def commit(self) -> list[OpBuilder]:
-        for b in self.pending:
-            self._reg.add(b)
-        return list(self.pending)
-
-
-# one lock with selection: discovery registers the ops, and op resolution may run discovery
-registry = OpRegistry(_accelerator_for, lock=_selection_lock)
-registry.set_populator(_populate)
+#: the process's op registry (the runtime's): filled at discovery from the plugins' op hooks
+registry = current().ops
 
 
 def explain(op: str, device_type: str | None = None) -> str:

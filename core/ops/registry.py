@@ -3,7 +3,7 @@
 An *op* is a named function with one semantics everywhere (the core's reference
 implementation defines it). A *builder* is one way to get that op on some device
 types: a Triton kernel, a native extension, a vendor library, plain torch. Builders
-are contributed by plugins through the ``polyaccel_register_ops`` hook; resolution
+are contributed by plugins through the ``polyaccel_op_builders`` hook; resolution
 happens once per (op, device type) and the loaded callable is then called directly.
 """
 
@@ -127,7 +127,9 @@ def _override_from_env() -> dict[str, str]:
 class OpRegistry:
     """All builders of all plugins, and the per-(op, device type) choice."""
 
-    def __init__(self, accelerator_for: Callable[[str], Any] | None = None, lock=None):
+    def __init__(self, accelerator_for: Callable[[str | None], Any] | None = None, lock=None):
+        """``accelerator_for(device_type)`` gives the accelerator serving a device type (None if none is
+        usable); ``accelerator_for(None)`` gives this process's accelerator, which ``explain`` defaults to."""
         self._builders: dict[str, list[OpBuilder]] = {}
         self._cache: dict[tuple[str, str], Callable[..., Any]] = {}
         self._chosen: dict[tuple[str, str], OpBuilder] = {}
@@ -153,15 +155,6 @@ class OpRegistry:
     def register(self, op: str, name: str, device_types, loader, **kw) -> OpBuilder:
         """Shorthand for ``add(OpBuilder(op, name, device_types, loader, **kw))``."""
         return self.add(OpBuilder(op=op, name=name, device_types=tuple(device_types), loader=loader, **kw))
-
-    def discard(self, builders) -> None:
-        """Remove these builder objects (a plugin's, when its registration failed)."""
-        drop = {id(b) for b in builders}
-        with self._lock:
-            for op in list(self._builders):
-                self._builders[op] = [b for b in self._builders[op] if id(b) not in drop]
-            self._cache.clear()
-            self._chosen.clear()
 
     def record_plugin_failure(self, plugin: str, reason: str, dropped: list[tuple[str, str]]) -> None:
         """Remember that ``plugin``'s builders are ignored and why (shown by :meth:`explain`)."""
@@ -288,9 +281,10 @@ class OpRegistry:
     def explain(self, op: str, device_type: str | None = None) -> str:
         """A readable table of every candidate for ``op`` and why it was or was not chosen."""
         if device_type is None:
-            from ..selection import get_accelerator
-
-            device_type = get_accelerator().device_type
+            acc = self._accelerator_for(None)
+            if acc is None:
+                raise OpError(f"explain({op!r}): no accelerator to take the device type from; pass device_type")
+            device_type = acc.device_type
         lines = [f"op {op!r} on device type {device_type!r}:"]
         for c in self.candidates(op, device_type):
             mark = "->" if c.chosen else "  "

@@ -10,9 +10,8 @@ from __future__ import annotations
 from polyaccel.ops import OpBuilder, torch_optim
 
 
-def register(registry) -> None:
-    registry.add(OpBuilder(op="fused_adam", name="cpu_fused_adam", device_types=("cpu",),
-                           loader=lambda: torch_optim.fused_adam, kind="torch", priority=10,
-                           description="torch's fused CPU Adam/AdamW kernel (foreach for mixed dtypes)"))
-    for builder in torch_optim.foreach_builders("cpu", priority=10, prefix="cpu_"):
-        registry.add(builder)
+def builders() -> list[OpBuilder]:
+    return [OpBuilder(op="fused_adam", name="cpu_fused_adam", device_types=("cpu",),
+                      loader=lambda: torch_optim.fused_adam, kind="torch", priority=10,
+                      description="torch's fused CPU Adam/AdamW kernel (foreach for mixed dtypes)"),
+            *torch_optim.foreach_builders("cpu", priority=10, prefix="cpu_")]

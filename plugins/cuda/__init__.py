@@ -14,28 +14,7 @@ def polyaccel_accelerators():
 
 
 @hookimpl
-def polyaccel_register_ops(registry):
-    from .ops import register
+def polyaccel_op_builders():
+    from .ops import builders
 
-    register(registry)
-
-
-@hookimpl
-def polyaccel_comm_hooks(accelerator):
-    from .accelerator import CudaAccelerator
-
-    if type(accelerator) is not CudaAccelerator:
-        return None
-    from .comm import comm_hooks
-
-    return comm_hooks(accelerator)
-
-
-@hookimpl
-def polyaccel_report(accelerator):
-    from .accelerator import CudaAccelerator
-    from .report import report
-
-    if type(accelerator) is not CudaAccelerator:
-        return None
-    return report(accelerator)
+    return builders()

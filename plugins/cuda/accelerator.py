@@ -155,6 +155,22 @@ class CudaAccelerator(Accelerator):
         except Exception:  # noqa: BLE001 - describe() must never fail
             return super().describe()
 
+    # ------------------------------------------------------- comm and report
+    def comm_hooks(self):
+        """NCCL (RCCL for rocm, same torch.distributed name) binds a communicator to one GPU: giving
+        ``init_process_group`` the ``device_id`` lets it connect eagerly and spares torch the device
+        guess on the first collective."""
+        from polyaccel.comm import CommHooks
+
+        return CommHooks(backend=self.communication_backend, pass_device_id=True)
+
+    def report_facts(self) -> dict | None:
+        if not self.probe().available:
+            return None
+        from .report import report
+
+        return report(self)
+
     # --------------------------------------------------------- pinned memory
     def _cudart(self):
         return torch.cuda.cudart()

@@ -107,9 +107,3 @@ def builders() -> list[OpBuilder]:
                   description="torch._grouped_mm (CUTLASS, bf16) with the rows past the last offset zeroed; "
                               "other dtypes or unaligned shapes go to the reference"),
     ]
-
-
-def register(registry) -> None:
-    """Add the builders to ``registry`` (the registry a ``polyaccel_register_ops`` hook receives)."""
-    for builder in builders():
-        registry.add(builder)

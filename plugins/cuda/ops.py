@@ -39,16 +39,17 @@ def _torch_cuda_compatible(accelerator) -> tuple[bool, str]:
     return True, ""
 
 
-def register(registry) -> None:
-    for op, what in (
-        ("fused_adam", "Triton multi-tensor Adam/AdamW: one launch over all tensors, fp32 math"),
-        ("fused_lion", "Triton multi-tensor Lion: one launch over all tensors, fp32 math"),
-        ("fused_lamb", "Triton multi-tensor LAMB: moments+norms, trust ratios, update (3 launches)"),
-    ):
-        registry.add(OpBuilder(op=op, name=f"triton_{op}", device_types=("cuda",), loader=_triton_loader(op),
-                               kind="triton", priority=TRITON_PRIORITY, compatible=triton_compatible,
-                               description=what))
-    registry.add(OpBuilder(op="fused_adam", name="torch_fused_adam", device_types=("cuda",),
+def builders() -> list[OpBuilder]:
+    found = [
+        OpBuilder(op=op, name=f"triton_{op}", device_types=("cuda",), loader=_triton_loader(op), kind="triton",
+                  priority=TRITON_PRIORITY, compatible=triton_compatible, description=what)
+        for op, what in (
+            ("fused_adam", "Triton multi-tensor Adam/AdamW: one launch over all tensors, fp32 math"),
+            ("fused_lion", "Triton multi-tensor Lion: one launch over all tensors, fp32 math"),
+            ("fused_lamb", "Triton multi-tensor LAMB: moments+norms, trust ratios, update (3 launches)"),
+        )
+    ]
+    found.append(OpBuilder(op="fused_adam", name="torch_fused_adam", device_types=("cuda",),
                            loader=lambda: torch_fused_adam, kind="torch", priority=TORCH_PRIORITY,
                            compatible=_torch_cuda_compatible,
                            description="torch._fused_adam(w)_ per dtype group, else torch foreach ops"))
@@ -57,5 +58,5 @@ def register(registry) -> None:
     except ModuleNotFoundError as exc:
         if exc.name != f"{__package__}.kernel_builders":
             raise
-        return
-    kernel_builders.register(registry)
+        return found
+    return found + kernel_builders.builders()

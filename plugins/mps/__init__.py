@@ -14,25 +14,7 @@ def polyaccel_accelerators():
 
 
 @hookimpl
-def polyaccel_register_ops(registry):
-    from .ops import register
+def polyaccel_op_builders():
+    from .ops import builders
 
-    register(registry)
-
-
-@hookimpl
-def polyaccel_comm_hooks(accelerator):
-    """gloo cannot read MPS tensors: every tensor goes through host staging (async copy back in wait())."""
-    if getattr(accelerator, "name", None) != "mps":
-        return None
-    from polyaccel.comm import CommHooks
-
-    # under emulation the tensors are host tensors already; stage them anyway so the path runs
-    return CommHooks(backend="gloo", supports_device_tensors=False, stage_host_tensors=accelerator.is_emulated())
-
-
-@hookimpl
-def polyaccel_report(accelerator):
-    if getattr(accelerator, "name", None) == "mps":
-        return accelerator.report()
-    return None
+    return builders()

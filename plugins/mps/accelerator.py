@@ -106,7 +106,16 @@ class MpsAccelerator(Accelerator):
     def unregister_host_memory(self, tensor: torch.Tensor) -> bool:
         raise Unsupported(self.name, "host_register", _UNIFIED)
 
-    def report(self) -> dict[str, Any]:
+    def comm_hooks(self):
+        """gloo cannot read MPS tensors: every tensor goes through host staging (async copy back in wait())."""
+        from polyaccel.comm import CommHooks
+
+        # under emulation the tensors are host tensors already; stage them anyway so the path runs
+        return CommHooks(backend="gloo", supports_device_tensors=False, stage_host_tensors=self.is_emulated())
+
+    def report_facts(self) -> dict[str, Any] | None:
+        if not self.probe().available:
+            return None
         return {"unified_memory": "pin_memory copies into MPS's shared allocator; host registration is unsupported",
                 "memory": self.memory_report(),
                 "fused_adam_kernel": "Metal (torch.mps.compile_shader)" if hasattr(torch.mps, "compile_shader")

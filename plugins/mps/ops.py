@@ -43,14 +43,13 @@ def _load_metal():
     return MetalFusedAdam(fallback=torch_fused_adam)
 
 
-def register(registry) -> None:
-    registry.add(OpBuilder(
-        op="fused_adam", name="mps_metal_fused_adam", device_types=(DEVICE_TYPE,), loader=_load_metal,
-        kind="native", priority=60, compatible=metal_compatible,
-        description="Metal kernel compiled with torch.mps.compile_shader, fp32 math"))
-    registry.add(OpBuilder(
-        op="fused_adam", name="mps_torch_fused_adam", device_types=(DEVICE_TYPE,), loader=lambda: torch_fused_adam,
-        kind="torch", priority=50, compatible=torch_fused_compatible,
-        description="torch's fused Adam/AdamW kernel for mps (foreach fp32 math for mixed dtypes)"))
-    for builder in torch_optim.foreach_builders(DEVICE_TYPE, compatible=_is_mps):
-        registry.add(builder)
+def builders() -> list[OpBuilder]:
+    return [
+        OpBuilder(op="fused_adam", name="mps_metal_fused_adam", device_types=(DEVICE_TYPE,), loader=_load_metal,
+                  kind="native", priority=60, compatible=metal_compatible,
+                  description="Metal kernel compiled with torch.mps.compile_shader, fp32 math"),
+        OpBuilder(op="fused_adam", name="mps_torch_fused_adam", device_types=(DEVICE_TYPE,),
+                  loader=lambda: torch_fused_adam, kind="torch", priority=50, compatible=torch_fused_compatible,
+                  description="torch's fused Adam/AdamW kernel for mps (foreach fp32 math for mixed dtypes)"),
+        *torch_optim.foreach_builders(DEVICE_TYPE, compatible=_is_mps),
+    ]

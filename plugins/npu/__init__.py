@@ -20,33 +20,8 @@ def polyaccel_accelerators():
 
 
 @hookimpl
-def polyaccel_register_ops(registry):
-    from .ops import register
+def polyaccel_op_builders():
+    from .ops import builders
 
-    register(registry)
+    return builders()
 
-
-@hookimpl
-def polyaccel_comm_hooks(accelerator):
-    if getattr(accelerator, "name", None) != "npu":
-        return None
-    from polyaccel.comm.hooks import CommHooks
-
-    # HCCL binds a communicator to the current device, like NCCL: pass device_id
-    return CommHooks(backend="hccl", pass_device_id=True)
-
-
-@hookimpl
-def polyaccel_report(accelerator):
-    from . import runtime
-
-    mod, reason = runtime.import_torch_npu()
-    if mod is None:
-        if reason.startswith("torch_npu is not installed"):
-            return None  # nothing to say beyond the plugin's status line
-        return {"runtime": reason, "hint": runtime.AUTOLOAD_HINT}
-    facts = {"torch_npu": getattr(mod, "__version__", "unknown"), "emulated": runtime.is_emulated(mod)}
-    binding, why = runtime.npurt_binding()
-    facts["host_register"] = "npuHostRegister (ACL_HOST_REG_MAPPED, 4096-byte aligned)" if binding else why
-    facts["graphs"] = "torch.npu.NPUGraph" if hasattr(runtime.npu_module(), "NPUGraph") else "not in this torch_npu"
-    return facts

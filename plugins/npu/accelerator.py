@@ -58,6 +58,24 @@ class NpuAccelerator(Accelerator):
             caps.add("host_register")
         return frozenset(caps)
 
+    def comm_hooks(self):
+        """HCCL binds a communicator to the current device, like NCCL: ``init_process_group`` gets ``device_id``."""
+        from polyaccel.comm import CommHooks
+
+        return CommHooks(backend=self.communication_backend, pass_device_id=True)
+
+    def report_facts(self) -> dict | None:
+        mod, reason = runtime.import_torch_npu()
+        if mod is None:
+            if reason.startswith("torch_npu is not installed"):
+                return None  # nothing to say beyond the plugin's status line
+            return {"runtime": reason, "hint": runtime.AUTOLOAD_HINT}
+        facts = {"torch_npu": getattr(mod, "__version__", "unknown"), "emulated": runtime.is_emulated(mod)}
+        binding, why = runtime.npurt_binding()
+        facts["host_register"] = "npuHostRegister (ACL_HOST_REG_MAPPED, 4096-byte aligned)" if binding else why
+        facts["graphs"] = "torch.npu.NPUGraph" if hasattr(runtime.npu_module(), "NPUGraph") else "not in this torch_npu"
+        return facts
+
     def _device_module(self, required: bool = True):
         npu = runtime.npu_module()
         if npu is None and required:

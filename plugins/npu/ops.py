@@ -78,14 +78,13 @@ def quantize(x, mode="int8", group_size=128, symmetric=True):
     return QuantizedTensor(data, scale, zp, mode, group_size, x.shape, x.dtype)
 
 
-def register(registry) -> None:
-    registry.add(OpBuilder(
-        op="fused_adam", name="npu_torch_fused_adam", device_types=("npu",), loader=lambda: torch_optim.fused_adam,
-        kind="torch", priority=50, compatible=_fused_adam_compatible,
-        description="torch._fused_adam(w)_ on npu (torch_npu kernel); foreach fp32 for mixed dtypes"))
-    for builder in torch_optim.foreach_builders("npu", compatible=_npu_accelerator):
-        registry.add(builder)
-    registry.add(OpBuilder(
-        op="quantize", name="npu_quantize", device_types=("npu",), loader=lambda: quantize, kind="vendor",
-        priority=50, compatible=_quantize_compatible,
-        description="group scales in torch, rounding/saturation by torch_npu.npu_quantize (fp8: reference)"))
+def builders() -> list[OpBuilder]:
+    return [
+        OpBuilder(op="fused_adam", name="npu_torch_fused_adam", device_types=("npu",),
+                  loader=lambda: torch_optim.fused_adam, kind="torch", priority=50, compatible=_fused_adam_compatible,
+                  description="torch._fused_adam(w)_ on npu (torch_npu kernel); foreach fp32 for mixed dtypes"),
+        *torch_optim.foreach_builders("npu", compatible=_npu_accelerator),
+        OpBuilder(op="quantize", name="npu_quantize", device_types=("npu",), loader=lambda: quantize, kind="vendor",
+                  priority=50, compatible=_quantize_compatible,
+                  description="group scales in torch, rounding/saturation by torch_npu.npu_quantize (fp8: reference)"),
+    ]

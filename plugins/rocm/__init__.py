@@ -20,26 +20,3 @@ def polyaccel_accelerators():
 
     return [RocmAccelerator]
 
-
-@hookimpl
-def polyaccel_comm_hooks(accelerator):
-    from polyaccel.plugins.cuda.comm import comm_hooks
-
-    from .accelerator import RocmAccelerator
-
-    if type(accelerator) is not RocmAccelerator:
-        return None
-    return comm_hooks(accelerator)
-
-
-@hookimpl
-def polyaccel_report(accelerator):
-    from polyaccel.plugins.cuda.report import report
-
-    from .accelerator import RocmAccelerator
-
-    if type(accelerator) is not RocmAccelerator:
-        return None
-    out = report(accelerator)
-    out["wavefront_size"] = accelerator.warp_size() if accelerator.probe().available else None
-    return out

@@ -88,3 +88,9 @@ class RocmAccelerator(CudaAccelerator):
             return f"{self.name}: {props.name} ({self.gcn_arch()}, {props.total_memory / 2**30:.0f} GiB)"
         except Exception:  # noqa: BLE001
             return super().describe()
+
+    def report_facts(self) -> dict | None:
+        facts = super().report_facts()
+        if facts is not None:
+            facts["wavefront_size"] = self.warp_size()
+        return facts

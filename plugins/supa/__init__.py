@@ -21,34 +21,8 @@ def polyaccel_accelerators():
 
 
 @hookimpl
-def polyaccel_register_ops(registry):
-    from .ops import register
+def polyaccel_op_builders():
+    from .ops import builders
 
-    register(registry)
+    return builders()
 
-
-@hookimpl
-def polyaccel_comm_hooks(accelerator):
-    if getattr(accelerator, "name", None) != "supa":
-        return None
-    from polyaccel.comm.hooks import CommHooks
-
-    return CommHooks(backend=accelerator.communication_backend, pass_device_id=True)
-
-
-@hookimpl
-def polyaccel_report(accelerator):
-    from . import runtime
-
-    mod, reason = runtime.import_torch_supa()
-    if mod is None:
-        return None if reason.startswith("torch_supa is not installed") else {"runtime": reason}
-    binding, why = runtime.supart_binding()
-    ops = runtime.deepspeed_ops()
-    kernels = [k for k in ("multi_tensor_adam", "multi_tensor_lion", "lamb") if hasattr(ops, k)] if ops else []
-    return {
-        "torch_supa": getattr(mod, "__version__", "unknown"),
-        "emulated": runtime.is_emulated(mod),
-        "host_register": "supaHostRegister" if binding else why,
-        "torch_supa_ext kernels": kernels or "torch_supa_ext not installed: optimizers use the reference",
-    }

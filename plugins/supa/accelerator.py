@@ -51,6 +51,25 @@ class SupaAccelerator(Accelerator):
             caps.add("host_register")
         return frozenset(caps)
 
+    def comm_hooks(self):
+        from polyaccel.comm import CommHooks
+
+        return CommHooks(backend=self.communication_backend, pass_device_id=True)
+
+    def report_facts(self) -> dict | None:
+        mod, reason = runtime.import_torch_supa()
+        if mod is None:
+            return None if reason.startswith("torch_supa is not installed") else {"runtime": reason}
+        binding, why = runtime.supart_binding()
+        ops = runtime.deepspeed_ops()
+        kernels = [k for k in ("multi_tensor_adam", "multi_tensor_lion", "lamb") if hasattr(ops, k)] if ops else []
+        return {
+            "torch_supa": getattr(mod, "__version__", "unknown"),
+            "emulated": runtime.is_emulated(mod),
+            "host_register": "supaHostRegister" if binding else why,
+            "torch_supa_ext kernels": kernels or "torch_supa_ext not installed: optimizers use the reference",
+        }
+
     def _device_module(self, required: bool = True):
         supa = runtime.supa_module()
         if supa is None and required:

@@ -140,14 +140,16 @@ def make_fused_lamb():
     return fused_lamb
 
 
-def register(registry) -> None:
-    for op, loader, kernel, what in (
-        ("fused_adam", make_fused_adam, "multi_tensor_adam",
-         "torch.ops.deepspeed.multi_tensor_adam (torch_supa_ext); mixed dtypes: reference"),
-        ("fused_lion", make_fused_lion, "multi_tensor_lion",
-         "torch.ops.deepspeed.multi_tensor_lion (torch_supa_ext); mixed dtypes: reference"),
-        ("fused_lamb", make_fused_lamb, "lamb",
-         "torch.ops.deepspeed.lamb (torch_supa_ext) without bias correction; otherwise reference"),
-    ):
-        registry.add(OpBuilder(op=op, name=f"supa_ext_{op}", device_types=("supa",), loader=loader,
-                               kind="vendor", priority=50, compatible=_compatible_with(kernel), description=what))
+def builders() -> list[OpBuilder]:
+    return [
+        OpBuilder(op=op, name=f"supa_ext_{op}", device_types=("supa",), loader=loader, kind="vendor", priority=50,
+                  compatible=_compatible_with(kernel), description=what)
+        for op, loader, kernel, what in (
+            ("fused_adam", make_fused_adam, "multi_tensor_adam",
+             "torch.ops.deepspeed.multi_tensor_adam (torch_supa_ext); mixed dtypes: reference"),
+            ("fused_lion", make_fused_lion, "multi_tensor_lion",
+             "torch.ops.deepspeed.multi_tensor_lion (torch_supa_ext); mixed dtypes: reference"),
+            ("fused_lamb", make_fused_lamb, "lamb",
+             "torch.ops.deepspeed.lamb (torch_supa_ext) without bias correction; otherwise reference"),
+        )
+    ]

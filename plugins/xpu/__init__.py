@@ -17,34 +17,8 @@ def polyaccel_accelerators():
 
 
 @hookimpl
-def polyaccel_register_ops(registry):
-    from .ops import register
+def polyaccel_op_builders():
+    from .ops import builders
 
-    register(registry)
+    return builders()
 
-
-@hookimpl
-def polyaccel_comm_hooks(accelerator):
-    """xccl (or oneCCL's ccl) reads XPU tensors directly: no staging; no backend is a clear error."""
-    if getattr(accelerator, "name", None) != "xpu":
-        return None
-    from polyaccel.comm import CommHooks
-    from polyaccel.errors import ConfigError
-
-    choice = accelerator.comm_choice()
-    if choice.backend is None:
-        raise ConfigError(choice.reason)
-    return CommHooks(backend=choice.backend)
-
-
-@hookimpl
-def polyaccel_report(accelerator):
-    from .accelerator import XpuAccelerator
-    from .ipex import inspect_ipex
-
-    if isinstance(accelerator, XpuAccelerator):
-        return accelerator.report()
-    verdict = inspect_ipex()
-    if verdict.installed:
-        return verdict.report_facts()
-    return None

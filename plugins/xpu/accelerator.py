@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
-from polyaccel.errors import Unsupported
+from polyaccel.errors import ConfigError, Unsupported
 
 from . import ipex as ipex_mod
 from .comm import BackendChoice, choose_backend
@@ -89,6 +89,15 @@ class XpuAccelerator(Accelerator):
     def communication_backend(self) -> str:  # type: ignore[override]
         return self.comm_choice().backend or "unavailable"
 
+    def comm_hooks(self):
+        """xccl (or oneCCL's ccl) reads XPU tensors directly: no staging; no backend is a clear error."""
+        from polyaccel.comm import CommHooks
+
+        choice = self.comm_choice()
+        if choice.backend is None:
+            raise ConfigError(choice.reason)
+        return CommHooks(backend=choice.backend)
+
     def capabilities(self) -> frozenset[str]:
         if self._caps is None:
             caps = {"streams", "events", "rng", "memory_stats", "pinned", "fp16"}
@@ -130,7 +139,11 @@ class XpuAccelerator(Accelerator):
         self._require_graphs()
         graph.replay()
 
-    def report(self) -> dict[str, Any]:
+    def report_facts(self) -> dict[str, Any] | None:
+        """The device's facts when it is usable; otherwise what was decided about an installed IPEX."""
+        if not self.probe().available:
+            verdict = ipex_mod.inspect_ipex()
+            return verdict.report_facts() if verdict.installed else None
         comm = self.comm_choice()
         ok, graphs = graph_support()
         return {

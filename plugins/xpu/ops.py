@@ -24,10 +24,10 @@ def _compatible(accelerator) -> tuple[bool, str]:
     return torch_optim.fused_kernel_support(DEVICE_TYPE) if ok else (ok, why)
 
 
-def register(registry) -> None:
-    registry.add(OpBuilder(
-        op="fused_adam", name="xpu_torch_fused_adam", device_types=(DEVICE_TYPE,),
-        loader=lambda: torch_optim.fused_adam, kind="torch", priority=50, compatible=_compatible,
-        description="torch's fused Adam/AdamW kernel for XPU (foreach fp32 math for mixed dtypes)"))
-    for builder in torch_optim.foreach_builders(DEVICE_TYPE, compatible=_is_xpu):
-        registry.add(builder)
+def builders() -> list[OpBuilder]:
+    return [
+        OpBuilder(op="fused_adam", name="xpu_torch_fused_adam", device_types=(DEVICE_TYPE,),
+                  loader=lambda: torch_optim.fused_adam, kind="torch", priority=50, compatible=_compatible,
+                  description="torch's fused Adam/AdamW kernel for XPU (foreach fp32 math for mixed dtypes)"),
+        *torch_optim.foreach_builders(DEVICE_TYPE, compatible=_is_xpu),
+    ]

@@ -19,12 +19,9 @@ This package imports nothing heavy on import; the test modules are collected by 
 
 from __future__ import annotations
 
-PYTEST_PLUGIN = "polyaccel.testing.conformance.plugin"
-SUITE_PACKAGE = "polyaccel.testing.conformance"
-
 
 def __getattr__(name: str):
-    if name in ("run_suite", "SuiteRun"):
+    if name in ("run_suite", "SuiteRun", "PYTEST_PLUGIN", "SUITE_PACKAGE"):
         from . import runner
 
         return getattr(runner, name)

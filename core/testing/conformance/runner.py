@@ -14,7 +14,10 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from . import PYTEST_PLUGIN, SUITE_PACKAGE, results
+from . import results
+
+SUITE_PACKAGE = "polyaccel.testing.conformance"
+PYTEST_PLUGIN = f"{SUITE_PACKAGE}.plugin"
 
 
 @dataclass

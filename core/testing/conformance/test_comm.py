@@ -18,7 +18,7 @@ TIMEOUT_S = 120.0
 
 def _why_not(target) -> str:
     import torch.distributed as dist
-    from polyaccel.comm.hooks import resolve_hooks
+    from polyaccel.comm import resolve_hooks
 
     acc = target.accelerator
     if target.emulated:
@@ -38,7 +38,7 @@ def rank_results(conformance_target):
     reason = _why_not(conformance_target)
     if reason:
         pytest.skip(reason)
-    from polyaccel.comm.hooks import resolve_hooks
+    from polyaccel.comm import resolve_hooks
     from polyaccel.testing.multiprocess import run_ranks
 
     acc = conformance_target.accelerator

@@ -1,13 +1,15 @@
 """The plugin module polyaccel loads through the ``polyaccel.plugins`` entry point.
 
 It carries the contract version it was written for and the hook implementations;
-everything heavy is imported inside the hooks, so discovery stays cheap.
+everything heavy is imported inside the hooks, so discovery stays cheap. What concerns
+the accelerator itself (its report facts, its comm hooks) is a method of its class.
 """
 
 from polyaccel.hookspecs import hookimpl
 
-#: the polyaccel contract version this plugin was written for (major must match the core's)
-POLYACCEL_API_VERSION = "1.0"
+#: the polyaccel contract version this plugin was written for (major must match the core's;
+#: 1.1 brought the polyaccel_op_builders hook)
+POLYACCEL_API_VERSION = "1.1"
 
 
 @hookimpl
@@ -18,14 +20,7 @@ def polyaccel_accelerators():
 
 
 @hookimpl
-def polyaccel_register_ops(registry):
-    from .ops import register
+def polyaccel_op_builders():
+    from .ops import builders
 
-    register(registry)
-
-
-@hookimpl
-def polyaccel_report(accelerator):
-    from .accelerator import ExampleAccelerator
-
-    return {"graphs": "recorded op replay on the host", "selected": isinstance(accelerator, ExampleAccelerator)}
+    return builders()

@@ -17,7 +17,7 @@ from .graphs import RecordedGraph
 class ExampleAccelerator(Accelerator):
     name = "example"
     device_type = "cpu"
-    api_version = "1.0"
+    api_version = "1.1"
     #: below 0: never auto-selected (cpu is 0); users pick it by name
     priority = -10
     communication_backend = "gloo"
@@ -28,6 +28,12 @@ class ExampleAccelerator(Accelerator):
 
     def capabilities(self) -> frozenset[str]:
         return frozenset({"rng", "fp64", "bf16", "fp16", "graphs"})
+
+    def report_facts(self) -> dict:
+        """What ``polyaccel report`` shows under "example"."""
+        from polyaccel import selection
+
+        return {"graphs": "recorded op replay on the host", "selected": selection.selected_or_none() is self}
 
     # ----------------------------------------------------------------- graphs
     def create_graph(self) -> RecordedGraph:

@@ -36,9 +36,9 @@ def _only_when_selected(accelerator) -> tuple[bool, str]:
     return False, f"serves only the 'example' accelerator (the cpu device type is served by {name!r})"
 
 
-def register(registry) -> None:
-    registry.add(OpBuilder(
+def builders() -> list[OpBuilder]:
+    return [OpBuilder(
         op="swiglu", name="example_swiglu", device_types=("cpu",), loader=lambda: make_swiglu(_forward, _backward),
         kind="torch", priority=20, compatible=_only_when_selected,
         description="torch silu in fp32 with an explicit backward (example plugin)",
-    ))
+    )]

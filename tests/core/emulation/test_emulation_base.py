@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 from polyaccel import selection
+from polyaccel.runtime import current
 from polyaccel.testing.emulation import (
     EMULATED,
     AsyncQueue,
@@ -162,11 +163,11 @@ def test_patcher_restores_replaced_attributes_and_modules():
 
 def test_activation_resets_selection_on_enter_and_exit():
     selection.plugins()
-    assert selection._plugins is not None
+    assert current().discovered
     with _emulate():
-        assert selection._plugins is None
+        assert not current().discovered
         selection.plugins()
-    assert selection._plugins is None
+    assert not current().discovered
 
 
 def test_fixture_yields_the_runtime_with_its_faults(demo_runtime):

@@ -259,26 +259,30 @@ def test_runtime_function_finds_an_already_loaded_library():
 def test_comm_hooks_and_report(monkeypatch):
     fake_gpus(monkeypatch)
     acc = CudaAccelerator()
-    hooks = cuda_plugin.polyaccel_comm_hooks(acc)
+    hooks = acc.comm_hooks()
     assert hooks.backend == "nccl" and hooks.pass_device_id is True
+    from polyaccel.comm import resolve_hooks
     from polyaccel.plugins.cpu.accelerator import CpuAccelerator
 
-    assert cuda_plugin.polyaccel_comm_hooks(CpuAccelerator()) is None
-    rep = cuda_plugin.polyaccel_report(acc)
+    # the answers are the accelerator's own: no broadcast hook that other accelerators pass through
+    assert not hasattr(cuda_plugin, "polyaccel_comm_hooks") and not hasattr(cuda_plugin, "polyaccel_report")
+    assert resolve_hooks(CpuAccelerator()).pass_device_id is False
+    rep = acc.report_facts()
     assert rep["collective_library"] == "nccl" and rep["devices"][0]["name"] == "Fake H200"
     assert rep["fp8_dtypes"] == ["float8_e4m3fn", "float8_e5m2"]
     assert "TRITON_INTERPRET" in rep["triton_builders"]
 
 
-def test_register_ops_adds_optimizers_and_kernel_builders():
-    from polyaccel.ops.registry import OpRegistry
+def test_op_builders_hook_gives_optimizers_and_kernel_builders():
+    from polyaccel.ops import OpRegistry
 
     reg = OpRegistry()
-    cuda_plugin.polyaccel_register_ops(reg)
+    for builder in cuda_plugin.polyaccel_op_builders():
+        reg.add(builder)
     names = {op: [b.name for b in reg.builders(op)] for op in reg.ops()}
     assert {"triton_fused_adam", "torch_fused_adam"} <= set(names["fused_adam"])
     assert names["fused_lion"] == ["triton_fused_lion"] and names["fused_lamb"] == ["triton_fused_lamb"]
-    assert {"quantize", "swiglu", "grouped_mm"} <= set(names)  # from kernel_builders.register
+    assert {"quantize", "swiglu", "grouped_mm"} <= set(names)  # from kernel_builders.builders
 
 
 def test_torch_fused_adam_fallback_matches_reference():

@@ -72,7 +72,7 @@ def test_asking_for_npu_by_name_when_absent_lists_the_reason(monkeypatch):
 
 
 def test_comm_hooks_name_hccl_with_device_binding():
-    from polyaccel.comm.hooks import resolve_hooks
+    from polyaccel.comm import resolve_hooks
 
     with emulated_npu.emulate():
         acc = polyaccel.get_accelerator()

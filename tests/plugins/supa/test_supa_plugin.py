@@ -67,7 +67,7 @@ def test_no_visible_device():
 
 
 def test_comm_backend_is_bccl():
-    from polyaccel.comm.hooks import resolve_hooks
+    from polyaccel.comm import resolve_hooks
 
     with emulated_supa.emulate():
         acc = polyaccel.get_accelerator()

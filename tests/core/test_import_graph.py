@@ -1,0 +1,195 @@
+"""Import rules inside the core: no module imports, even inside a function, one that imports it back;
+selection, ops and comm reach each other's state only through the runtime; every module imports
+first in a fresh interpreter (no half-initialised module on any import order).
+
+Each checker is first run on a small package built to break the rule, so a checker that stopped
+seeing cycles would fail here instead of passing silently.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def module_names(folder: Path, package: str) -> dict[str, Path]:
+    """Dotted name -> file of every module under ``folder`` (the package ``package``)."""
+    out = {}
+    for path in sorted(folder.rglob("*.py")):
+        parts = list(path.relative_to(folder).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join([package, *parts])] = path
+    return out
+
+
+def import_graph(folder: Path, package: str) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, at module level or inside functions.
+
+    ``from pkg import name`` counts as an import of ``pkg.name`` when that is a module, else of
+    ``pkg``. The parent packages Python initialises on the way are not edges (``a.b`` importing
+    ``a.c`` would otherwise always close a cycle through ``a``); the fresh-interpreter check
+    below covers what they do to the import order.
+    """
+    modules = module_names(folder, package)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        own_package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = own_package.split(".")[: len(own_package.split(".")) - node.level + 1]
+                    base = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+FRESH_IMPORTS = textwrap.dedent('''
+    import importlib, json, sys
+    package, names = sys.argv[1], json.loads(sys.argv[2])
+    failures, skipped = {}, {}
+    for name in names:
+        for loaded in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[loaded]
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.split(".")[0] != package:
+                skipped[name] = exc.name  # an optional third-party dependency, not an import-order problem
+            else:
+                failures[name] = f"{type(exc).__name__}: {exc}"
+        except BaseException as exc:
+            failures[name] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps({"failures": failures, "skipped": skipped}))
+''')
+
+
+def fresh_import_failures(package: str, names: list[str], path: Path | None = None) -> dict:
+    """Import each module first, with no module of ``package`` loaded: module -> error, and the skipped."""
+    env = {"PATH": "", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    if path is not None:
+        env["PYTHONPATH"] = str(path)
+    out = subprocess.run([sys.executable, "-c", FRESH_IMPORTS, package, json.dumps(names)], capture_output=True,
+                         text=True, check=True, env=env, timeout=300)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, source in files.items():
+        target = tmp_path / "cyc" / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(textwrap.dedent(source))
+    return tmp_path / "cyc"
+
+
+# ------------------------------------------------------------------- the checkers can fail
+def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
+    """The shape selection <-> ops used to have: one side imports at module level, the other lazily."""
+    folder = _package(tmp_path, {
+        "__init__.py": "",
+        "selection.py": "def reset():\n    from . import ops\n    ops.registry.reset()\n",
+        "ops/__init__.py": "from ..selection import reset\n",
+        "ops/registry.py": "",
+        "comm/__init__.py": "def refresh():\n    from . import tracing\n",
+        "comm/tracing.py": "from . import refresh\n",
+    })
+    assert cycles(import_graph(folder, "cyc")) == [["cyc.comm", "cyc.comm.tracing"], ["cyc.ops", "cyc.selection"]]
+
+
+def test_a_half_initialised_module_is_found(tmp_path):
+    """``runtime`` importing ``ops.registry`` runs ``ops/__init__``, which wants a name runtime defines later."""
+    folder = _package(tmp_path, {
+        "__init__.py": "",
+        "runtime.py": "from .ops.registry import Registry\n\ndef current():\n    return None\n",
+        "ops/__init__.py": "from ..runtime import current\n",
+        "ops/registry.py": "class Registry:\n    pass\n",
+    })
+    assert cycles(import_graph(folder, "cyc")) == []  # statically fine: only the import order breaks it
+    result = fresh_import_failures("cyc", ["cyc.runtime", "cyc.ops"], path=folder.parent)
+    assert list(result["failures"]) == ["cyc.runtime"]
+    assert "partially initialized module 'cyc.runtime'" in result["failures"]["cyc.runtime"]
+
+
+# ------------------------------------------------------------------- the core keeps the rules
+def test_the_core_has_no_import_cycle():
+    assert cycles(import_graph(ROOT / "core", "polyaccel")) == []
+
+
+def test_selection_ops_and_comm_meet_only_through_the_runtime():
+    graph = import_graph(ROOT / "core", "polyaccel")
+    families = {"selection": ("polyaccel.selection",), "ops": ("polyaccel.ops",), "comm": ("polyaccel.comm",)}
+
+    def family(module: str) -> str | None:
+        for name, prefixes in families.items():
+            if any(module == p or module.startswith(p + ".") for p in prefixes):
+                return name
+        return None
+
+    crossing = sorted((m, t) for m, targets in graph.items() for t in targets
+                      if family(m) and family(t) and family(m) != family(t))
+    assert crossing == []
+    for name in families:
+        reach = set().union(*(graph[m] for m in graph if family(m) == name))
+        assert "polyaccel.runtime" in reach, f"{name} should reach the process state through polyaccel.runtime"
+    # the runtime sits below them: it imports none of selection, comm, report or the ops front end
+    assert not {t for t in graph["polyaccel.runtime"]
+                if family(t) in ("selection", "comm") or t in ("polyaccel.ops", "polyaccel.report")}
+
+
+def test_every_core_module_imports_first_in_a_fresh_interpreter():
+    names = [n for n in module_names(ROOT / "core", "polyaccel") if not n.endswith("__main__")]
+    result = fresh_import_failures("polyaccel", names)
+    assert result["failures"] == {}
+    assert set(result["skipped"]) <= {"polyaccel.integrations.deepspeed"}, result["skipped"]
