@@ -236,10 +236,13 @@ def _invoke(op: str, group, entries: tuple, launch, async_op: bool):
 
     def call():
         hooks = _hooks
-        if hooks is not None and hooks.stages and any(hooks.needs_staging(t) for t, _ in entries):
+        accelerator = None
+        if hooks is not None and hooks.stages:
             accelerator = _session.accelerator if _session is not None else _staging_pool()._accelerator
+        if accelerator is not None and any(hooks.needs_staging(t, accelerator) for t, _ in entries):
             try:
-                result = run_staged(op, entries, launch, pool=_staging_pool(), needs_staging=hooks.needs_staging,
+                result = run_staged(op, entries, launch, pool=_staging_pool(),
+                                    needs_staging=lambda t: hooks.needs_staging(t, accelerator),
                                     accelerator=accelerator, timeout_s=_timeout_s)
             except Exception as exc:
                 _fail(op, exc)

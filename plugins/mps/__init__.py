@@ -27,8 +27,7 @@ def polyaccel_comm_hooks(accelerator):
         return None
     from polyaccel.comm import CommHooks
 
-    # under emulation the tensors are host tensors already; stage them anyway so the path runs
-    return CommHooks(backend="gloo", supports_device_tensors=False, stage_host_tensors=accelerator.is_emulated())
+    return CommHooks(backend="gloo", supports_device_tensors=False)
 
 
 @hookimpl
@@ -36,3 +35,10 @@ def polyaccel_report(accelerator):
     if getattr(accelerator, "name", None) == "mps":
         return accelerator.report()
     return None
+
+
+@hookimpl
+def polyaccel_emulated_runtimes():
+    from .emulation import MpsRuntime
+
+    return [MpsRuntime]

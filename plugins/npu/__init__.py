@@ -6,7 +6,7 @@ npu op builders (torch's fused Adam, foreach Lion/Lamb, an npu_quantize quantize
 torch_npu is imported when the plugin is probed, never at ``import polyaccel``.
 """
 
-from polyaccel.hookspecs import hookimpl
+from polyaccel.hookspecs import EMULATED_MARKER, hookimpl
 from polyaccel.version import API_VERSION
 
 POLYACCEL_API_VERSION = API_VERSION
@@ -45,8 +45,16 @@ def polyaccel_report(accelerator):
         if reason.startswith("torch_npu is not installed"):
             return None  # nothing to say beyond the plugin's status line
         return {"runtime": reason, "hint": runtime.AUTOLOAD_HINT}
-    facts = {"torch_npu": getattr(mod, "__version__", "unknown"), "emulated": runtime.is_emulated(mod)}
+    facts = {"torch_npu": getattr(mod, "__version__", "unknown"),
+             "emulated": getattr(mod, EMULATED_MARKER, False) is True}
     binding, why = runtime.npurt_binding()
     facts["host_register"] = "npuHostRegister (ACL_HOST_REG_MAPPED, 4096-byte aligned)" if binding else why
     facts["graphs"] = "torch.npu.NPUGraph" if hasattr(runtime.npu_module(), "NPUGraph") else "not in this torch_npu"
     return facts
+
+
+@hookimpl
+def polyaccel_emulated_runtimes():
+    from .emulation import NpuRuntime
+
+    return [NpuRuntime]

@@ -28,22 +28,17 @@ class NpuAccelerator(Accelerator):
         if mod is None:
             return ProbeResult(False, reason, details={"hint": runtime.AUTOLOAD_HINT})
         npu = runtime.npu_module()
-        emulated = runtime.is_emulated(mod)
         details = {"torch_npu": getattr(mod, "__version__", "unknown")}
         try:
             available = bool(npu.is_available())
             count = int(npu.device_count()) if available else 0
         except Exception as exc:  # noqa: BLE001 - a runtime that cannot answer is unavailable
             return ProbeResult(False, f"torch.npu.is_available() raised {type(exc).__name__}: {exc}",
-                               emulated=emulated, details=details)
+                               details=details)
         if not available or count == 0:
             return ProbeResult(False, "torch_npu imports but torch.npu.is_available() is False: no NPU is "
-                               "visible (check the driver and ASCEND_RT_VISIBLE_DEVICES)",
-                               emulated=emulated, details=details)
-        return ProbeResult(True, "", count, emulated=emulated, details=details)
-
-    def is_emulated(self) -> bool:
-        return runtime.is_emulated(runtime.npu_module())
+                               "visible (check the driver and ASCEND_RT_VISIBLE_DEVICES)", details=details)
+        return ProbeResult(True, "", count, details=details)
 
     def capabilities(self) -> frozenset[str]:
         npu = runtime.npu_module()

@@ -7,7 +7,7 @@ torch_supa_ext registers, with the reference as fallback. torch_supa is imported
 plugin is probed, never at ``import polyaccel``.
 """
 
-from polyaccel.hookspecs import hookimpl
+from polyaccel.hookspecs import EMULATED_MARKER, hookimpl
 from polyaccel.version import API_VERSION
 
 POLYACCEL_API_VERSION = API_VERSION
@@ -48,7 +48,14 @@ def polyaccel_report(accelerator):
     kernels = [k for k in ("multi_tensor_adam", "multi_tensor_lion", "lamb") if hasattr(ops, k)] if ops else []
     return {
         "torch_supa": getattr(mod, "__version__", "unknown"),
-        "emulated": runtime.is_emulated(mod),
+        "emulated": getattr(mod, EMULATED_MARKER, False) is True,
         "host_register": "supaHostRegister" if binding else why,
         "torch_supa_ext kernels": kernels or "torch_supa_ext not installed: optimizers use the reference",
     }
+
+
+@hookimpl
+def polyaccel_emulated_runtimes():
+    from .emulation import SupaRuntime
+
+    return [SupaRuntime]

@@ -48,3 +48,10 @@ def polyaccel_report(accelerator):
     if verdict.installed:
         return verdict.report_facts()
     return None
+
+
+@hookimpl
+def polyaccel_emulated_runtimes():
+    from .emulation import XpuRuntime
+
+    return [XpuRuntime]

@@ -29,3 +29,11 @@ def polyaccel_report(accelerator):
     from .accelerator import ExampleAccelerator
 
     return {"graphs": "recorded op replay on the host", "selected": isinstance(accelerator, ExampleAccelerator)}
+
+
+@hookimpl
+def polyaccel_emulated_runtimes():
+    """The stand-in runtime for tests without the device; imported only when a test asks for it."""
+    from .emulation import ExampleRuntime
+
+    return [ExampleRuntime]
