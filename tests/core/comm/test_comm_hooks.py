@@ -8,8 +8,8 @@ import polyaccel
 import pytest
 import torch
 from polyaccel import ConfigError, comm, hookimpl
-from polyaccel.comm import CommHooks
 from polyaccel.accelerator import Accelerator
+from polyaccel.comm import CommHooks
 from polyaccel.comm.hooks import resolve_hooks
 from polyaccel.report import build_report
 
