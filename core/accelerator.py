@@ -120,7 +120,8 @@ class Accelerator:
             raise Unsupported(self.name, capability, hint)
 
     def is_emulated(self) -> bool:
-        """True when the runtime behind this accelerator is a CPU emulation (tests only)."""
+        """True while an emulated runtime stands in for this accelerator's (``polyaccel.testing.emulation``
+        makes it so, together with host placement; production classes never override it)."""
         return False
 
     def describe(self) -> str:
@@ -184,8 +185,8 @@ class Accelerator:
 
     # ------------------------------------------------------------------- device
     def device(self, index: int | None = None) -> torch.device:
-        """The torch device of this backend's tensors; the host under an emulated runtime."""
-        if self.is_emulated() or self.device_type == "cpu":
+        """The torch device of this backend's tensors."""
+        if self.device_type == "cpu":
             return torch.device("cpu")
         if index is None:
             index = self.current_device()
@@ -222,7 +223,7 @@ class Accelerator:
         self._device_function("synchronize")(index)
 
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == ("cpu" if self.is_emulated() else self.device_type)
+        return tensor.device.type == self.device_type
 
     # ------------------------------------------------------ execution model
     def is_synchronized_device(self) -> bool:

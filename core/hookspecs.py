@@ -22,6 +22,11 @@ PROJECT = "polyaccel"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
+#: Attribute an emulated runtime sets to True on every stand-in module and object it installs
+#: (``getattr(obj, EMULATED_MARKER, False) is True``), so a plugin can tell its vendor runtime's
+#: stand-in from the real one without importing the testing kit.
+EMULATED_MARKER = "__polyaccel_emulated__"
+
 
 @hookspec
 def polyaccel_accelerators():
@@ -90,4 +95,22 @@ def polyaccel_collective(op, group, tensors, call):
     looks for wrappers when it is initialised and when a ``CommTracer`` is entered; after
     registering one later, call ``polyaccel.comm.refresh()``. With no wrapper registered,
     calls do not go through pluggy at all.
+    """
+
+
+@hookspec
+def polyaccel_emulated_runtimes():
+    """Return the emulated runtimes this plugin ships (a list, or one class), for tests on any machine.
+
+    Each is a :class:`polyaccel.testing.emulation.EmulatedRuntime` subclass: a CPU-backed
+    stand-in for a vendor runtime that records calls and reproduces the runtime's documented
+    behaviour and failures. Its ``name`` is the accelerator it stands in for (usually the
+    plugin's own; any plugin may offer one for any accelerator); ``accelerator`` is that
+    accelerator's class, which keeps its tensors on the host while the runtime is active.
+    ``polyaccel conformance --emulate``, ``polyaccel.testing.emulation.emulate(name)`` and the
+    tests find emulated runtimes only through this hook; where two plugins offer one for the
+    same name, the first in discovery order wins. Called only by those testing tools, never
+    during discovery or selection; import the emulation module inside the implementation. A
+    hook that raises or returns something else is isolated: its plugin offers no emulated
+    runtime, and the reason is shown when one is asked for.
     """

@@ -8,7 +8,8 @@ check failed, 2 when the suite could not run (unknown accelerator, no emulated r
 nothing matched -k).
 
 The accelerator is --accelerator NAME, else $POLYACCEL_ACCELERATOR, else the one polyaccel
-selects by itself. --emulate runs inside polyaccel.testing.emulation.<NAME>.emulate().
+selects by itself. --emulate runs inside the emulated runtime a plugin offers for NAME
+(hook polyaccel_emulated_runtimes).
 The --json document is stable and documented in docs/conformance-json.md.
 """
 
@@ -29,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--accelerator", metavar="NAME", default=None,
                    help="plugin to certify (default: $POLYACCEL_ACCELERATOR, else the auto-selected one)")
     p.add_argument("--emulate", action="store_true",
-                   help="run inside the plugin's emulated runtime (polyaccel.testing.emulation.<NAME>)")
+                   help="run inside the emulated runtime a plugin offers for NAME (polyaccel_emulated_runtimes)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the result document to FILE")
     p.add_argument("--junitxml", metavar="FILE", default=None, help="also write JUnit XML to FILE")
     p.add_argument("-k", dest="keyword", metavar="EXPR", default=None,

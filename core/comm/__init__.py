@@ -257,10 +257,11 @@ def _invoke(op: str, group, entries: tuple, launch, async_op: bool):
 
     def call():
         hooks = current().comm.hooks
-        if hooks is not None and hooks.stages and any(hooks.needs_staging(t) for t, _ in entries):
+        accelerator = _accelerator() if hooks is not None and hooks.stages else None
+        if accelerator is not None and any(hooks.needs_staging(t, accelerator) for t, _ in entries):
             result = _call(op, lambda: run_staged(op, entries, launch, pool=_staging_pool(),
-                                                  needs_staging=hooks.needs_staging, accelerator=_accelerator(),
-                                                  timeout_s=_timeout_s))
+                                                  needs_staging=lambda t: hooks.needs_staging(t, accelerator),
+                                                  accelerator=accelerator, timeout_s=_timeout_s))
         else:
             result = _call(op, launch, [t for t, _ in entries], async_op)
             if result is None or isinstance(result, int):

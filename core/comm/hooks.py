@@ -30,9 +30,7 @@ class CommHooks:
     - ``pass_device_id``: give ``init_process_group`` the local device as ``device_id`` (and
       make it current first); lets NCCL-like backends bind eagerly.
     - ``supports_device_tensors``: False for a backend that can only read host memory (gloo
-      with mps tensors); such tensors are staged through host buffers from the accelerator.
-    - ``stage_host_tensors``: stage tensors that already live on the host too. Never needed
-      in production; it lets the staging path be tested with CPU tensors.
+      with mps tensors); the accelerator's tensors are staged through host buffers from it.
     - ``emulated_collectives``: collectives the backend lacks, built from others (see
       :data:`EMULATIONS`) and shown as emulated in ``polyaccel report``.
     """
@@ -40,7 +38,6 @@ class CommHooks:
     backend: str
     pass_device_id: bool = False
     supports_device_tensors: bool = True
-    stage_host_tensors: bool = False
     emulated_collectives: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
@@ -53,18 +50,15 @@ class CommHooks:
                 f"CommHooks.emulated_collectives: cannot emulate {unknown}; emulations exist for {sorted(EMULATIONS)}"
             )
         object.__setattr__(self, "emulated_collectives", emulated)
-        if self.stage_host_tensors and self.supports_device_tensors:
-            raise ConfigError("CommHooks.stage_host_tensors=True needs supports_device_tensors=False")
 
     @property
     def stages(self) -> bool:
         """Whether any tensor can need host staging under these hooks."""
         return not self.supports_device_tensors
 
-    def needs_staging(self, tensor: torch.Tensor) -> bool:
-        if self.supports_device_tensors:
-            return False
-        return self.stage_host_tensors or tensor.device.type != "cpu"
+    def needs_staging(self, tensor: torch.Tensor, accelerator) -> bool:
+        """Whether ``tensor`` goes through a host buffer: it is ``accelerator``'s and the backend cannot read it."""
+        return not self.supports_device_tensors and accelerator.on_accelerator(tensor)
 
     @classmethod
     def defaults_for(cls, accelerator) -> CommHooks:
@@ -75,6 +69,5 @@ class CommHooks:
             "backend": self.backend,
             "pass_device_id": self.pass_device_id,
             "supports_device_tensors": self.supports_device_tensors,
-            "stage_host_tensors": self.stage_host_tensors,
             "emulated_collectives": {name: EMULATIONS[name] for name in sorted(self.emulated_collectives)},
         }

@@ -2,6 +2,6 @@
 
 - ``polyaccel.testing.multiprocess``: spawn N ranks (gloo on CPU) with a timeout.
 - ``polyaccel.testing.conformance``: the per-backend conformance suite (a pytest plugin).
-- ``polyaccel.testing.emulation``: CPU-backed stand-ins for vendor runtimes.
+- ``polyaccel.testing.emulation``: the kit for CPU-backed stand-ins of vendor runtimes (plugins ship their own).
 - ``polyaccel.testing.numerics``: compare against the reference op in float64.
 """

@@ -18,3 +18,10 @@ def polyaccel_op_builders():
     from .ops import builders
 
     return builders()
+
+
+@hookimpl
+def polyaccel_emulated_runtimes():
+    from .emulation import MpsRuntime
+
+    return [MpsRuntime]

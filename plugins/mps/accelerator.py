@@ -17,7 +17,6 @@ import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
 from polyaccel.errors import PolyaccelError, Unsupported
 
-_EMULATED_MARKER = "__polyaccel_emulated__"
 _UNIFIED = ("torch cannot hand an existing host buffer to Metal without a copy; use pin_memory() (one copy into "
             "MPS's shared, GPU-visible allocator) or empty_pinned()")
 
@@ -33,22 +32,17 @@ class MpsAccelerator(Accelerator):
         self._caps: frozenset[str] | None = None
 
     # ------------------------------------------------------------- identity
-    def is_emulated(self) -> bool:
-        return getattr(getattr(torch, "mps", None), _EMULATED_MARKER, False) is True
-
     def probe(self) -> ProbeResult:
         backend = getattr(torch.backends, "mps", None)
-        emulated = self.is_emulated()
         if backend is None or getattr(torch, "mps", None) is None:
             return ProbeResult(False, f"torch {torch.__version__} has no MPS support (torch.backends.mps missing)")
         if not backend.is_built():
             return ProbeResult(False, f"torch {torch.__version__} is built without MPS; MPS needs a macOS build of "
-                                      f"torch on Apple silicon (this is {platform.system()} {platform.machine()})",
-                               emulated=emulated)
+                                      f"torch on Apple silicon (this is {platform.system()} {platform.machine()})")
         if not backend.is_available():
             return ProbeResult(False, "torch.backends.mps.is_available() is False: MPS needs macOS 12.3+ on "
-                                      "Apple silicon (or an AMD GPU) and a torch built with MPS", emulated=emulated)
-        return ProbeResult(True, "", int(torch.mps.device_count()), emulated)
+                                      "Apple silicon (or an AMD GPU) and a torch built with MPS")
+        return ProbeResult(True, "", int(torch.mps.device_count()))
 
     def capabilities(self) -> frozenset[str]:
         if self._caps is None:
@@ -110,8 +104,7 @@ class MpsAccelerator(Accelerator):
         """gloo cannot read MPS tensors: every tensor goes through host staging (async copy back in wait())."""
         from polyaccel.comm import CommHooks
 
-        # under emulation the tensors are host tensors already; stage them anyway so the path runs
-        return CommHooks(backend="gloo", supports_device_tensors=False, stage_host_tensors=self.is_emulated())
+        return CommHooks(backend="gloo", supports_device_tensors=False)
 
     def report_facts(self) -> dict[str, Any] | None:
         if not self.probe().available:

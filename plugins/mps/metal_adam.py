@@ -6,8 +6,8 @@ their own dtype and the moments in theirs (fp32 moments for 16-bit params, the u
 mixed-precision layout). Scalars reach the kernel as torch passes them: a Python float
 binds to ``constant float&`` and a Python int to ``constant long&`` (64-bit).
 
-The kernel runs only on a real MPS device; under the emulated runtime of
-``polyaccel.testing.emulation.mps`` the same source is compiled for the host and run
+The kernel runs only on a real MPS device; under the plugin's emulated runtime
+(:mod:`.emulation`) the same source is compiled for the host and run
 element by element (see docs/backends.md for what that does and does not prove).
 """
 

@@ -25,3 +25,8 @@ def polyaccel_op_builders():
 
     return builders()
 
+@hookimpl
+def polyaccel_emulated_runtimes():
+    from .emulation import NpuRuntime
+
+    return [NpuRuntime]

@@ -7,6 +7,7 @@ import threading
 import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
 from polyaccel.errors import Unsupported
+from polyaccel.hookspecs import EMULATED_MARKER
 
 from . import runtime
 
@@ -30,22 +31,17 @@ class NpuAccelerator(Accelerator):
         if mod is None:
             return ProbeResult(False, reason, details={"hint": runtime.AUTOLOAD_HINT})
         npu = runtime.npu_module()
-        emulated = runtime.is_emulated(mod)
         details = {"torch_npu": getattr(mod, "__version__", "unknown")}
         try:
             available = bool(npu.is_available())
             count = int(npu.device_count()) if available else 0
         except Exception as exc:  # noqa: BLE001 - a runtime that cannot answer is unavailable
             return ProbeResult(False, f"torch.npu.is_available() raised {type(exc).__name__}: {exc}",
-                               emulated=emulated, details=details)
+                               details=details)
         if not available or count == 0:
             return ProbeResult(False, "torch_npu imports but torch.npu.is_available() is False: no NPU is "
-                               "visible (check the driver and ASCEND_RT_VISIBLE_DEVICES)",
-                               emulated=emulated, details=details)
-        return ProbeResult(True, "", count, emulated=emulated, details=details)
-
-    def is_emulated(self) -> bool:
-        return runtime.is_emulated(runtime.npu_module())
+                               "visible (check the driver and ASCEND_RT_VISIBLE_DEVICES)", details=details)
+        return ProbeResult(True, "", count, details=details)
 
     def capabilities(self) -> frozenset[str]:
         npu = runtime.npu_module()
@@ -70,7 +66,8 @@ class NpuAccelerator(Accelerator):
             if reason.startswith("torch_npu is not installed"):
                 return None  # nothing to say beyond the plugin's status line
             return {"runtime": reason, "hint": runtime.AUTOLOAD_HINT}
-        facts = {"torch_npu": getattr(mod, "__version__", "unknown"), "emulated": runtime.is_emulated(mod)}
+        facts = {"torch_npu": getattr(mod, "__version__", "unknown"),
+                 "emulated": getattr(mod, EMULATED_MARKER, False) is True}
         binding, why = runtime.npurt_binding()
         facts["host_register"] = "npuHostRegister (ACL_HOST_REG_MAPPED, 4096-byte aligned)" if binding else why
         facts["graphs"] = "torch.npu.NPUGraph" if hasattr(runtime.npu_module(), "NPUGraph") else "not in this torch_npu"

@@ -28,10 +28,6 @@ AUTOLOAD_HINT = (
 )
 
 
-def is_emulated(obj: Any) -> bool:
-    return getattr(obj, "__polyaccel_emulated__", False) is True
-
-
 def import_torch_npu() -> tuple[Any | None, str]:
     """(torch_npu module, "") or (None, why it cannot be used)."""
     mod = sys.modules.get("torch_npu")

@@ -26,3 +26,8 @@ def polyaccel_op_builders():
 
     return builders()
 
+@hookimpl
+def polyaccel_emulated_runtimes():
+    from .emulation import SupaRuntime
+
+    return [SupaRuntime]

@@ -6,6 +6,7 @@ import sys
 
 from polyaccel.accelerator import Accelerator, ProbeResult
 from polyaccel.errors import Unsupported
+from polyaccel.hookspecs import EMULATED_MARKER
 
 from . import runtime
 
@@ -23,22 +24,17 @@ class SupaAccelerator(Accelerator):
         if mod is None:
             return ProbeResult(False, reason)
         supa = runtime.supa_module()
-        emulated = runtime.is_emulated(mod)
         details = {"torch_supa": getattr(mod, "__version__", "unknown")}
         try:
             available = bool(supa.is_available())
             count = int(supa.device_count()) if available else 0
         except Exception as exc:  # noqa: BLE001
             return ProbeResult(False, f"torch.supa.is_available() raised {type(exc).__name__}: {exc}",
-                               emulated=emulated, details=details)
+                               details=details)
         if not available or count == 0:
             return ProbeResult(False, "torch_supa imports but torch.supa.is_available() is False: no SUPA "
-                               "device is visible (check the driver and SUPA_VISIBLE_DEVICES)",
-                               emulated=emulated, details=details)
-        return ProbeResult(True, "", count, emulated=emulated, details=details)
-
-    def is_emulated(self) -> bool:
-        return runtime.is_emulated(runtime.supa_module())
+                               "device is visible (check the driver and SUPA_VISIBLE_DEVICES)", details=details)
+        return ProbeResult(True, "", count, details=details)
 
     def capabilities(self) -> frozenset[str]:
         supa = runtime.supa_module()
@@ -65,7 +61,7 @@ class SupaAccelerator(Accelerator):
         kernels = [k for k in ("multi_tensor_adam", "multi_tensor_lion", "lamb") if hasattr(ops, k)] if ops else []
         return {
             "torch_supa": getattr(mod, "__version__", "unknown"),
-            "emulated": runtime.is_emulated(mod),
+            "emulated": getattr(mod, EMULATED_MARKER, False) is True,
             "host_register": "supaHostRegister" if binding else why,
             "torch_supa_ext kernels": kernels or "torch_supa_ext not installed: optimizers use the reference",
         }

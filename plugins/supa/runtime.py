@@ -18,10 +18,6 @@ import torch
 SUPA_HOST_REGISTER_DEFAULT = 0x0
 
 
-def is_emulated(obj: Any) -> bool:
-    return getattr(obj, "__polyaccel_emulated__", False) is True
-
-
 def import_torch_supa() -> tuple[Any | None, str]:
     """(torch_supa module, "") or (None, why it cannot be used)."""
     mod = sys.modules.get("torch_supa")

@@ -11,8 +11,6 @@ from polyaccel.errors import ConfigError, Unsupported
 from . import ipex as ipex_mod
 from .comm import BackendChoice, choose_backend
 
-#: set on the stand-in runtimes of polyaccel.testing.emulation (read without importing the kit)
-_EMULATED_MARKER = "__polyaccel_emulated__"
 _NO_XPU_BUILD_HINT = "install torch's XPU wheels (pip install torch --index-url https://download.pytorch.org/whl/xpu)"
 
 
@@ -43,20 +41,15 @@ class XpuAccelerator(Accelerator):
         self._caps: frozenset[str] | None = None
 
     # ------------------------------------------------------------- identity
-    def is_emulated(self) -> bool:
-        return getattr(_xpu_module(), _EMULATED_MARKER, False) is True
-
     def probe(self) -> ProbeResult:
         mod = _xpu_module()
         if mod is None or not hasattr(mod, "is_available"):
             return ProbeResult(False, f"torch {torch.__version__} has no torch.xpu (native XPU support needs "
                                       f"torch >= 2.5)")
-        emulated = self.is_emulated()
         try:
             available = bool(mod.is_available())
         except Exception as exc:  # noqa: BLE001 - a broken runtime is "unavailable, because"
-            return ProbeResult(False, f"torch.xpu.is_available() raised {type(exc).__name__}: {exc}",
-                               emulated=emulated)
+            return ProbeResult(False, f"torch.xpu.is_available() raised {type(exc).__name__}: {exc}")
         if not available:
             compiled = getattr(mod, "_is_compiled", lambda: True)()
             if not compiled:
@@ -67,11 +60,11 @@ class XpuAccelerator(Accelerator):
             verdict = ipex_mod.inspect_ipex()
             if verdict.installed:
                 reason += f"; intel-extension-for-pytorch {verdict.version}: {verdict.reason}"
-            return ProbeResult(False, reason, emulated=emulated, details={"ipex": verdict.as_dict()})
+            return ProbeResult(False, reason, details={"ipex": verdict.as_dict()})
         count = int(mod.device_count())
         ipex = self.ipex_status()
         ok, graphs = graph_support()
-        return ProbeResult(True, "", count, emulated,
+        return ProbeResult(True, "", count,
                            details={"ipex": ipex.as_dict(), "graphs": graphs if ok else f"unsupported: {graphs}"})
 
     def ipex_status(self) -> ipex_mod.IpexStatus:

@@ -58,7 +58,7 @@ def pytest_addoption(parser) -> None:
     group.addoption("--polyaccel-accelerator", default=None, metavar="NAME",
                     help="accelerator plugin to certify (default: $POLYACCEL_ACCELERATOR, else the auto-selected one)")
     group.addoption("--polyaccel-emulate", action="store_true", default=False,
-                    help="run inside polyaccel.testing.emulation.<NAME>.emulate() (CPU stand-in runtime)")
+                    help="run inside the emulated runtime a plugin offers for NAME (CPU stand-in runtime)")
     group.addoption("--polyaccel-json", default=None, metavar="FILE",
                     help="write the conformance document (docs/conformance-json.md) to FILE")
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
-import pkgutil
 from dataclasses import dataclass, field
 from typing import Any
 
 ENV_ACCELERATOR = "POLYACCEL_ACCELERATOR"
-EMULATION_PACKAGE = "polyaccel.testing.emulation"
 
 
 class TargetError(Exception):
@@ -63,33 +60,24 @@ def requested_name(option: str | None) -> str | None:
 
 
 def available_emulations() -> list[str]:
-    try:
-        pkg = importlib.import_module(EMULATION_PACKAGE)
-    except ImportError:
-        return []
-    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_")
-                  and m.name != "base")
+    """Names of the accelerators some installed plugin offers an emulated runtime for."""
+    from ..emulation import emulated_runtimes
+
+    return emulated_runtimes().names()
 
 
 def enter_emulation(stack: contextlib.ExitStack, name: str | None) -> Any:
-    """Import ``polyaccel.testing.emulation.<name>`` and enter its ``emulate()`` on ``stack``."""
+    """Enter, on ``stack``, the emulated runtime a plugin offers for accelerator ``name`` (through its hook)."""
+    from ..emulation import EmulationError, emulated_runtimes
+
     if not name:
         raise TargetError("--emulate needs the accelerator's name (--accelerator NAME): emulated runtimes "
-                          "are found by plugin name")
-    module_name = f"{EMULATION_PACKAGE}.{name}"
+                          "are offered per accelerator")
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name not in (module_name, EMULATION_PACKAGE):
-            raise
-        have = ", ".join(available_emulations()) or "none"
-        raise TargetError(
-            f"no emulated runtime for plugin {name!r}: module {module_name} does not exist "
-            f"(emulated runtimes available: {have}). Run without --emulate on real hardware."
-        ) from None
-    if not hasattr(module, "emulate"):
-        raise TargetError(f"{module_name} has no emulate() context manager")
-    return stack.enter_context(module.emulate())
+        runtime = emulated_runtimes().runtime(name)
+    except EmulationError as exc:
+        raise TargetError(f"{exc}. Run without --emulate on real hardware.") from None
+    return stack.enter_context(runtime.emulate())
 
 
 def select_target(name: str | None) -> Target:

@@ -43,7 +43,7 @@ def test_devices(conformance_target):
     assert isinstance(count, int) and count >= 1, f"device_count() returned {count!r}"
     start = acc.current_device()
     assert 0 <= start < count, f"current_device() {start} is outside [0, {count})"
-    # emulated runtimes keep tensors on the host (polyaccel.testing.emulation)
+    # emulated runtimes keep tensors on the host (polyaccel.testing.emulation.emulate_accelerator)
     device_type = "cpu" if conformance_target.emulated else acc.device_type
     dev = acc.device()
     assert isinstance(dev, torch.device) and dev.type == device_type, (

@@ -1,33 +1,54 @@
-"""CPU-backed stand-ins for vendor runtimes, so CI exercises every plugin code path.
+"""A kit for CPU-backed stand-ins of vendor runtimes, so CI exercises every plugin code path.
 
-Each emulated runtime lives in ``polyaccel.testing.emulation.<plugin name>`` and exposes
-``emulate(**faults)``: a context manager that installs the stand-in (fake modules in
-``sys.modules``, attributes on ``torch``), resets polyaccel's selection so the plugin's
-``probe()`` sees it, and yields the runtime object. The runtime records every call in
-``runtime.calls`` and takes fault switches (registration refused, unregister failing,
-library missing, ...) as keyword arguments. Tensors stay on the CPU; results produced
-under emulation are labelled :data:`EMULATED` ("emulated").
+The kit is generic; each plugin ships its own emulated runtime (an :class:`EmulatedRuntime`
+subclass, usually in ``<plugin>/emulation.py``) and offers it through the
+``polyaccel_emulated_runtimes`` hook. :func:`emulate` finds one through that hook::
 
-Emulation proves a plugin's logic against the runtime's documented behaviour, not the
-hardware.
+    with emulate("example", device_count=2) as runtime:
+        ...  # the plugin's probe, selection and calls now meet the stand-in
+        runtime.calls.names()
+
+An active runtime installs its stand-in (fake modules in ``sys.modules``, attributes on
+``torch``), resets polyaccel's selection so the plugin's ``probe()`` sees it, and makes the
+accelerator it stands in for keep its tensors on the host. It records every call in
+``runtime.calls`` and takes fault switches (registration refused, library missing, ...) as
+keyword arguments. Results produced under emulation are labelled :data:`EMULATED`.
+
+By job:
+
+- :mod:`.calls` (:class:`CallLog`), :mod:`.faults` (:class:`Faults`): what was asked, what fails.
+- :mod:`.completion` (:class:`AsyncQueue`), :mod:`.streams`: work that completes later, in order.
+- :mod:`.graphs` (:class:`GraphRecorder`): capture records aten ops, replay recomputes.
+- :mod:`.host_memory` (:class:`HostMemoryTable`, :class:`PinnedHost`), :mod:`.memory`
+  (:class:`MemoryCounters`): registered host ranges, pinning, device memory statistics.
+- :mod:`.patching` (:class:`Patcher`): fake modules, imports that fail or run lazily, all undone.
+- :mod:`.device_module`: the ``torch.<device>`` functions every runtime shares.
+- :mod:`.runtime` (:class:`EmulatedRuntime`), :mod:`.accelerator`: the runtime base and what
+  it changes on the accelerator while active.
+- :mod:`.catalog` (:func:`emulate`, :func:`emulated_runtimes`): finding runtimes through the hook.
+
+Emulation proves a plugin's logic against the runtime's documented behaviour, not the hardware.
 """
 
-from .base import (
-    EMULATED,
-    EMULATED_MARKER,
-    AsyncQueue,
-    CallLog,
-    CallRecord,
-    Completion,
-    EmulatedRuntime,
-    Faults,
-    Patcher,
-    emulation_fixture,
-    is_emulated_module,
-    missing_library_error,
-)
+from .accelerator import emulate_accelerator
+from .calls import CallLog, CallRecord
+from .catalog import EmulationCatalog, EmulationError, Offer, emulate, emulated_runtimes
+from .completion import AsyncQueue, Completion
+from .device_module import DeviceModuleFunctions, device_index
+from .faults import Faults
+from .graphs import EmulatedGraph, GraphCaptureError, GraphRecorder, install_graph_api
+from .host_memory import HostMemoryTable, PinnedHost
+from .marker import EMULATED, EMULATED_MARKER, is_emulated_module, mark_emulated
+from .memory import AllocationTracker, MemoryCounters
+from .patching import Patcher
+from .runtime import EmulatedRuntime, emulation_fixture, missing_library_error
+from .streams import EmulatedEvent, EmulatedStream
 
 __all__ = [
-    "EMULATED", "EMULATED_MARKER", "AsyncQueue", "CallLog", "CallRecord", "Completion", "EmulatedRuntime",
-    "Faults", "Patcher", "emulation_fixture", "is_emulated_module", "missing_library_error",
+    "EMULATED", "EMULATED_MARKER", "AllocationTracker", "AsyncQueue", "CallLog", "CallRecord", "Completion",
+    "DeviceModuleFunctions", "EmulatedEvent", "EmulatedGraph", "EmulatedRuntime", "EmulatedStream",
+    "EmulationCatalog", "EmulationError", "Faults", "GraphCaptureError", "GraphRecorder", "HostMemoryTable",
+    "MemoryCounters", "Offer", "Patcher", "PinnedHost", "device_index", "emulate", "emulate_accelerator",
+    "emulated_runtimes", "emulation_fixture", "install_graph_api", "is_emulated_module", "mark_emulated",
+    "missing_library_error",
 ]

@@ -24,3 +24,11 @@ def polyaccel_op_builders():
     from .ops import builders
 
     return builders()
+
+
+@hookimpl
+def polyaccel_emulated_runtimes():
+    """The stand-in runtime for tests without the device; imported only when a test asks for it."""
+    from .emulation import ExampleRuntime
+
+    return [ExampleRuntime]

@@ -3,14 +3,15 @@
 Its tensors are host tensors (``device_type = "cpu"``), so the base class's host defaults
 serve it: one device per process, program-order execution (``synchronize`` has nothing to
 wait for), and torch's default generator for the ``rng`` capability. It defines only its
-identity, its probe, what it claims, and what backs the one capability the base cannot
-provide on the host: graphs.
+identity, its probe (which asks the vendor runtime when one is installed), what it claims,
+and what backs the one capability the base cannot provide on the host: graphs.
 """
 
 from __future__ import annotations
 
 from polyaccel.accelerator import Accelerator, ProbeResult
 
+from . import runtime
 from .graphs import RecordedGraph
 
 
@@ -23,8 +24,15 @@ class ExampleAccelerator(Accelerator):
     communication_backend = "gloo"
 
     def probe(self) -> ProbeResult:
-        # A real plugin asks its runtime here (cheaply) and explains a "no" in words.
-        return ProbeResult(True, "the host CPU, presented as the 'example' device", 1)
+        # Ask the runtime (cheaply) and explain a "no" in words.
+        rt = runtime.find_runtime()
+        if rt is None:
+            return ProbeResult(True, "the host CPU, presented as the 'example' device", 1)
+        count = int(rt.device_count())
+        if count < 1:
+            return ProbeResult(False, f"the example runtime {rt.__version__} sees no device (check that the "
+                                      "board is powered and visible to this process)")
+        return ProbeResult(True, f"example runtime {rt.__version__}: {count} device(s)", count)
 
     def capabilities(self) -> frozenset[str]:
         return frozenset({"rng", "fp64", "bf16", "fp16", "graphs"})

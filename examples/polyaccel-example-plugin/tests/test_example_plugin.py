@@ -1,7 +1,8 @@
 """The example plugin's own tests: what a third-party plugin should ship.
 
 Run with ``pytest examples/polyaccel-example-plugin/tests`` after installing the package.
-The last test runs polyaccel's conformance suite against the plugin.
+Two tests run polyaccel's conformance suite against the plugin: as installed, and under its
+emulated runtime.
 """
 
 from __future__ import annotations
@@ -69,6 +70,28 @@ def test_passes_the_conformance_suite():
     run = run_suite("example")
     assert run.error() is None, run.output[-3000:]
     assert run.ok, [r for r in run.rows() if r["status"] == "FAIL"]
+
+
+def test_probe_asks_the_runtime_under_the_emulated_runtime():
+    """The plugin's emulated runtime (offered through polyaccel_emulated_runtimes) stands in for the vendor's."""
+    from polyaccel.testing.emulation import emulate
+
+    with emulate("example") as rt:
+        probe = ExampleAccelerator().probe()
+        assert probe.available and probe.emulated and "example runtime" in probe.reason
+        assert rt.calls.names() == ["device_count"]
+    with emulate("example", no_device=True):
+        probe = ExampleAccelerator().probe()
+        assert not probe.available and "sees no device" in probe.reason
+    assert not ExampleAccelerator().probe().emulated
+
+
+def test_passes_the_conformance_suite_under_its_emulated_runtime():
+    from polyaccel.testing.conformance import run_suite
+
+    run = run_suite("example", emulate=True)
+    assert run.error() is None, run.output[-3000:]
+    assert run.ok and run.document["accelerator"]["emulated"], [r for r in run.rows() if r["status"] == "FAIL"]
 
 
 def test_host_defaults_come_from_the_base_class():

@@ -107,8 +107,8 @@ EMULATED = frozenset(EMULATIONS)
 MODES = {
     "plain": None,
     "emulated": CommHooks(backend="gloo", emulated_collectives=EMULATED),
-    "staged": CommHooks(backend="gloo", supports_device_tensors=False, stage_host_tensors=True),
-    "staged+emulated": CommHooks(backend="gloo", supports_device_tensors=False, stage_host_tensors=True,
+    "staged": CommHooks(backend="gloo", supports_device_tensors=False),
+    "staged+emulated": CommHooks(backend="gloo", supports_device_tensors=False,
                                  emulated_collectives=EMULATED),
 }
 

@@ -8,6 +8,7 @@ import polyaccel
 import pytest
 import torch
 from polyaccel import ConfigError, comm, hookimpl
+from polyaccel.accelerator import Accelerator
 from polyaccel.comm import CommHooks, resolve_hooks
 from polyaccel.report import build_report
 
@@ -35,10 +36,11 @@ def fake_init(monkeypatch):
 
 
 def test_defaults_come_from_the_accelerator():
-    hooks = resolve_hooks(polyaccel.get_accelerator())
+    acc = polyaccel.get_accelerator()
+    hooks = resolve_hooks(acc)
     assert hooks == CommHooks(backend="gloo")
     assert hooks.supports_device_tensors and not hooks.pass_device_id and not hooks.emulated_collectives
-    assert not hooks.needs_staging(torch.ones(1))
+    assert not hooks.needs_staging(torch.ones(1), acc)
 
 
 def test_first_non_none_answer_wins():
@@ -64,8 +66,6 @@ def test_a_raising_hook_names_the_failure():
 def test_comm_hooks_validate_their_fields():
     with pytest.raises(ConfigError, match="cannot emulate \\['all_gather'\\]"):
         CommHooks(backend="gloo", emulated_collectives={"all_gather"})
-    with pytest.raises(ConfigError, match="stage_host_tensors=True needs supports_device_tensors=False"):
-        CommHooks(backend="gloo", stage_host_tensors=True)
     with pytest.raises(ConfigError, match="backend"):
         CommHooks(backend="")
     hooks = CommHooks(backend="gloo", emulated_collectives=["reduce_scatter_tensor"])
@@ -74,12 +74,21 @@ def test_comm_hooks_validate_their_fields():
         hooks.backend = "nccl"  # frozen: swap the object, never mutate it
 
 
-def test_staging_applies_to_device_tensors_or_on_request():
+def test_staging_applies_to_the_accelerators_tensors_only():
+    """What is staged is what the accelerator calls its own: device tensors, or host tensors for a host device."""
+
+    class MetaDevice(Accelerator):
+        name = "metadev"
+        device_type = "meta"
+
+    class HostDevice(Accelerator):
+        name = "hostdev"
+
     mps_like = CommHooks(backend="gloo", supports_device_tensors=False)
-    assert mps_like.stages and not mps_like.needs_staging(torch.ones(1))
-    assert mps_like.needs_staging(torch.ones(1, device="meta"))
-    assert CommHooks(backend="gloo", supports_device_tensors=False, stage_host_tensors=True).needs_staging(
-        torch.ones(1))
+    assert mps_like.stages and not mps_like.needs_staging(torch.ones(1), MetaDevice())
+    assert mps_like.needs_staging(torch.ones(1, device="meta"), MetaDevice())
+    assert mps_like.needs_staging(torch.ones(1), HostDevice())
+    assert not CommHooks(backend="gloo").needs_staging(torch.ones(1, device="meta"), MetaDevice())
 
 
 def test_timeout_default_env_argument_and_errors(monkeypatch):

@@ -21,7 +21,7 @@ from polyaccel.testing.multiprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
-STAGED = CommHooks(backend="gloo", supports_device_tensors=False, stage_host_tensors=True)
+STAGED = CommHooks(backend="gloo", supports_device_tensors=False)
 
 
 def _count_accelerator_allocations():

@@ -8,7 +8,7 @@ from polyaccel.testing.conformance.target import available_emulations
 
 def test_emulated_run_is_labelled_and_conforms():
     names = available_emulations()
-    assert names, "no emulated runtime exists in polyaccel.testing.emulation"
+    assert names, "no installed plugin offers an emulated runtime (hook polyaccel_emulated_runtimes)"
     name = names[0]
     run = run_suite(name, emulate=True)
     assert run.error() is None, run.output[-3000:]

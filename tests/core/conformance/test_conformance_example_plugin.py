@@ -69,3 +69,31 @@ def test_passes_conformance():
     swiglu = [r for r in run.rows() if r["subject"] == "swiglu"]
     assert swiglu and all("example_swiglu" in r["variant"] and r["status"] == "PASS" for r in swiglu)
     assert {r["variant"].split()[-1] for r in swiglu} == {"float32", "bfloat16", "float16", "float64"}
+
+
+def test_ships_an_emulated_runtime_through_the_hook():
+    from polyaccel.testing.emulation import emulate, emulated_runtimes
+
+    offer = emulated_runtimes().offers["example"]
+    assert offer.plugin == "example" and offer.runtime.__module__ == "polyaccel_example_plugin.emulation"
+    with emulate("example") as rt:
+        acc = polyaccel.set_accelerator("example")
+        probe = acc.probe()
+        assert probe.available and probe.emulated and acc.is_emulated()
+        assert "example runtime 1.0+emulated" in probe.reason
+        assert rt.calls.count_of("device_count") >= 1, "the probe must ask the (stand-in) runtime"
+    with emulate("example", no_device=True):
+        rec = selection.plugins().records["example"]
+        assert rec.status == "unavailable" and "sees no device" in rec.reason
+
+
+def test_conforms_under_its_emulated_runtime(capsys, tmp_path):
+    out_json = tmp_path / "conformance.json"
+    status = main(["conformance", "--accelerator", "example", "--emulate", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    doc = json.loads(out_json.read_text())
+    assert status == 0, [r for r in doc["rows"] if r["status"] == "FAIL"]
+    assert "conformance of 'example'" in out and "emulated" in out and "CONFORMS" in out
+    assert doc["ok"] and doc["accelerator"]["emulated"] is True and all(r["emulated"] for r in doc["rows"])
+    rows = {r["id"]: r for r in doc["rows"]}
+    assert rows["capability/graphs/capture_replay_recomputes"]["status"] == "PASS"

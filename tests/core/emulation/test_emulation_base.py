@@ -12,22 +12,24 @@ from polyaccel import selection
 from polyaccel.runtime import current
 from polyaccel.testing.emulation import (
     EMULATED,
+    AllocationTracker,
     AsyncQueue,
     CallLog,
     CallRecord,
-    EmulatedRuntime,
-    Faults,
-    Patcher,
-    emulation_fixture,
-    is_emulated_module,
-    missing_library_error,
-)
-from polyaccel.testing.emulation.base import (
     EmulatedEvent,
+    EmulatedRuntime,
     EmulatedStream,
+    Faults,
     GraphCaptureError,
     GraphRecorder,
     HostMemoryTable,
+    MemoryCounters,
+    Patcher,
+    PinnedHost,
+    emulation_fixture,
+    is_emulated_module,
+    mark_emulated,
+    missing_library_error,
 )
 
 
@@ -36,8 +38,7 @@ class _DemoRuntime(EmulatedRuntime):
     FAULTS = {"boom": "explodes", "broken_lib": "the library cannot be loaded"}
 
     def install(self, patcher):
-        module = types.ModuleType("polyaccel_demo_runtime")
-        module.__polyaccel_emulated__ = True
+        module = mark_emulated(types.ModuleType("polyaccel_demo_runtime"))
         patcher.set_module("polyaccel_demo_runtime", module)
         patcher.setattr(torch, "polyaccel_demo", module)
         patcher.setenv("POLYACCEL_DEMO_ENV", "on")
@@ -220,8 +221,6 @@ def test_host_memory_table_codes():
 
 
 def test_allocation_tracker_counts_new_storages_once_and_frees_them():
-    from polyaccel.testing.emulation.base import AllocationTracker, MemoryCounters
-
     counters = MemoryCounters()
     with AllocationTracker(counters):
         a = torch.empty(1024, dtype=torch.float32)
@@ -240,8 +239,6 @@ def test_allocation_tracker_counts_new_storages_once_and_frees_them():
 
 
 def test_pinned_host_routes_plain_and_named_pin_calls_only():
-    from polyaccel.testing.emulation.base import PinnedHost
-
     rt = _DemoRuntime()
     host = PinnedHost(rt)
     t = torch.randn(10)

@@ -38,9 +38,9 @@ def _payload(seed: int, rank: int) -> torch.Tensor:
 
 
 def _staged_semantics(rank: int, world: int, seed: int) -> dict:
-    from polyaccel.testing.emulation import mps as emulation
+    from polyaccel.testing.emulation import emulate
 
-    with emulation.emulate():
+    with emulate("mps"):
         acc = selection.get_accelerator()
         assert acc.name == "mps" and acc.is_emulated()
         previous = comm.set_hooks(resolve_hooks(acc))

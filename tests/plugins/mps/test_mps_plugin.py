@@ -12,7 +12,7 @@ from polyaccel.errors import Unsupported
 from polyaccel.ops import registry
 from polyaccel.ops.reference import optimizers as ref
 from polyaccel.report import build_report
-from polyaccel.testing.emulation import mps as emulation
+from polyaccel.testing.emulation import emulate
 from polyaccel.testing.numerics import assert_close_to_reference
 
 SHAPES = [(33,), (7, 19), (1, 257)]
@@ -56,7 +56,7 @@ def test_not_selected_without_emulation_and_report_says_why(capsys):
 
 
 def test_selected_under_emulation():
-    with emulation.emulate():
+    with emulate("mps"):
         acc = selection.get_accelerator()
         assert acc.name == "mps" and acc.is_emulated()
         rec = selection.plugins().records["mps"]
@@ -71,20 +71,20 @@ def test_selected_under_emulation():
 
 @pytest.mark.parametrize("fault,words", [("no_device", "is_available() is False"), ("not_built", "built without MPS")])
 def test_unavailable_reasons(fault, words):
-    with emulation.emulate(**{fault: True}):
+    with emulate("mps", **{fault: True}):
         rec = selection.plugins().records["mps"]
         assert rec.status == "unavailable" and words in rec.reason
         assert selection.get_accelerator().name != "mps"
 
 
 def test_no_bf16_before_macos_14():
-    with emulation.emulate(macos13=True):
+    with emulate("mps", macos13=True):
         caps = selection.get_accelerator().capabilities()
         assert "bf16" not in caps and "fp16" in caps and "fp64" not in caps
 
 
 def test_no_graphs_no_streams():
-    with emulation.emulate():
+    with emulate("mps"):
         acc = selection.get_accelerator()
         for call in (acc.create_graph, lambda: acc.capture_to_graph(None), lambda: acc.replay_graph(None)):
             with pytest.raises(Unsupported, match="'mps' does not support graphs") as info:
@@ -98,7 +98,7 @@ def test_no_graphs_no_streams():
 
 # ------------------------------------------------------------------------------ unified memory
 def test_pin_memory_copies_once_into_the_shared_allocator():
-    with emulation.emulate() as rt:
+    with emulate("mps") as rt:
         acc = selection.get_accelerator()
         host = torch.randn(500)
         assert not acc.is_pinned(host)
@@ -110,7 +110,7 @@ def test_pin_memory_copies_once_into_the_shared_allocator():
 
 
 def test_host_registration_is_unsupported():
-    with emulation.emulate():
+    with emulate("mps"):
         acc = selection.get_accelerator()
         host = torch.randn(64)
         for call in (acc.register_host_memory, acc.unregister_host_memory):
@@ -125,7 +125,7 @@ def test_host_registration_is_unsupported():
     (torch.float32, torch.float32), (torch.float16, torch.float32), (torch.float16, torch.float16),
     (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)])
 def test_metal_fused_adam_matches_reference(param_dtype, state_dtype):
-    with emulation.emulate() as rt:
+    with emulate("mps") as rt:
         selection.get_accelerator()
         fn = registry.resolve("fused_adam", "mps")
         assert _chosen() == "mps_metal_fused_adam"
@@ -141,7 +141,7 @@ def test_metal_fused_adam_matches_reference(param_dtype, state_dtype):
 
 def test_emulated_dispatch_checks_bindings_like_torch():
     """A Python int binds as 64-bit long and a buffer must hold the declared type: mistakes fail, not pass."""
-    with emulation.emulate():
+    with emulate("mps"):
         from polyaccel.plugins.mps import metal_adam
 
         lib = torch.mps.compile_shader(metal_adam.kernel_source(torch.float32, torch.float32))
@@ -162,7 +162,7 @@ def test_emulated_dispatch_checks_bindings_like_torch():
 
 
 def test_metal_kernel_falls_back_per_call():
-    with emulation.emulate() as rt:
+    with emulate("mps") as rt:
         selection.get_accelerator()
         fn = registry.resolve("fused_adam", "mps")
         # moments in a narrower type than the params: no kernel for the pair, torch's path instead
@@ -175,7 +175,7 @@ def test_metal_kernel_falls_back_per_call():
 
 
 def test_rejected_shader_falls_back_to_torch_fused_adam():
-    with emulation.emulate(shader_compile_error=True) as rt:
+    with emulate("mps", shader_compile_error=True) as rt:
         selection.get_accelerator()
         fn = registry.resolve("fused_adam", "mps")
         _check_adam(fn, torch.float32, torch.float32)
@@ -186,21 +186,23 @@ def test_rejected_shader_falls_back_to_torch_fused_adam():
 
 
 def test_without_compile_shader_torch_fused_adam_then_reference():
-    with emulation.emulate(no_compile_shader=True):
+    with emulate("mps", no_compile_shader=True):
         selection.get_accelerator()
         assert _chosen() == "mps_torch_fused_adam"
         metal = next(c for c in registry.candidates("fused_adam", "mps") if c.builder.name == "mps_metal_fused_adam")
         assert "no torch.mps.compile_shader" in metal.reason
         _check_adam(registry.resolve("fused_adam", "mps"), torch.float32, torch.float32)
         _check_adam(registry.resolve("fused_adam", "mps"), torch.bfloat16, torch.float32)
-    with emulation.emulate(no_compile_shader=True, no_fused_adam=True):
+    with emulate("mps", no_compile_shader=True, no_fused_adam=True):
         selection.get_accelerator()
         assert _chosen() == "reference"
         assert _chosen("fused_lion") == "mps_foreach_fused_lion"  # foreach needs no fused kernel
 
 
 def test_comm_hooks_stage_through_host_buffers():
-    with emulation.emulate():
-        hooks = resolve_hooks(selection.get_accelerator())
-        assert hooks.backend == "gloo" and not hooks.supports_device_tensors and hooks.stage_host_tensors
-        assert hooks.needs_staging(torch.ones(2))
+    with emulate("mps"):
+        acc = selection.get_accelerator()
+        hooks = resolve_hooks(acc)
+        assert hooks.backend == "gloo" and not hooks.supports_device_tensors and hooks.stages
+        # the emulated device's tensors are host tensors, and they are staged like real mps tensors
+        assert hooks.needs_staging(torch.ones(2), acc)

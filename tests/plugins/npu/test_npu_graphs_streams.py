@@ -6,11 +6,11 @@ import polyaccel
 import pytest
 import torch
 from polyaccel import Unsupported
-from polyaccel.testing.emulation import npu as emulated_npu
+from polyaccel.testing.emulation import emulate
 
 
 def test_graph_ops_route_to_npugraph_and_replay_recomputes():
-    with emulated_npu.emulate() as rt:
+    with emulate("npu") as rt:
         acc = polyaccel.get_accelerator()
         dev = acc.device()
         x, w, b = torch.randn(32, 16, device=dev), torch.randn(16, 8, device=dev), torch.randn(8, device=dev)
@@ -31,14 +31,14 @@ def test_graph_ops_route_to_npugraph_and_replay_recomputes():
 
 
 def test_replaying_an_uncaptured_graph_is_an_error():
-    with emulated_npu.emulate():
+    with emulate("npu"):
         acc = polyaccel.get_accelerator()
         with pytest.raises(RuntimeError, match="before capture"):
             acc.replay_graph(acc.create_graph())
 
 
 def test_without_npugraph_graph_ops_are_unsupported():
-    with emulated_npu.emulate(no_graphs=True):
+    with emulate("npu", no_graphs=True):
         acc = polyaccel.get_accelerator()
         for call in (acc.create_graph, lambda: acc.capture_to_graph(None), lambda: acc.replay_graph(None)):
             with pytest.raises(Unsupported, match="npu") as info:
@@ -47,7 +47,7 @@ def test_without_npugraph_graph_ops_are_unsupported():
 
 
 def test_events_complete_asynchronously_and_order_streams():
-    with emulated_npu.emulate() as rt:
+    with emulate("npu") as rt:
         acc = polyaccel.get_accelerator()
         rt.default_stream().queue.held = True
         done = acc.Event(enable_timing=True)

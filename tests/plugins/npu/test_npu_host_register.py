@@ -7,7 +7,8 @@ import pytest
 import torch
 from polyaccel import PolyaccelError, Unsupported
 from polyaccel.accelerator import _LEAKED_HOST_BUFFERS
-from polyaccel.testing.emulation import npu as emulated_npu
+from polyaccel.plugins.npu import emulation as emulated_npu
+from polyaccel.testing.emulation import emulate
 
 MAPPED = emulated_npu.ACL_HOST_REG_MAPPED
 
@@ -21,7 +22,7 @@ def _odd_buffer(n=3001):
 
 
 def test_registration_uses_mapped_and_rounds_the_range_to_4096():
-    with emulated_npu.emulate() as rt:
+    with emulate("npu") as rt:
         acc = polyaccel.get_accelerator()
         assert acc.pin_memory_alignment() == 4096
         t = _odd_buffer()
@@ -38,7 +39,7 @@ def test_registration_uses_mapped_and_rounds_the_range_to_4096():
 
 
 def test_registration_is_refcounted_and_idempotent():
-    with emulated_npu.emulate() as rt:
+    with emulate("npu") as rt:
         acc = polyaccel.get_accelerator()
         t = _odd_buffer()
         acc.register_host_memory(t)
@@ -55,7 +56,7 @@ def test_registration_is_refcounted_and_idempotent():
 
 
 def test_refused_registration_raises_with_the_acl_code_and_records_nothing():
-    with emulated_npu.emulate(registration_refused=207000) as rt:
+    with emulate("npu", registration_refused=207000) as rt:
         acc = polyaccel.get_accelerator()
         t = _odd_buffer()
         with pytest.raises(PolyaccelError, match="ACL error 207000"):
@@ -64,7 +65,7 @@ def test_refused_registration_raises_with_the_acl_code_and_records_nothing():
 
 
 def test_failed_unregister_keeps_the_memory_alive():
-    with emulated_npu.emulate() as rt:
+    with emulate("npu") as rt:
         acc = polyaccel.get_accelerator()
         t = _odd_buffer()
         ptr = t.data_ptr()
@@ -83,7 +84,7 @@ def test_failed_unregister_keeps_the_memory_alive():
 
 
 def test_without_npurt_registration_is_unsupported_with_the_reason():
-    with emulated_npu.emulate(no_npurt=True):
+    with emulate("npu", no_npurt=True):
         acc = polyaccel.get_accelerator()
         assert "host_register" not in acc.capabilities()
         assert "npurt is unavailable" in acc.host_register_unavailable_reason()
@@ -93,7 +94,7 @@ def test_without_npurt_registration_is_unsupported_with_the_reason():
 
 
 def test_runtime_initialisation_failure_is_a_reason_not_a_crash():
-    with emulated_npu.emulate(npurt_init_fails=True):
+    with emulate("npu", npurt_init_fails=True):
         acc = polyaccel.get_accelerator()
         assert "host_register" not in acc.capabilities()
         with pytest.raises(Unsupported, match="failed to initialise"):
@@ -102,7 +103,7 @@ def test_runtime_initialisation_failure_is_a_reason_not_a_crash():
 
 def test_the_emulated_runtime_enforces_mapped_alignment():
     """The stand-in must refuse what ACL refuses, or the plugin's rounding would go untested."""
-    with emulated_npu.emulate() as rt:
+    with emulate("npu") as rt:
         binding = torch.npu.npurt()
         assert binding is torch.npu.npurt(), "npurt() returns one binding"
         t = torch.empty(3 * 4096, dtype=torch.uint8)
@@ -118,7 +119,7 @@ def test_the_emulated_runtime_enforces_mapped_alignment():
 
 def test_two_buffers_on_one_page_fail_clearly_instead_of_silently():
     """Rounding to 4096 makes small neighbours overlap; ACL refuses the second range and so must we."""
-    with emulated_npu.emulate() as rt:
+    with emulate("npu") as rt:
         acc = polyaccel.get_accelerator()
         storage = torch.randn(512)
         first, second = storage[:100], storage[200:300]

@@ -7,7 +7,7 @@ import torch
 from polyaccel import ops
 from polyaccel.ops.reference import optimizers as ref_optim
 from polyaccel.ops.reference.quantize import quantize as reference_quantize
-from polyaccel.testing.emulation import npu as emulated_npu
+from polyaccel.testing.emulation import emulate
 from polyaccel.testing.numerics import assert_close_to_reference
 
 SHAPES = [(33,), (7, 5), (0,), (129,)]
@@ -40,7 +40,7 @@ def _check(got_lists, want_lists, what):
 
 @pytest.fixture
 def npu_runtime():
-    with emulated_npu.emulate() as rt:
+    with emulate("npu") as rt:
         yield rt
 
 
@@ -78,7 +78,7 @@ def test_fused_adam_matches_reference_through_torchs_fused_interface(npu_runtime
 
 
 def test_without_an_npu_fused_kernel_the_registry_falls_back_to_the_reference():
-    with emulated_npu.emulate(no_fused_adam=True):
+    with emulate("npu", no_fused_adam=True):
         text = ops.explain("fused_adam", "npu")
         assert "npu_torch_fused_adam" in text and "no fused Adam kernel for device type 'npu'" in text
         assert ops.registry.chosen("fused_adam", "npu").name == "reference"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from polyaccel import SelectionError, selection
 from polyaccel.report import build_report
-from polyaccel.testing.emulation import npu as emulated_npu
+from polyaccel.testing.emulation import emulate
 
 
 def _record(name):
@@ -29,7 +29,7 @@ def test_without_emulation_npu_is_unavailable_with_a_reason():
 
 
 def test_emulated_npu_is_probed_and_selected():
-    with emulated_npu.emulate(device_count=2) as rt:
+    with emulate("npu", device_count=2) as rt:
         acc = polyaccel.get_accelerator()
         assert acc.name == "npu" and acc.device_type == "npu"
         probe = acc.probe()
@@ -47,7 +47,7 @@ def test_emulated_npu_is_probed_and_selected():
 
 
 def test_missing_cann_libraries_make_npu_unavailable_with_the_autoload_hint():
-    with emulated_npu.emulate(library_missing=True):
+    with emulate("npu", library_missing=True):
         with pytest.raises(ImportError, match="libhccl.so"):
             import torch_npu  # noqa: F401
         rec = _record("npu")
@@ -59,7 +59,7 @@ def test_missing_cann_libraries_make_npu_unavailable_with_the_autoload_hint():
 
 
 def test_installed_runtime_without_a_device_is_unavailable():
-    with emulated_npu.emulate(no_device=True):
+    with emulate("npu", no_device=True):
         rec = _record("npu")
         assert rec.status == "unavailable" and "is_available() is False" in rec.reason
         assert rec.emulated
@@ -74,7 +74,7 @@ def test_asking_for_npu_by_name_when_absent_lists_the_reason(monkeypatch):
 def test_comm_hooks_name_hccl_with_device_binding():
     from polyaccel.comm import resolve_hooks
 
-    with emulated_npu.emulate():
+    with emulate("npu"):
         acc = polyaccel.get_accelerator()
         hooks = resolve_hooks(acc)
         assert hooks.backend == "hccl" and hooks.pass_device_id and hooks.supports_device_tensors
@@ -82,18 +82,18 @@ def test_comm_hooks_name_hccl_with_device_binding():
 
 
 def test_capabilities_follow_the_runtime():
-    with emulated_npu.emulate():
+    with emulate("npu"):
         caps = polyaccel.get_accelerator().capabilities()
         assert {"graphs", "host_register", "streams", "events", "rng", "memory_stats", "pinned", "bf16",
                 "fp16"} <= caps
         assert not {"fp64", "fp8", "triton", "async_p2p"} & caps
-    with emulated_npu.emulate(no_graphs=True, no_npurt=True):
+    with emulate("npu", no_graphs=True, no_npurt=True):
         caps = polyaccel.get_accelerator().capabilities()
         assert "graphs" not in caps and "host_register" not in caps
 
 
 def test_device_rng_is_reproducible():
-    with emulated_npu.emulate() as rt:
+    with emulate("npu") as rt:
         acc = polyaccel.get_accelerator()
         acc.manual_seed(1234)
         a = torch.randn(16, device=acc.device())
@@ -107,7 +107,7 @@ def test_device_rng_is_reproducible():
 
 
 def test_set_device_is_checked_by_the_runtime():
-    with emulated_npu.emulate(device_count=2) as rt:
+    with emulate("npu", device_count=2) as rt:
         acc = polyaccel.get_accelerator()
         acc.set_device(1)
         assert acc.current_device() == 1 and rt.calls.last("set_device").args == (1,)
@@ -145,7 +145,7 @@ def test_vendor_runtimes_are_looked_up_only_when_probing():
 
 
 def test_memory_stats_and_pinning_go_through_the_runtime():
-    with emulated_npu.emulate() as rt:
+    with emulate("npu") as rt:
         acc = polyaccel.get_accelerator()
         base = acc.memory_allocated()
         block = torch.empty(1 << 18, dtype=torch.float32, device=acc.device())

@@ -6,7 +6,7 @@ import pytest
 import torch
 from polyaccel import ops
 from polyaccel.ops.reference import optimizers as ref_optim
-from polyaccel.testing.emulation import supa as emulated_supa
+from polyaccel.testing.emulation import emulate
 from polyaccel.testing.numerics import assert_close_to_reference
 
 SHAPES = [(40,), (6, 7), (0,), (97,)]
@@ -35,7 +35,7 @@ def _check(got, want, what):
 
 @pytest.fixture
 def supa_runtime():
-    with emulated_supa.emulate() as rt:
+    with emulate("supa") as rt:
         yield rt
 
 
@@ -108,19 +108,19 @@ def test_the_extension_lamb_differs_from_polyaccels_with_bias_correction(supa_ru
 
 
 def test_without_the_extension_the_reference_serves_every_optimizer():
-    with emulated_supa.emulate(ext_missing=True):
+    with emulate("supa", ext_missing=True):
         for op in ("fused_adam", "fused_lion", "fused_lamb"):
             assert ops.registry.chosen(op, "supa").name == "reference"
             assert "torch_supa_ext is not installed" in ops.explain(op, "supa")
 
 
 def test_quantize_on_supa_is_the_reference():
-    with emulated_supa.emulate():
+    with emulate("supa"):
         assert ops.registry.chosen("quantize", "supa").name == "reference"
 
 
 def test_kernels_appear_when_the_plugin_imports_the_extension():
-    with emulated_supa.emulate() as rt:
+    with emulate("supa") as rt:
         assert not hasattr(torch.ops.deepspeed, "multi_tensor_adam"), "nothing is registered before the import"
         ops.resolve("fused_adam", "supa")
         assert "import torch_supa_ext.deepspeed" in rt.calls.names()

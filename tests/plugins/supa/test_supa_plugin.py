@@ -9,8 +9,9 @@ import pytest
 import torch
 from polyaccel import PolyaccelError, Unsupported, selection
 from polyaccel.accelerator import _LEAKED_HOST_BUFFERS
+from polyaccel.plugins.supa import emulation as emulated_supa
 from polyaccel.report import build_report
-from polyaccel.testing.emulation import supa as emulated_supa
+from polyaccel.testing.emulation import emulate
 
 
 def _record(name):
@@ -27,7 +28,7 @@ def test_without_emulation_supa_is_unavailable_with_a_reason():
 
 
 def test_supa_is_selected_although_torch_cuda_claims_to_be_available():
-    with emulated_supa.emulate(device_count=2) as rt:
+    with emulate("supa", device_count=2) as rt:
         assert torch.cuda.is_available() and torch.cuda.device_count() == 2, "the stand-in poses as torch.cuda"
         acc = polyaccel.get_accelerator()
         assert acc.name == "supa" and acc.is_emulated()
@@ -44,7 +45,7 @@ def test_supa_is_selected_although_torch_cuda_claims_to_be_available():
 
 def test_cuda_refuses_a_supa_machine_even_when_torch_reports_a_cuda_build(monkeypatch):
     """The order of checks matters: a CUDA-looking torch with torch_supa loaded is still SUPA."""
-    with emulated_supa.emulate():
+    with emulate("supa"):
         monkeypatch.setattr(torch.version, "cuda", "12.4")
         selection.reset()
         cuda = _record("cuda")
@@ -53,14 +54,14 @@ def test_cuda_refuses_a_supa_machine_even_when_torch_reports_a_cuda_build(monkey
 
 
 def test_missing_runtime_libraries_make_supa_unavailable():
-    with emulated_supa.emulate(library_missing=True):
+    with emulate("supa", library_missing=True):
         rec = _record("supa")
         assert rec.status == "unavailable" and "libsupa.so" in rec.reason
         assert polyaccel.get_accelerator().name not in ("supa", "cuda")
 
 
 def test_no_visible_device():
-    with emulated_supa.emulate(no_device=True):
+    with emulate("supa", no_device=True):
         rec = _record("supa")
         assert rec.status == "unavailable" and "is_available() is False" in rec.reason
         assert _record("cuda").status == "unavailable"
@@ -69,13 +70,13 @@ def test_no_visible_device():
 def test_comm_backend_is_bccl():
     from polyaccel.comm import resolve_hooks
 
-    with emulated_supa.emulate():
+    with emulate("supa"):
         acc = polyaccel.get_accelerator()
         assert acc.communication_backend == "bccl" and resolve_hooks(acc).backend == "bccl"
 
 
 def test_host_registration_through_supart_is_refcounted():
-    with emulated_supa.emulate() as rt:
+    with emulate("supa") as rt:
         acc = polyaccel.get_accelerator()
         t = torch.randn(1000)[3:]
         acc.register_host_memory(t)
@@ -89,7 +90,7 @@ def test_host_registration_through_supart_is_refcounted():
 
 
 def test_refused_registration_names_the_runtime_error():
-    with emulated_supa.emulate(registration_refused=True):
+    with emulate("supa", registration_refused=True):
         acc = polyaccel.get_accelerator()
         with pytest.raises(PolyaccelError, match="supaHostRegister.*invalid argument"):
             acc.register_host_memory(torch.randn(64))
@@ -97,7 +98,7 @@ def test_refused_registration_names_the_runtime_error():
 
 
 def test_failed_unregister_keeps_the_memory_alive():
-    with emulated_supa.emulate() as rt:
+    with emulate("supa") as rt:
         acc = polyaccel.get_accelerator()
         t = torch.randn(512)
         ptr = t.data_ptr()
@@ -111,7 +112,7 @@ def test_failed_unregister_keeps_the_memory_alive():
 
 
 def test_without_supart_registration_is_unsupported():
-    with emulated_supa.emulate(no_supart=True):
+    with emulate("supa", no_supart=True):
         acc = polyaccel.get_accelerator()
         assert "host_register" not in acc.capabilities()
         with pytest.raises(Unsupported, match="supa"):
@@ -119,7 +120,7 @@ def test_without_supart_registration_is_unsupported():
 
 
 def test_graph_ops_route_to_supagraph_and_replay_recomputes():
-    with emulated_supa.emulate() as rt:
+    with emulate("supa") as rt:
         acc = polyaccel.get_accelerator()
         x, w = torch.randn(64), torch.randn(64)
         graph = acc.create_graph()
@@ -134,7 +135,7 @@ def test_graph_ops_route_to_supagraph_and_replay_recomputes():
 
 
 def test_without_supagraph_graph_ops_are_unsupported():
-    with emulated_supa.emulate(no_graphs=True):
+    with emulate("supa", no_graphs=True):
         acc = polyaccel.get_accelerator()
         with pytest.raises(Unsupported, match="supa"):
             acc.create_graph()

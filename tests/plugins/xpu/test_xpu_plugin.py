@@ -14,8 +14,9 @@ from polyaccel.comm import resolve_hooks
 from polyaccel.errors import ConfigError, Unsupported
 from polyaccel.ops import registry
 from polyaccel.ops.reference import optimizers as ref
+from polyaccel.plugins.xpu import emulation as emulation
 from polyaccel.report import build_report
-from polyaccel.testing.emulation import xpu as emulation
+from polyaccel.testing.emulation import emulate
 from polyaccel.testing.numerics import assert_close_to_reference
 
 
@@ -58,7 +59,7 @@ def test_not_selected_without_emulation_and_report_says_why(capsys):
 
 
 def test_selected_under_emulation():
-    with emulation.emulate(device_count=3) as rt:
+    with emulate("xpu", device_count=3) as rt:
         acc = selection.get_accelerator()
         assert acc.name == "xpu" and acc.is_emulated()
         rec = _record("xpu")
@@ -71,7 +72,7 @@ def test_selected_under_emulation():
 
 
 def test_no_device_is_unavailable_with_reason():
-    with emulation.emulate(no_device=True):
+    with emulate("xpu", no_device=True):
         rec = _record("xpu")
         assert rec.status == "unavailable"
         assert "no Intel GPU" in rec.reason and "ZE_AFFINITY_MASK" in rec.reason
@@ -79,18 +80,18 @@ def test_no_device_is_unavailable_with_reason():
 
 
 def test_capabilities_follow_the_device():
-    with emulation.emulate():
+    with emulate("xpu"):
         caps = selection.get_accelerator().capabilities()
         assert {"streams", "events", "graphs", "pinned", "memory_stats", "rng", "bf16", "fp16", "fp64"} <= caps
         assert "host_register" not in caps
-    with emulation.emulate(no_fp64=True, no_bf16=True, no_graphs=True):
+    with emulate("xpu", no_fp64=True, no_bf16=True, no_graphs=True):
         caps = selection.get_accelerator().capabilities()
         assert not {"fp64", "bf16", "graphs"} & caps
 
 
 # ------------------------------------------------------------------------------------- IPEX
 def test_mismatched_ipex_with_metadata_is_never_imported():
-    with emulation.emulate(ipex="2.8.0") as rt:
+    with emulate("xpu", ipex="2.8.0") as rt:
         acc = selection.get_accelerator()
         assert acc.name == "xpu"
         status = acc.ipex_status()
@@ -105,7 +106,7 @@ def test_mismatched_ipex_with_metadata_is_never_imported():
 @pytest.mark.parametrize("exit_call", ["os.exit", "sys.exit"])
 def test_mismatched_ipex_import_cannot_end_the_process(exit_call, capsys):
     saved = (sys.exit, os._exit)
-    with emulation.emulate(ipex="2.8.0", ipex_no_metadata=True, ipex_exit=exit_call) as rt:
+    with emulate("xpu", ipex="2.8.0", ipex_no_metadata=True, ipex_exit=exit_call) as rt:
         status = selection.get_accelerator().ipex_status()
         assert rt.calls.count_of("ipex.import") == 1  # no metadata: the version is learnt by importing
         assert not status.used and "tried to end the process" in status.reason and exit_call in status.reason
@@ -116,20 +117,20 @@ def test_mismatched_ipex_import_cannot_end_the_process(exit_call, capsys):
 
 def test_emulated_ipex_refuses_like_the_release():
     """Unguarded, the stand-in fails exactly as the released package does: os.exit does not exist."""
-    with emulation.emulate(ipex="2.7.0"):
+    with emulate("xpu", ipex="2.7.0"):
         with pytest.raises(AttributeError, match="'os' has no attribute 'exit'"):
             import intel_extension_for_pytorch  # noqa: F401
 
 
 def test_matching_ipex_is_used():
-    with emulation.emulate(ipex="match") as rt:
+    with emulate("xpu", ipex="match") as rt:
         status = selection.get_accelerator().ipex_status()
         assert status.used and status.reason.startswith("used")
         assert rt.calls.count_of("ipex.import") == 1
 
 
 def test_ipex_without_a_device_is_mentioned_in_the_reason():
-    with emulation.emulate(no_device=True, ipex="2.6.0") as rt:
+    with emulate("xpu", no_device=True, ipex="2.6.0") as rt:
         rec = _record("xpu")
         assert rec.status == "unavailable" and "intel-extension-for-pytorch 2.6.0" in rec.reason
         extra = build_report()["extra"]["xpu"]  # said even when another accelerator is selected
@@ -139,14 +140,14 @@ def test_ipex_without_a_device_is_mentioned_in_the_reason():
 
 # ------------------------------------------------------------------------------------- comm
 def test_comm_backend_names():
-    with emulation.emulate():
+    with emulate("xpu"):
         hooks = resolve_hooks(selection.get_accelerator())
         assert hooks.backend == "xccl" and hooks.supports_device_tensors
-    with emulation.emulate(no_xccl=True, oneccl=True):
+    with emulate("xpu", no_xccl=True, oneccl=True):
         acc = selection.get_accelerator()
         assert resolve_hooks(acc).backend == "ccl" and acc.communication_backend == "ccl"
         assert "oneCCL bindings" in acc.comm_choice().reason
-    with emulation.emulate(no_xccl=True):
+    with emulate("xpu", no_xccl=True):
         acc = selection.get_accelerator()
         assert acc.communication_backend == "unavailable"
         with pytest.raises(ConfigError, match="no collective backend for xpu.*oneccl_bindings_for_pytorch"):
@@ -155,7 +156,7 @@ def test_comm_backend_names():
 
 # ----------------------------------------------------------------------------------- graphs
 def test_graph_capture_and_replay_recompute():
-    with emulation.emulate() as rt:
+    with emulate("xpu") as rt:
         acc = selection.get_accelerator()
         x = torch.randn(64)
         y = torch.empty(64)
@@ -169,7 +170,7 @@ def test_graph_capture_and_replay_recompute():
 
 
 def test_graphs_unsupported_where_torch_has_none():
-    with emulation.emulate(no_graphs=True):
+    with emulate("xpu", no_graphs=True):
         acc = selection.get_accelerator()
         for call in (acc.create_graph, lambda: acc.capture_to_graph(object()), lambda: acc.replay_graph(object())):
             with pytest.raises(Unsupported, match="'xpu' does not support graphs.*XPUGraph") as info:
@@ -181,7 +182,7 @@ def test_graphs_unsupported_where_torch_has_none():
 @pytest.mark.parametrize("param_dtype,state_dtype", [(torch.float32, torch.float32),
                                                      (torch.bfloat16, torch.float32)])
 def test_fused_adam_routes_to_torch_fused_kernel(param_dtype, state_dtype):
-    with emulation.emulate():
+    with emulate("xpu"):
         selection.get_accelerator()
         fn = registry.resolve("fused_adam", "xpu")
         assert registry._chosen[("fused_adam", "xpu")].name == "xpu_torch_fused_adam"
@@ -191,7 +192,7 @@ def test_fused_adam_routes_to_torch_fused_kernel(param_dtype, state_dtype):
 
 
 def test_fused_adam_falls_back_to_reference_without_a_fused_kernel():
-    with emulation.emulate(no_fused_adam=True):
+    with emulate("xpu", no_fused_adam=True):
         selection.get_accelerator()
         chosen = next(c for c in registry.candidates("fused_adam", "xpu") if c.chosen)
         assert chosen.builder.name == "reference"
@@ -204,7 +205,7 @@ def test_fused_adam_falls_back_to_reference_without_a_fused_kernel():
 
 # --------------------------------------------------------------- pinned memory, streams, RNG, memory
 def test_pinned_memory_through_torch_xpu_pinning():
-    with emulation.emulate() as rt:
+    with emulate("xpu") as rt:
         acc = selection.get_accelerator()
         host = torch.randn(300)
         assert not acc.is_pinned(host)
@@ -218,7 +219,7 @@ def test_pinned_memory_through_torch_xpu_pinning():
 
 
 def test_streams_events_rng_memory():
-    with emulation.emulate(polls_to_complete=2) as rt:
+    with emulate("xpu", polls_to_complete=2) as rt:
         acc = selection.get_accelerator()
         side = acc.Stream()
         with acc.stream(side):

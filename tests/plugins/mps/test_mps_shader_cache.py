@@ -10,7 +10,8 @@ import uuid
 import pytest
 import torch
 from polyaccel.errors import PolyaccelError
-from polyaccel.testing.emulation import mps
+from polyaccel.plugins.mps import emulation as mps
+from polyaccel.testing.emulation import emulate
 
 SOURCE = """#include <metal_stdlib>
 using namespace metal;
@@ -68,7 +69,7 @@ def _plant(folder, source: str):
 
 
 def _compile(source: str):
-    with mps.emulate() as rt:
+    with emulate("mps") as rt:
         return rt.compile_shader(source)
 
 
@@ -215,7 +216,7 @@ def test_builds_caches_and_reuses_the_library(fresh, tmp_path, monkeypatch):
     source = SOURCE % f"{uuid.uuid4().int % 1000}.5f"
 
     x = torch.arange(5, dtype=torch.float32)
-    with mps.emulate() as rt:
+    with emulate("mps") as rt:
         lib = rt.compile_shader(source)
         lib.axpb(x, 2.0)
     offset = float(source.split("+ ")[1].split("f")[0])
@@ -232,7 +233,7 @@ def test_builds_caches_and_reuses_the_library(fresh, tmp_path, monkeypatch):
     _compile(source)  # same process: the loaded library
     monkeypatch.setattr(mps, "_BUILD", mps._HostBuild())  # a new process: the cached file
     y = torch.ones(3)
-    with mps.emulate() as rt:
+    with emulate("mps") as rt:
         rt.compile_shader(source).axpb(y, 3.0)
     assert torch.equal(y, torch.full((3,), 3 + offset))
     assert len(compiled) == 1, "the cached library is reused, not rebuilt"

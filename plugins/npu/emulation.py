@@ -12,13 +12,14 @@ What it reproduces (from torch_npu's public API and CANN's documented behaviour)
   (0x2) needs a 4096-byte aligned address and length; ``ACL_HOST_REG_PINNED`` (0x10000000)
   does not.
 * ``torch.npu.NPUGraph`` / ``torch.npu.graph(g, pool=None, stream=None)``: capture records
-  the work, ``replay()`` re-runs it (see :class:`~.base.GraphRecorder`).
+  the work, ``replay()`` re-runs it (see :class:`polyaccel.testing.emulation.GraphRecorder`).
 * streams, events (asynchronous completion), RNG per device, memory statistics.
 * ``torch_npu.npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True)``:
   ``round(input / scales) + zero_points`` (``input * scales`` without div_mode), saturated
   to ``dtype``; scales broadcast along ``axis`` (last dimension only, as documented).
 
-Tensors stay on the CPU. ``emulate(**faults)`` is the entry point.
+Tensors stay on the CPU. Offered through the plugin's ``polyaccel_emulated_runtimes`` hook:
+``polyaccel.testing.emulation.emulate("npu", **options)`` installs it.
 """
 
 from __future__ import annotations
@@ -28,26 +29,26 @@ import types
 from typing import Any
 
 import torch
-
-from .base import (
-    EMULATED_MARKER,
+from polyaccel.testing.emulation import (
+    DeviceModuleFunctions,
     EmulatedGraph,
     EmulatedRuntime,
     HostMemoryTable,
     Patcher,
     PinnedHost,
-    device_module_functions,
     install_graph_api,
+    mark_emulated,
     missing_library_error,
 )
+
+from .accelerator import NpuAccelerator
+from .runtime import ACL_HOST_REG_MAPPED, ACL_HOST_REG_PINNED
+from .runtime import HOST_REGISTER_ALIGNMENT as PAGE
 
 ACL_SUCCESS = 0
 ACL_ERROR_INVALID_PARAM = 100000
 ACL_ERROR_RT_PARAM_INVALID = 107000
 ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
-ACL_HOST_REG_MAPPED = 0x2
-ACL_HOST_REG_PINNED = 0x10000000
-PAGE = 4096
 
 EMULATED_VERSION = "2.13.0+emulated"
 
@@ -60,7 +61,7 @@ class _Npurt:
         self._table = HostMemoryTable(alignment=1, ok=ACL_SUCCESS, invalid_value=ACL_ERROR_RT_PARAM_INVALID,
                                       already_registered=ACL_ERROR_RT_PARAM_INVALID,
                                       not_registered=ACL_ERROR_RT_PARAM_INVALID)
-        setattr(self, EMULATED_MARKER, True)
+        mark_emulated(self)
 
     @property
     def registered(self) -> dict[int, tuple[int, int]]:
@@ -118,6 +119,7 @@ class NpuRuntime(EmulatedRuntime):
     """The emulated Ascend runtime; ``runtime.npurt`` is the host-registration binding."""
 
     name = "npu"
+    accelerator = NpuAccelerator
     FAULTS = {
         "library_missing": "torch_npu is installed but CANN is not: `import torch_npu` raises "
                            "ImportError(libhccl.so ...)",
@@ -142,8 +144,7 @@ class NpuRuntime(EmulatedRuntime):
     # ------------------------------------------------------------ modules
     def _build_npu_module(self) -> types.ModuleType:
         rt = self
-        m = types.ModuleType("torch_npu.npu")
-        setattr(m, EMULATED_MARKER, True)
+        m = mark_emulated(types.ModuleType("torch_npu.npu"))
 
         def npurt():
             if rt.faults.npurt_init_fails:
@@ -151,10 +152,8 @@ class NpuRuntime(EmulatedRuntime):
             rt.record("npurt")
             return rt.npurt
 
-        shared = device_module_functions(rt, device_name="Ascend910B (emulated)",
-                                         invalid_device="Invalid device id {device}: {count} NPU(s) visible")
-        for fname, fn in shared.items():
-            setattr(m, fname, fn)
+        DeviceModuleFunctions(rt, device_name="Ascend910B (emulated)",
+                              invalid_device="Invalid device id {device}: {count} NPU(s) visible").install(m)
         m.is_bf16_supported = lambda: True
         if not rt.faults.no_npurt:
             m.npurt = npurt
@@ -164,11 +163,10 @@ class NpuRuntime(EmulatedRuntime):
 
     def _build_torch_npu(self, npu_mod: types.ModuleType) -> types.ModuleType:
         rt = self
-        m = types.ModuleType("torch_npu")
+        m = mark_emulated(types.ModuleType("torch_npu"))
         m.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
         m.__version__ = EMULATED_VERSION
         m.npu = npu_mod
-        setattr(m, EMULATED_MARKER, True)
 
         def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):  # noqa: A002 - API name
             rt.record("npu_quantize", tuple(input.shape), dtype, axis, div_mode)
@@ -210,10 +208,3 @@ class NpuRuntime(EmulatedRuntime):
             real = _foreach_utils._get_fused_kernels_supported_devices
             patcher.setattr(_foreach_utils, "_get_fused_kernels_supported_devices", lambda: [*real(), "npu"])
 
-
-def emulate(device_count: int = 1, track_allocations: bool = True, **faults: Any):
-    """Install the emulated Ascend runtime for the duration of a ``with`` block; yields it.
-
-    ``track_allocations``: count every storage created meanwhile as device memory (memory stats).
-    """
-    return NpuRuntime(device_count=device_count, track_allocations=track_allocations, **faults).activate()

@@ -17,7 +17,8 @@ What it reproduces (from torch_supa's public API and what DeepSpeed's supa backe
   ``ext_missing`` leaves them out).
 * streams, events with asynchronous completion, RNG per device, memory statistics.
 
-Tensors stay on the CPU. ``emulate(**faults)`` is the entry point.
+Tensors stay on the CPU. Offered through the plugin's ``polyaccel_emulated_runtimes`` hook:
+``polyaccel.testing.emulation.emulate("supa", **options)`` installs it.
 """
 
 from __future__ import annotations
@@ -28,18 +29,19 @@ import types
 from typing import Any
 
 import torch
-
-from .base import (
-    EMULATED_MARKER,
+from polyaccel.testing.emulation import (
+    DeviceModuleFunctions,
     EmulatedGraph,
     EmulatedRuntime,
     HostMemoryTable,
     Patcher,
     PinnedHost,
-    device_module_functions,
     install_graph_api,
+    mark_emulated,
     missing_library_error,
 )
+
+from .accelerator import SupaAccelerator
 
 SUPA_SUCCESS = 0
 SUPA_ERROR_INVALID_VALUE = 1
@@ -61,7 +63,7 @@ class _Supart:
             alignment=1, ok=SUPA_SUCCESS, invalid_value=SUPA_ERROR_INVALID_VALUE,
             already_registered=SUPA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
             not_registered=SUPA_ERROR_HOST_MEMORY_NOT_REGISTERED)
-        setattr(self, EMULATED_MARKER, True)
+        mark_emulated(self)
 
     @property
     def registered(self) -> dict[int, tuple[int, int]]:
@@ -156,6 +158,7 @@ def _ds_lamb(rt, p, p_copy, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, max_coe
 
 class SupaRuntime(EmulatedRuntime):
     name = "supa"
+    accelerator = SupaAccelerator
     FAULTS = {
         "library_missing": "torch_supa is installed but the Biren driver/runtime libraries are not: "
                            "`import torch_supa` raises ImportError(libsupa.so ...)",
@@ -180,8 +183,7 @@ class SupaRuntime(EmulatedRuntime):
 
     def _build_supa_module(self) -> types.ModuleType:
         rt = self
-        m = types.ModuleType("torch_supa.supa")
-        setattr(m, EMULATED_MARKER, True)
+        m = mark_emulated(types.ModuleType("torch_supa.supa"))
 
         def supart():
             rt.record("supart")
@@ -194,10 +196,8 @@ class SupaRuntime(EmulatedRuntime):
         def _lazy_call(callback) -> None:
             callback()
 
-        shared = device_module_functions(rt, device_name="Biren BR166 (emulated)",
-                                         invalid_device="supa error: invalid device ordinal {device}")
-        for fname, fn in shared.items():
-            setattr(m, fname, fn)
+        DeviceModuleFunctions(rt, device_name="Biren BR166 (emulated)",
+                              invalid_device="supa error: invalid device ordinal {device}").install(m)
         for fn in (check_error, _lazy_call):
             setattr(m, fn.__name__, fn)
         if not rt.faults.no_supart:
@@ -213,8 +213,7 @@ class SupaRuntime(EmulatedRuntime):
             multi_tensor_lion=lambda *a: _ds_multi_tensor_lion(rt, *a),
             lamb=lambda *a: _ds_lamb(rt, *a),
         )
-        setattr(ns, EMULATED_MARKER, True)
-        return ns
+        return mark_emulated(ns)
 
     def install(self, patcher: Patcher) -> None:
         if self.faults.library_missing:
@@ -223,11 +222,10 @@ class SupaRuntime(EmulatedRuntime):
             patcher.fail_import("torch_supa_ext", ModuleNotFoundError("No module named 'torch_supa_ext'"))
             return
         supa_mod = self._build_supa_module()
-        torch_supa = types.ModuleType("torch_supa")
+        torch_supa = mark_emulated(types.ModuleType("torch_supa"))
         torch_supa.__spec__ = importlib.machinery.ModuleSpec("torch_supa", None)
         torch_supa.__version__ = EMULATED_VERSION
         torch_supa.supa = supa_mod
-        setattr(torch_supa, EMULATED_MARKER, True)
         patcher.set_module("torch_supa", torch_supa)
         patcher.setattr(torch, "supa", supa_mod)
         self.pinned_host.install(patcher, "supa")
@@ -244,10 +242,9 @@ class SupaRuntime(EmulatedRuntime):
         # nothing is registered until `import torch_supa_ext.deepspeed`, whose import registers the
         # kernels under torch.ops.deepspeed (as the real extension does)
         patcher.setattr(torch.ops, "deepspeed", types.SimpleNamespace())
-        ext = types.ModuleType("torch_supa_ext")
+        ext = mark_emulated(types.ModuleType("torch_supa_ext"))
         ext.__spec__ = importlib.machinery.ModuleSpec("torch_supa_ext", None, is_package=True)
         ext.__path__ = []
-        setattr(ext, EMULATED_MARKER, True)
         patcher.set_module("torch_supa_ext", ext)
 
         def register_kernels(module: types.ModuleType) -> None:
@@ -257,11 +254,3 @@ class SupaRuntime(EmulatedRuntime):
 
         patcher.lazy_module("torch_supa_ext.deepspeed", register_kernels)
 
-
-def emulate(device_count: int = 1, cuda_face: bool = True, track_allocations: bool = True, **faults: Any):
-    """Install the emulated Biren runtime for the duration of a ``with`` block; yields it.
-
-    ``track_allocations``: count every storage created meanwhile as device memory (memory stats).
-    """
-    return SupaRuntime(device_count=device_count, cuda_face=cuda_face, track_allocations=track_allocations,
-                       **faults).activate()

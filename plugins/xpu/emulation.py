@@ -1,6 +1,7 @@
 """Emulated Intel GPU runtime: ``torch.xpu`` (torch >= 2.5) plus the optional pieces around it.
 
-``emulate(**faults)`` patches the real ``torch.xpu`` module in place (it is what
+Offered through the plugin's ``polyaccel_emulated_runtimes`` hook;
+``polyaccel.testing.emulation.emulate("xpu", **options)`` patches the real ``torch.xpu`` module in place (it is what
 ``torch.get_device_module("xpu")`` returns) so that ``torch.xpu.is_available()`` is true,
 and provides devices, streams and events on an asynchronous queue, RNG (the host's
 generator, since emulated tensors are host tensors), memory statistics (counted from the
@@ -24,17 +25,18 @@ import types
 from typing import Any
 
 import torch
-
-from .base import (
+from polyaccel.testing.emulation import (
     EMULATED_MARKER,
-    AllocationTracker,
     EmulatedEvent,
     EmulatedRuntime,
     EmulatedStream,
     GraphRecorder,
     Patcher,
     PinnedHost,
+    mark_emulated,
 )
+
+from .accelerator import XpuAccelerator
 
 IPEX_MODULE = "intel_extension_for_pytorch"
 IPEX_DIST = "intel-extension-for-pytorch"
@@ -115,7 +117,7 @@ class _FakeIpexFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
             os.exit(127)  # sic: the released package calls this nonexistent function
         module.__version__ = self.version
-        setattr(module, EMULATED_MARKER, True)
+        mark_emulated(module)
 
 
 # ---------------------------------------------------------------- graph stand-in
@@ -126,7 +128,7 @@ class _EmulatedXPUGraph:
         self._runtime = runtime
         self._recorder = GraphRecorder()
         self._pool = object()
-        setattr(self, EMULATED_MARKER, True)
+        mark_emulated(self)
 
     def capture_begin(self, pool=None):
         self._runtime.record("XPUGraph.capture_begin", pool=pool)
@@ -182,6 +184,7 @@ class _EmulatedGraphContext:
 # ----------------------------------------------------------------------- runtime
 class XpuRuntime(EmulatedRuntime):
     name = "xpu"
+    accelerator = XpuAccelerator
     FAULTS = {
         "no_device": "torch.xpu.is_available() is False (no Intel GPU / driver)",
         "no_graphs": "this torch has no torch.xpu.XPUGraph / torch.xpu.graph",
@@ -303,7 +306,7 @@ class XpuRuntime(EmulatedRuntime):
         xpu = torch.xpu
         for name, fn in self._xpu_api().items():
             patcher.setattr(xpu, name, fn)
-        patcher.setattr(xpu, EMULATED_MARKER, True)
+        patcher.setattr(xpu, EMULATED_MARKER, True)  # torch.xpu is patched in place: undone on exit
         if self.faults.no_graphs:
             for name in ("XPUGraph", "graph", "graph_pool_handle", "graphs"):
                 patcher.delattr(xpu, name)
@@ -315,9 +318,7 @@ class XpuRuntime(EmulatedRuntime):
             patcher.setattr(xpu, "is_current_stream_capturing", lambda: self.capturing > 0)
         self.pinned_host.install(patcher, "xpu")
         if self.track_allocations:
-            tracker = AllocationTracker(self.memory)
-            tracker.__enter__()
-            patcher.on_exit(lambda: tracker.__exit__(None, None, None))
+            self.install_allocation_tracking(patcher)
         self._install_comm(patcher)
         self._install_fused_kernels(patcher)
         if self.faults.ipex:
@@ -330,7 +331,7 @@ class XpuRuntime(EmulatedRuntime):
         if self.faults.oneccl:
             mod = types.ModuleType(ONECCL_MODULE)
             mod.__version__ = f"{_torch_major_minor()}.0+emulated"
-            setattr(mod, EMULATED_MARKER, True)
+            mark_emulated(mod)
             patcher.set_module(ONECCL_MODULE, mod)
         else:
             err = ModuleNotFoundError(f"No module named {ONECCL_MODULE!r}")
@@ -362,8 +363,3 @@ class XpuRuntime(EmulatedRuntime):
         patcher.on_exit(lambda: [sys.modules.pop(k) for k in list(sys.modules)
                                  if k == IPEX_MODULE or k.startswith(IPEX_MODULE + ".")])
 
-
-def emulate(device_count: int = 2, polls_to_complete: int = 1, track_allocations: bool = True, **faults: Any):
-    """Install the emulated xpu runtime; yields the :class:`XpuRuntime` (``.calls``, ``.faults``)."""
-    return XpuRuntime(device_count=device_count, polls_to_complete=polls_to_complete,
-                      track_allocations=track_allocations, **faults).activate()

@@ -1,9 +1,10 @@
 """Emulated Apple GPU runtime: ``torch.mps`` and ``torch.backends.mps``, with Metal kernels run on the host.
 
-``emulate(**faults)`` patches the real modules in place: one device, RNG (the host's
-generator, since emulated tensors are host tensors), events on an asynchronous queue,
-torch.mps's memory counters, pinning into the "shared allocator" through
-``Tensor.pin_memory(device="mps")``, and ``torch.mps.compile_shader``.
+Offered through the plugin's ``polyaccel_emulated_runtimes`` hook;
+``polyaccel.testing.emulation.emulate("mps", **options)`` patches the real modules in place:
+one device, RNG (the host's generator, since emulated tensors are host tensors), events on
+an asynchronous queue, torch.mps's memory counters, pinning into the "shared allocator"
+through ``Tensor.pin_memory(device="mps")``, and ``torch.mps.compile_shader``.
 
 The emulated ``compile_shader`` records the source and compiles it *for the host*: the
 Metal source text is compiled as C++ against a small shim (``device``/``constant``
@@ -40,9 +41,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from polyaccel.errors import PolyaccelError
+from polyaccel.testing.emulation import (
+    EMULATED_MARKER,
+    EmulatedEvent,
+    EmulatedRuntime,
+    Patcher,
+    PinnedHost,
+    mark_emulated,
+)
 
-from ...errors import PolyaccelError
-from .base import EMULATED_MARKER, EmulatedEvent, EmulatedRuntime, Patcher, PinnedHost
+from .accelerator import MpsAccelerator
 
 RECOMMENDED_MAX_MEMORY = 48 * 2**30
 
@@ -322,7 +331,7 @@ class EmulatedKernel:
         self._fn = fn
         self.max_threads_per_threadgroup = 1024
         self.thread_execution_width = 32
-        setattr(self, EMULATED_MARKER, True)
+        mark_emulated(self)
 
     def _bind(self, args: tuple):
         slots = [p for p in self.params if p.kind != "index"]
@@ -394,7 +403,7 @@ class EmulatedShaderLibrary:
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
             self._kernels[name] = EmulatedKernel(runtime, name, params, fn)
-        setattr(self, EMULATED_MARKER, True)
+        mark_emulated(self)
 
     def __getattr__(self, name: str) -> EmulatedKernel:
         kernels = self.__dict__.get("_kernels", {})
@@ -408,6 +417,7 @@ class EmulatedShaderLibrary:
 
 class MpsRuntime(EmulatedRuntime):
     name = "mps"
+    accelerator = MpsAccelerator
     FAULTS = {
         "no_device": "torch.backends.mps.is_available() is False",
         "not_built": "torch is built without MPS (torch.backends.mps.is_built() is False)",
@@ -483,7 +493,3 @@ class MpsRuntime(EmulatedRuntime):
 
         patcher.setattr(_foreach_utils, "_get_fused_kernels_supported_devices", supported)
 
-
-def emulate(polls_to_complete: int = 1, **faults: Any):
-    """Install the emulated mps runtime; yields the :class:`MpsRuntime` (``.calls``, ``.faults``)."""
-    return MpsRuntime(polls_to_complete=polls_to_complete, **faults).activate()
