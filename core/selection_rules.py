@@ -53,7 +53,7 @@ def _nothing_to_select(found: PluginSet) -> str:
     by_name_only = [r for r in found.accelerators() if r.by_name_only]
     if not by_name_only:
         return ("no accelerator is available. Install a backend plugin (for example "
-                "`pip install polyaccel[cpu]`) or check the reasons below.\n" + _plugins_found(found))
+                "`pip install polyaccel[<backend>]`) or check the reasons below.\n" + _plugins_found(found))
     names = [r.accelerator_cls.name for r in by_name_only]
     one = len(names) == 1
     listed = ", ".join(f"{r.accelerator_cls.name!r} (priority {r.priority})" for r in by_name_only)
@@ -66,5 +66,5 @@ def _nothing_to_select(found: PluginSet) -> str:
         f"POLYACCEL_ACCELERATOR={example} or polyaccel.set_accelerator({example!r})"
         + ("" if one else f" ({', '.join(names)})")
         + ", or install a backend plugin that is selected automatically "
-        "(for example `pip install polyaccel[cpu]`).\n" + _plugins_found(found)
+        "(for example `pip install polyaccel[<backend>]`).\n" + _plugins_found(found)
     )

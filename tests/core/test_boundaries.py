@@ -91,10 +91,6 @@ FOREIGN_API_NAMES = {
 
 #: (path, fragment) -> why: sites other parts of issue 16 remove; each is reported (xfail), none may be added
 PENDING = {
-    ("core/accelerator.py", "CUDAGraph"):
-        "the base create_graph() builds torch.<device>.CUDAGraph (Build 3: graphs Unsupported in the base)",
-    ("core/selection.py", "polyaccel[cpu]"):
-        "selection's 'no accelerator' errors recommend the cpu plugin's extra (Build 2: selection restructuring)",
     ("core/integrations/deepspeed.py", "CUDA_VISIBLE_DEVICES"):
         "DeepSpeed's visible_devices_envs() falls back to CUDA's variable instead of asking the accelerator",
 }

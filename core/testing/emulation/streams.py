@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .completion import AsyncQueue, Completion
 from .marker import mark_emulated
-
-if TYPE_CHECKING:
-    from .runtime import EmulatedRuntime
 
 
 class EmulatedEvent:
     """A device event on an :class:`AsyncQueue`: recorded, queried, waited on, timed."""
 
-    def __init__(self, runtime: EmulatedRuntime, enable_timing: bool = False, blocking: bool = False,
+    def __init__(self, runtime: Any, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False):
         self._runtime = runtime
         self.enable_timing = enable_timing
@@ -53,7 +50,7 @@ class EmulatedStream:
 
     _next_id = 0
 
-    def __init__(self, runtime: EmulatedRuntime, device: Any = None, priority: int = 0, **kwargs):
+    def __init__(self, runtime: Any, device: Any = None, priority: int = 0, **kwargs):
         self._runtime = runtime
         EmulatedStream._next_id += 1
         self.stream_id = EmulatedStream._next_id
