@@ -127,6 +127,10 @@ class Accelerator:
     def describe(self) -> str:
         return f"{self.name} (torch device type {self.device_type!r})"
 
+    def visible_devices_envs(self) -> list[str]:
+        """Environment variables a launcher sets to choose which devices a process sees (none by default)."""
+        return []
+
     # ------------------------------------------------------- comm and report
     def comm_hooks(self):
         """How ``polyaccel.comm`` talks over this backend (a :class:`polyaccel.comm.CommHooks`).

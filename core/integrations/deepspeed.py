@@ -452,8 +452,7 @@ class PolyaccelDeepSpeedAccelerator(DeepSpeedAccelerator):
         return []
 
     def visible_devices_envs(self):
-        envs = getattr(self.polyaccel, "visible_devices_envs", None)
-        return list(envs() if callable(envs) else envs) if envs else ["CUDA_VISIBLE_DEVICES"]
+        return list(self.polyaccel.visible_devices_envs())
 
     def set_visible_devices_envs(self, current_env, local_accelerator_ids):
         for env in self.visible_devices_envs():

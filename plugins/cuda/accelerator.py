@@ -155,6 +155,9 @@ class CudaAccelerator(Accelerator):
         except Exception:  # noqa: BLE001 - describe() must never fail
             return super().describe()
 
+    def visible_devices_envs(self) -> list[str]:
+        return ["CUDA_VISIBLE_DEVICES"]  # HIP builds of torch read it too
+
     # ------------------------------------------------------- comm and report
     def comm_hooks(self):
         """NCCL (RCCL for rocm, same torch.distributed name) binds a communicator to one GPU: giving

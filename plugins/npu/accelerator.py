@@ -26,6 +26,9 @@ class NpuAccelerator(Accelerator):
         self._npurt: tuple[object | None, str] | None = None
 
     # ---------------------------------------------------------------- identity
+    def visible_devices_envs(self) -> list[str]:
+        return ["ASCEND_RT_VISIBLE_DEVICES"]
+
     def probe(self) -> ProbeResult:
         mod, reason = runtime.import_torch_npu()
         if mod is None:

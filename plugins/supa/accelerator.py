@@ -19,6 +19,9 @@ class SupaAccelerator(Accelerator):
     communication_backend = "bccl" if sys.platform != "win32" else "gloo"
     graph_class = "SUPAGraph"
 
+    def visible_devices_envs(self) -> list[str]:
+        return ["SUPA_VISIBLE_DEVICES"]
+
     def probe(self) -> ProbeResult:
         mod, reason = runtime.import_torch_supa()
         if mod is None:

@@ -168,3 +168,18 @@ def test_a_plugin_claiming_graphs_gets_torch_accelerator_graph_on_a_device_torch
         acc.replay_graph(graph)
         acc.synchronize()
         torch.testing.assert_close(y, x * 2.0 + 1.0)
+
+
+def test_visible_device_variables_are_the_plugins_answer():
+    """Launchers (DeepSpeed's among them) ask the accelerator which variable narrows the visible devices:
+    none in the base, each backend's own where it has one."""
+    from polyaccel.plugins.cuda.accelerator import CudaAccelerator
+    from polyaccel.plugins.npu.accelerator import NpuAccelerator
+    from polyaccel.plugins.rocm.accelerator import RocmAccelerator
+    from polyaccel.plugins.supa.accelerator import SupaAccelerator
+
+    assert ModuleBacked(SimpleNamespace()).visible_devices_envs() == []
+    assert CudaAccelerator().visible_devices_envs() == RocmAccelerator().visible_devices_envs() == [
+        "CUDA_VISIBLE_DEVICES"]
+    assert NpuAccelerator().visible_devices_envs() == ["ASCEND_RT_VISIBLE_DEVICES"]
+    assert SupaAccelerator().visible_devices_envs() == ["SUPA_VISIBLE_DEVICES"]

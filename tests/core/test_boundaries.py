@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -87,12 +85,6 @@ _PLUGIN_REFERENCE = re.compile(r"polyaccel\[([\w,\s]+)\]|polyaccel\.plugins\.(\w
 FOREIGN_API_NAMES = {
     ("core/integrations/deepspeed.py", "CUDAOpBuilder"):
         "DeepSpeed's base class of its op builders: skipped, not named as a backend, when rebinding DeepSpeed's",
-}
-
-#: (path, fragment) -> why: sites other parts of issue 16 remove; each is reported (xfail), none may be added
-PENDING = {
-    ("core/integrations/deepspeed.py", "CUDA_VISIBLE_DEVICES"):
-        "DeepSpeed's visible_devices_envs() falls back to CUDA's variable instead of asking the accelerator",
 }
 
 
@@ -183,20 +175,12 @@ def test_core_names_no_in_tree_plugin():
     torch's own backend names get no exemption: ``torch.cuda``, ``torch.mps`` and the device
     type strings "cuda", "xpu" ... name a backend, and the core reaches devices through the
     selected accelerator and torch's device-generic APIs (``torch.get_device_module(device_type)``,
-    ``torch.accelerator``). Sites other parts of issue 16 remove are listed in :data:`PENDING`:
-    they make this test xfail with each site named, and anything else fails it.
+    ``torch.accelerator``).
     """
-    found: dict[tuple[str, str] | None, list[str]] = {}
+    found: list[str] = []
     for path in sorted((ROOT / "core").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         for line, text, names in backend_names_in_code(path.read_text()):
             if _listed(FOREIGN_API_NAMES, rel, text) is None:
-                site = f"{rel}:{line} {text!r} names {', '.join(names)}"
-                found.setdefault(_listed(PENDING, rel, text), []).append(site)
-    unexpected = found.pop(None, [])
-    assert not unexpected, "core/ names in-tree plugins in code:\n" + "\n".join(unexpected)
-    gone = sorted(key for key in PENDING if key not in found)
-    assert not gone, f"these sites are gone; remove them from PENDING: {gone}"
-    if found:
-        pytest.xfail("core/ still names in-tree plugins at sites other parts of issue 16 remove: " + "; ".join(
-            f"{site} ({PENDING[key]})" for key, sites in found.items() for site in sites))
+                found.append(f"{rel}:{line} {text!r} names {', '.join(names)}")
+    assert not found, "core/ names in-tree plugins in code:\n" + "\n".join(found)
