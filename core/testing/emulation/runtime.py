@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from polyaccel.accelerator import Accelerator
 
 
-class EmulatedRuntime:
+class EmulatedRuntime(abc.ABC):
     """Base of every emulated vendor runtime.
 
     Subclasses set ``name`` (the name of the accelerator they stand in for), ``accelerator``
@@ -85,9 +86,9 @@ class EmulatedRuntime:
         tracker.__enter__()
         patcher.on_exit(lambda: tracker.__exit__(None, None, None))
 
+    @abc.abstractmethod
     def install(self, patcher: Patcher) -> None:
         """Install the stand-in through ``patcher`` (fake modules, torch attributes)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement install(patcher)")
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[EmulatedRuntime]:
