@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call for the ZeRO benchmarks: install polyaccel (and DeepSpeed from .wheels when
+# present), then run each named step under its own time limit, logging to OUTDIR/<step>.log.
+#   bash benchmarks/zero_device_run.sh OUTDIR STEP...
+# Steps: peers220m peers1b phases2 overlap2 memory profile3 profile3g ckpt
+set -u
+OUT=${1:?usage: zero_device_run.sh OUTDIR STEP...}
+shift
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 LIMIT=${LIMIT:-240}
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || echo "polyaccel install failed"
+if [ -d .wheels ]; then
+  python3 -m pip install -q --no-index --find-links .wheels deepspeed >>"$OUT/install.log" 2>&1 || echo "deepspeed install failed"
+fi
+cd benchmarks
+run() {  # name, command...
+  local name=$1; shift
+  local t0=$SECONDS
+  timeout "$LIMIT" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - t0)) s"
+  tail -25 "$OUT/$name.log"
+}
+for step in "$@"; do
+  case $step in
+    peers220m) run peers220m python3 zero_gpu.py --out "$OUT/zero220m.json" ;;
+    peers1b) run peers1b python3 zero_gpu.py --size 1b --no-granular --out "$OUT/zero1b.json" ;;
+    phases2) run phases2 python3 zero_offload_phases.py --stage 2 ;;
+    overlap2) run overlap2 python3 zero_offload_phases.py --stage 2 --overlap ;;
+    memory) run memory python3 zero_memory.py ;;
+    profile3) run profile3 python3 zero_profile.py --stage 3 ;;
+    profile3g) run profile3g python3 zero_profile.py --stage 3 --granularity 60000000 ;;
+    ckpt) run ckpt python3 activation_checkpoint_gpu.py --out "$OUT/ckpt.json" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
