@@ -16,6 +16,22 @@ import gc
 import torch
 
 
+def live_device_tensors(device: torch.device, top: int) -> str:
+    """The largest storages on ``device`` that Python still references, with one tensor's dtype and shape each."""
+    storages = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == device.type and obj.numel():
+                st = obj.untyped_storage()
+                storages.setdefault(st.data_ptr(), (st.nbytes(), obj.dtype, tuple(obj.shape)))
+        except (RuntimeError, ReferenceError):
+            continue
+    rows = sorted(storages.values(), key=lambda r: -r[0])
+    total = sum(r[0] for r in rows) / 2.0**30
+    lines = [f"    {nb / 2.0**30:6.3f} GiB  {dt} {list(sh)}" for nb, dt, sh in rows[:top]]
+    return f"  live on {device.type}: {total:.2f} GiB in {len(rows)} storages, largest:\n" + "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="220m")
@@ -23,6 +39,8 @@ def main() -> int:
     ap.add_argument("--offload", action="store_true", help="offload the optimizer too")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--live", type=int, default=8, metavar="N",
+                    help="after each engine's steps, list the N largest storages still referenced (0: none)")
     args = ap.parse_args()
 
     import polyaccel
@@ -58,6 +76,8 @@ def main() -> int:
                 rows = marks
         print(f"{name:28s} " + "  ".join(f"{p}: {a:6.2f} -> peak {m:6.2f}" for p, a, m in rows)
               + f"  | after: {acc.memory_allocated() / gib:6.2f}", flush=True)
+        if args.live:
+            print(live_device_tensors(device, args.live), flush=True)
 
     model = copy.deepcopy(base_model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)

@@ -95,11 +95,11 @@ class ZeroEngine:
         self.mesh = mesh
         self.transfer = HostTransfer(self.host, self.accelerator, self.device)
         self.stepper = HostStepper(self.transfer)
+        self.scaler = LossScaler(cfg.fp16)
+        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.groups = self._build_groups(model, alloc_master, self.reduction_stream)
         first = self.groups[0]
         self.partitioner, self.optimizer = first.partitioner, first.optimizer
-        self.scaler = LossScaler(cfg.fp16)
-        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -111,9 +111,9 @@ class ZeroEngine:
         cfg = self.config
         self.compute_dtype = self._compute_dtype(model)
         self.master_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
-        model.to(self.device)
-        if cfg.bf16 or cfg.fp16.enabled:
+        if cfg.bf16 or cfg.fp16.enabled:  # cast where the model is, then move half the bytes
             model.to(self.compute_dtype)
+        model.to(self.device)
         self.module = model
 
     def _index_parameters(self, model: torch.nn.Module) -> None:
@@ -181,7 +181,7 @@ class ZeroEngine:
                     entries, stage=self.stage, coll=coll, device=self.device, compute_dtype=self.compute_dtype,
                     master_dtype=self.master_dtype, bucket_size=cfg.reduce_bucket_size, overlap_comm=cfg.overlap_comm,
                     alloc_master=alloc_master, reduction_stream=stream, accelerator=self.accelerator, eager=eager,
-                    divisor=divisor, transfer=self.transfer)
+                    divisor=divisor, transfer=self.transfer, grad_dtype=self._grad_dtype(key))
             else:
                 from .stage3 import ShardedParameters
 
@@ -189,10 +189,11 @@ class ZeroEngine:
                     model, entries, frozen, coll=coll, device=self.device, compute_dtype=self.compute_dtype,
                     master_dtype=self.master_dtype, config=cfg, alloc_master=alloc_master, host=self.host,
                     reduction_stream=stream, accelerator=self.accelerator, eager=eager, divisor=divisor,
-                    transfer=self.transfer)
+                    transfer=self.transfer, grad_dtype=self._grad_dtype(key))
             layout = part.layout
             opt = PartitionOptimizer(
-                cfg.optimizer, part.master, alloc_master, segment_ids=layout.segment_ids(coll.rank),
+                cfg.optimizer, part.master, alloc_master,
+                segment_ids=lambda layout=layout, rank=coll.rank: layout.segment_ids(rank),
                 num_segments=len(layout.names), all_reduce=coll.all_reduce)
             copies = 1
             if self.mesh is not None:
@@ -201,6 +202,17 @@ class ZeroEngine:
             grad_sum = Collectives(self.device, self.mesh.group(key[1])) if key[1] else None
             groups.append(ParamGroup(key, entries, coll, part, opt, copies, grad_sum))
         return groups
+
+    def _grad_dtype(self, key: tuple) -> torch.dtype:
+        """dtype of a group's gradient partition. Where nothing ever accumulates into it (one micro-step, no
+        loss scaling, no sum over a replicated dimension) and it lives on the device, it only ever receives
+        reduced buckets of the compute dtype: an fp32 copy of them would cost device memory and add no
+        precision, so it keeps the compute dtype (the optimizer reads 16-bit gradients; a clipping factor is
+        applied in the master dtype at the step). Otherwise the master dtype, which accumulates exactly."""
+        if (self.gradient_accumulation_steps == 1 and not self.scaler.enabled and not key[1]
+                and not self.offload_optimizer):
+            return self.compute_dtype
+        return self.master_dtype
 
     def _compute_dtype(self, model: torch.nn.Module) -> torch.dtype:
         cfg = self.config
@@ -325,8 +337,8 @@ class ZeroEngine:
         optimizer, slice by slice: each slice's upload runs while the host steps the next one."""
         part, opt, grad = g.partitioner, g.optimizer, g.partitioner.grad
         if not (self.offload_optimizer and opt.steps_in_slices):
-            if scale != 1.0:
-                grad.mul_(scale)
+            if scale != 1.0:  # a 16-bit gradient partition is scaled in a master-dtype copy: no extra rounding
+                grad = grad.mul_(scale) if grad.dtype == part.master.dtype else grad.to(part.master.dtype).mul_(scale)
             opt.step(grad)
             part.publish()
             return

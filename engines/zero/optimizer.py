@@ -31,7 +31,7 @@ class PartitionOptimizer:
     """Optimizer state and step for one flat partition (``master``) of ``P`` elements."""
 
     def __init__(self, cfg: OptimizerConfig, master: torch.Tensor, alloc: Callable[[int, torch.dtype], torch.Tensor],
-                 segment_ids: torch.Tensor | None = None, num_segments: int = 0,
+                 segment_ids: Callable[[], torch.Tensor] | None = None, num_segments: int = 0,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.cfg = cfg
         self.lr = cfg.lr
@@ -43,11 +43,13 @@ class PartitionOptimizer:
             buf.zero_()
             self.state[name] = buf
         self.step_count = 0
-        self._segments = segment_ids.to(master.device) if segment_ids is not None else None
         self._num_segments = num_segments
         self._all_reduce = all_reduce
-        if cfg.type == "lamb" and (segment_ids is None or all_reduce is None):
-            raise ValueError("lamb needs segment ids and an all-reduce for its per-parameter trust ratio")
+        self._segments = None  # LAMB's parameter index per element (8 bytes each), built only for LAMB
+        if cfg.type == "lamb":
+            if segment_ids is None or all_reduce is None:
+                raise ValueError("lamb needs segment ids and an all-reduce for its per-parameter trust ratio")
+            self._segments = segment_ids().to(master.device)
 
     @property
     def builder_name(self) -> str:

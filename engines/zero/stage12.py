@@ -24,7 +24,7 @@ class FlatPartitioner:
     def __init__(self, entries: list[tuple[str, torch.nn.Parameter]], *, stage: int, coll, device: torch.device,
                  compute_dtype: torch.dtype, master_dtype: torch.dtype, bucket_size: int, overlap_comm: bool,
                  alloc_master, reduction_stream=None, accelerator=None, eager: bool = True,
-                 divisor: int | None = None, transfer=None):
+                 divisor: int | None = None, transfer=None, grad_dtype: torch.dtype | None = None):
         self.stage = stage
         self.transfer = transfer or HostTransfer(HostBuffers(accelerator), accelerator, device)
         self.eager = eager  # False: reduce every bucket after backward (the engine orders several groups)
@@ -48,7 +48,7 @@ class FlatPartitioner:
                 p.data = self.flat[off:off + n].view(p.shape)
         self.master = alloc_master(lay.partition_size, master_dtype)
         self.master.copy_(lay.partition_of(self.flat, self.rank).to(self.master.device, master_dtype))
-        self.grad = alloc_master(lay.partition_size, master_dtype)
+        self.grad = alloc_master(lay.partition_size, grad_dtype or master_dtype)
         self.grad.zero_()
         self._unwritten = set(range(len(lay.buckets)))
         self._buffers: dict[int, torch.Tensor] = {}

@@ -89,10 +89,40 @@ class _PreBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
+# Module-level and recursive by name, not nested closures: a closure that calls itself is a reference cycle,
+# which would keep every module output it saw (the logits among them) alive until the next garbage collection.
+def _tensors_needing_grad(x, found: list) -> list:
+    if isinstance(x, torch.Tensor):
+        if x.requires_grad:
+            found.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _tensors_needing_grad(y, found)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _tensors_needing_grad(y, found)
+    return found
+
+
+def _replace_tensors(x, wrapped: dict):
+    """``x`` with each tensor whose id is in ``wrapped`` replaced by its wrapped version (dicts in place)."""
+    if isinstance(x, torch.Tensor):
+        return wrapped.get(id(x), x)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_replace_tensors(y, wrapped) for y in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_replace_tensors(y, wrapped) for y in x)
+    if isinstance(x, dict):
+        for k in list(x.keys()):
+            x[k] = _replace_tensors(x[k], wrapped)
+        return x
+    return x
+
+
 class ShardedParameters:
     def __init__(self, model, trainable, frozen, *, coll, device, compute_dtype, master_dtype, config,
                  alloc_master, host, reduction_stream=None, accelerator=None, eager: bool = True,
-                 divisor: int | None = None, transfer=None):
+                 divisor: int | None = None, transfer=None, grad_dtype: torch.dtype | None = None):
         self.coll = coll
         self.world, self.rank = coll.world, coll.rank
         self.device = device
@@ -130,7 +160,7 @@ class ShardedParameters:
             if info.index is not None:
                 off = self.layout.part_offsets[info.index]
                 self.master[off:off + info.shard_size].copy_(info.shard)
-        self.grad = alloc_master(self.layout.partition_size, master_dtype)
+        self.grad = alloc_master(self.layout.partition_size, grad_dtype or master_dtype)
         self.grad.zero_()
 
         self._module_params: dict[int, list[_Info]] = {}
@@ -285,38 +315,11 @@ class ShardedParameters:
         return self._wrap_outputs(module, output)
 
     def _wrap_outputs(self, module, output):
-        tensors = []
-
-        def collect(x):
-            if isinstance(x, torch.Tensor):
-                if x.requires_grad:
-                    tensors.append(x)
-            elif isinstance(x, (list, tuple)):
-                for y in x:
-                    collect(y)
-            elif isinstance(x, dict):
-                for y in x.values():
-                    collect(y)
-
-        collect(output)
+        tensors = _tensors_needing_grad(output, [])
         if not tensors:
             return output
         wrapped = dict(zip(map(id, tensors), _PreBackward.apply(self, module, *tensors), strict=True))
-
-        def rebuild(x):
-            if isinstance(x, torch.Tensor):
-                return wrapped.get(id(x), x)
-            if isinstance(x, tuple) and hasattr(x, "_fields"):
-                return type(x)(*(rebuild(y) for y in x))
-            if isinstance(x, (list, tuple)):
-                return type(x)(rebuild(y) for y in x)
-            if isinstance(x, dict):
-                for k in list(x.keys()):
-                    x[k] = rebuild(x[k])
-                return x
-            return x
-
-        return rebuild(output)
+        return _replace_tensors(output, wrapped)
 
     # --------------------------------------------------------------- gradients
     def _grad_buckets(self) -> list[list[int]]:
