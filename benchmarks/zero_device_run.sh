@@ -2,7 +2,7 @@
 # One device call for the ZeRO benchmarks: install polyaccel (and DeepSpeed from .wheels when
 # present), then run each named step under its own time limit, logging to OUTDIR/<step>.log.
 #   bash benchmarks/zero_device_run.sh OUTDIR STEP...
-# Steps: peers220m peers1b phases2 overlap2 memory memoff profile3 profile3g ckpt
+# Steps: peers220m peers1b phases2 overlap2 memory memoff overlap3 profile3 profile3o profile3g ckpt
 set -u
 OUT=${1:?usage: zero_device_run.sh OUTDIR STEP...}
 shift
@@ -28,6 +28,8 @@ for step in "$@"; do
     overlap2) run overlap2 python3 zero_offload_phases.py --stage 2 --overlap ;;
     memory) run memory python3 zero_memory.py ;;
     memoff) run memoff python3 zero_memory.py --offload --stages 1,2,3 ;;
+    overlap3) run overlap3 python3 zero_offload_phases.py --stage 3 --overlap ;;
+    profile3o) run profile3o python3 zero_profile.py --stage 3 --offload --rows 25 ;;
     profile3) run profile3 python3 zero_profile.py --stage 3 ;;
     profile3g) run profile3g python3 zero_profile.py --stage 3 --granularity 60000000 ;;
     ckpt) run ckpt python3 activation_checkpoint_gpu.py --out "$OUT/ckpt.json" ;;

@@ -164,3 +164,28 @@ class ShardLayout:
             full = torch.cat([p[off:off + s] for p in parts])[:n]
             out[name] = full.view(shape).clone()
         return out
+
+
+class GradientPartition:
+    """The gradient partition, held only while it holds something.
+
+    Allocated (zeroed) when first used, normally when the first reduced bucket lands in backward, and
+    dropped by :meth:`release` after the step when it lives on the compute device. A step's device peak
+    comes early in backward (the logits and their gradient) before any bucket has landed, so a partition
+    kept from one step to the next would add its whole size to that peak. On the host (optimizer offload)
+    it stays: pinned memory is slow to allocate and host memory is not what runs out.
+    """
+
+    def __init__(self, alloc, numel: int, dtype: torch.dtype, device: torch.device):
+        self._alloc, self._numel, self._dtype, self._device = alloc, numel, dtype, device
+        self._tensor: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = self._alloc(self._numel, self._dtype)
+            self._tensor.zero_()
+        return self._tensor
+
+    def release(self) -> None:
+        if self._tensor is not None and self._tensor.device == self._device:
+            self._tensor = None

@@ -17,7 +17,7 @@ import torch
 from .bucket_order import BucketOrder
 from .host_step import OverlapError, overlap_message
 from .offload import HostBuffers, HostTransfer
-from .partition import FlatLayout
+from .partition import FlatLayout, GradientPartition
 
 
 class FlatPartitioner:
@@ -48,8 +48,7 @@ class FlatPartitioner:
                 p.data = self.flat[off:off + n].view(p.shape)
         self.master = alloc_master(lay.partition_size, master_dtype)
         self.master.copy_(lay.partition_of(self.flat, self.rank).to(self.master.device, master_dtype))
-        self.grad = alloc_master(lay.partition_size, grad_dtype or master_dtype)
-        self.grad.zero_()
+        self._grad = GradientPartition(alloc_master, lay.partition_size, grad_dtype or master_dtype, device)
         self._unwritten = set(range(len(lay.buckets)))
         self._buffers: dict[int, torch.Tensor] = {}
         members = [[] for _ in lay.buckets]
@@ -152,8 +151,14 @@ class FlatPartitioner:
         for p in self.params:
             p.grad = None
 
+    @property
+    def grad(self) -> torch.Tensor:
+        """This rank's gradient partition (see :class:`~.partition.GradientPartition`)."""
+        return self._grad.get()
+
     def zero_grad(self) -> None:
         """Every bucket is reduced in each accumulation window, so its first result overwrites the partition."""
+        self._grad.release()
         self._unwritten = set(range(len(self.layout.buckets)))
         for p in self.params:
             p.grad = None

@@ -28,7 +28,7 @@ from .bucket_order import BucketOrder
 from .host_step import OverlapError, overlap_message
 from .leaves import ScheduleMismatch, find_leaf_modules
 from .offload import HostBuffers, HostTransfer
-from .partition import ShardLayout
+from .partition import GradientPartition, ShardLayout
 
 
 class _Info:
@@ -160,8 +160,7 @@ class ShardedParameters:
             if info.index is not None:
                 off = self.layout.part_offsets[info.index]
                 self.master[off:off + info.shard_size].copy_(info.shard)
-        self.grad = alloc_master(self.layout.partition_size, grad_dtype or master_dtype)
-        self.grad.zero_()
+        self._grad = GradientPartition(alloc_master, self.layout.partition_size, grad_dtype or master_dtype, device)
 
         self._module_params: dict[int, list[_Info]] = {}
         self._hooks = []
@@ -433,8 +432,14 @@ class ShardedParameters:
     def reduce_at_boundary(self) -> None:
         """Gradients were reduced during backward."""
 
+    @property
+    def grad(self) -> torch.Tensor:
+        """This rank's gradient partition (see :class:`~.partition.GradientPartition`)."""
+        return self._grad.get()
+
     def zero_grad(self) -> None:
         """Every bucket is reduced in each backward, so a parameter's first result overwrites its shard."""
+        self._grad.release()
         self._unwritten = set(self._by_index)
         for info in self.infos.values():
             info.param.grad = None
