@@ -10,7 +10,8 @@ section (offload buffers pinned) and torch FSDP2 (``zero_peers.py`` says how it 
     python benchmarks/zero_gpu.py [--size 220m|1b] [--peers deepspeed,fsdp2] [--only "stage 3"] [--out x.json]
 
 Every configuration starts from the same initial weights and sees the same batches, so the first
-loss must agree across rows and the last losses should be close (bf16).
+loss must agree across rows and the last losses should be close (bf16). A row's peak is the
+largest device memory allocated during its steps less what earlier rows left allocated (printed).
 """
 
 from __future__ import annotations
@@ -114,22 +115,25 @@ def main() -> int:
     has_mem = acc.has("memory_stats")
     reset_peak = acc.reset_peak_memory_stats if has_mem else (lambda: None)
     peak_now = acc.max_memory_allocated if has_mem else (lambda: 0)
+    held_now = acc.memory_allocated if has_mem else (lambda: 0)
     base_model = build(args)
     n_params = sum(p.numel() for p in base_model.parameters())
     data = batches(args, args.steps + 3)
     tokens = args.batch * args.seq
     rows = []
 
-    def record(name, times, losses, peak, extra=None):
+    def record(name, times, losses, peak, extra=None, leftover=0):
         med = statistics.median(times)
         row = {"config": name, "step_ms": med * 1e3, "tokens_per_s": tokens / med, "peak_gib": peak / 2**30,
+               "leftover_gib": leftover / 2**30,
                "bytes_per_param": peak / n_params, "first_loss": losses[0], "last_loss": losses[-1], **(extra or {})}
         rows.append(row)
         if args.out:  # after every row, so a run cut short still leaves its numbers
             with open(args.out, "w") as f:
                 json.dump({"params": n_params, "args": vars(args), "rows": rows}, f, indent=1)
         print(f"{name:45s} {row['step_ms']:9.1f} ms {row['tokens_per_s']:10.0f} tok/s {row['peak_gib']:7.2f} GiB "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f} {extra or ''}", flush=True)
+              f"(left by earlier rows: {row['leftover_gib']:.2f} GiB) loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+              f"{extra or ''}", flush=True)
 
     # baseline: fp32 weights, bf16 autocast, torch's fused AdamW
     model = copy.deepcopy(base_model).to(device)
@@ -151,12 +155,15 @@ def main() -> int:
     acc.empty_cache()
 
     def measure(name, make):
-        """Run one engine's row; ``make()`` returns (step_fn, close, extra)."""
+        """Run one engine's row; ``make()`` returns (step_fn, close, extra). Its peak counts only what it
+        allocated: device memory an earlier row left behind (a peer that does not free everything on
+        close) is subtracted and reported as ``leftover_gib``."""
         try:
+            leftover = held_now()
             step, close, extra = make()
             reset_peak()
             times, losses = run(step, data, device, sync)
-            record(name, times, losses, peak_now(), extra)
+            record(name, times, losses, peak_now() - leftover, extra, leftover)
             close()
         except PeerUnavailable as exc:
             print(f"{name}: skipped ({exc})", flush=True)

@@ -16,7 +16,8 @@ model to the accelerator (cast to bf16/fp16 when enabled). The engine has:
 - ``engine(*args, **kw)`` / ``engine.forward(*args, **kw)``: the wrapped module's forward
   (stage 3 gathers parameters around each submodule's forward and backward).
 - ``engine.backward(loss)``: backward of ``loss / gradient_accumulation_steps`` (times the
-  fp16 loss scale); stage 2/3 reduce-scatter gradients during it.
+  fp16 loss scale); stage 2/3 reduce-scatter gradients during it (stage 1 too at one
+  micro-step per boundary: there is nothing to accumulate).
 - ``engine.step() -> bool``: counts a micro-step; at an accumulation boundary it reduces
   (stage 1), unscales, checks fp16 overflow (a skipped step returns False and lowers the
   scale), clips to ``gradient_clipping``, applies the optimizer, republishes parameters and

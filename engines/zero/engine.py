@@ -181,7 +181,8 @@ class ZeroEngine:
                     entries, stage=self.stage, coll=coll, device=self.device, compute_dtype=self.compute_dtype,
                     master_dtype=self.master_dtype, bucket_size=cfg.reduce_bucket_size, overlap_comm=cfg.overlap_comm,
                     alloc_master=alloc_master, reduction_stream=stream, accelerator=self.accelerator, eager=eager,
-                    divisor=divisor, transfer=self.transfer, grad_dtype=self._grad_dtype(key))
+                    divisor=divisor, transfer=self.transfer, grad_dtype=self._grad_dtype(key),
+                    reduce_in_backward=self.stage == 2 or self.gradient_accumulation_steps == 1)
             else:
                 from .stage3 import ShardedParameters
 
@@ -272,7 +273,7 @@ class ZeroEngine:
         """Whether the coming step can run bucket by bucket during backward (see :mod:`.host_step`): the
         optimizer is offloaded and element-wise, and nothing needs the whole gradient before stepping."""
         cfg = self.config
-        if not (self.offload_optimizer and cfg.offload_optimizer.overlap_step) or cfg.stage == 1:
+        if not (self.offload_optimizer and cfg.offload_optimizer.overlap_step):
             return False
         if self.gradient_accumulation_steps != 1 or cfg.gradient_clipping > 0 or self.scaler.enabled:
             return False

@@ -5,7 +5,8 @@ why a bucket's reduce-scatter lands exactly in each rank's partition). Stage 2 d
 per-parameter post-accumulate hooks during every backward, in the rank-independent order of
 :class:`~.bucket_order.BucketOrder`, and drops each gradient once it is copied into its
 bucket; stage 1 keeps full gradients in ``param.grad`` until the
-accumulation boundary and reduces them there. After the optimizer step each rank writes its
+accumulation boundary and reduces them there, except at one micro-step per boundary, where
+there is nothing to accumulate and it reduces during backward like stage 2. After the optimizer step each rank writes its
 updated slice into the flat buffer and one ``all_gather_into_tensor`` per bucket rebuilds
 the parameters in place.
 """
@@ -24,8 +25,10 @@ class FlatPartitioner:
     def __init__(self, entries: list[tuple[str, torch.nn.Parameter]], *, stage: int, coll, device: torch.device,
                  compute_dtype: torch.dtype, master_dtype: torch.dtype, bucket_size: int, overlap_comm: bool,
                  alloc_master, reduction_stream=None, accelerator=None, eager: bool = True,
-                 divisor: int | None = None, transfer=None, grad_dtype: torch.dtype | None = None):
+                 divisor: int | None = None, transfer=None, grad_dtype: torch.dtype | None = None,
+                 reduce_in_backward: bool | None = None):
         self.stage = stage
+        self.reduce_in_backward = stage == 2 if reduce_in_backward is None else reduce_in_backward
         self.transfer = transfer or HostTransfer(HostBuffers(accelerator), accelerator, device)
         self.eager = eager  # False: reduce every bucket after backward (the engine orders several groups)
         self.divisor = divisor or coll.world  # gradients are averaged over this many data-parallel ranks
@@ -62,7 +65,7 @@ class FlatPartitioner:
         self._uploaded: dict[int, torch.Tensor] = {}  # bucket -> its updated slice on the device, this step
         self.on_settle = None  # called with a bucket's master ranges once its gradient is on its way to them
         self._hooks = []
-        if stage == 2:
+        if self.reduce_in_backward:
             for i, p in enumerate(self.params):
                 if p.numel():
                     self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p)))
@@ -130,14 +133,14 @@ class FlatPartitioner:
 
     def end_backward(self) -> None:
         """After each backward (stage 2): reduce what the hooks left (unused params, leftovers)."""
-        if self.stage != 2:
+        if not self.reduce_in_backward:
             return
         self.order.finish(self._reduce, lambda flags: self.coll.all_reduce(flags, op="max"))
         self._finish()
 
     def reduce_at_boundary(self) -> None:
         """At the accumulation boundary (stage 1): reduce the full gradients bucket by bucket."""
-        if self.stage != 1:
+        if self.reduce_in_backward:
             return
         for k in range(len(self.layout.buckets)):
             buf = self._buffer(k)

@@ -191,7 +191,7 @@ def test_offloaded_step_with_asynchronous_copies_matches_adamw(monkeypatch, name
     with mode:
         losses, _, params = _train(_model(), zero)
     ref_losses, ref_params = _reference(ZERO[name])
-    assert bool(submitted) == (overlap and name != "stage 1")  # stepped during backward where it can
+    assert bool(submitted) == overlap  # stepped during backward (stage 1 too: one micro-step accumulates nothing)
     assert mode.deferred["down"] > 0  # the copies really were asynchronous
     assert mode.deferred["up"] > 0 or "offload_param" in ZERO[name]  # host master -> host shard is no upload
     assert mode.violations == []

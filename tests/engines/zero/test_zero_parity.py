@@ -184,12 +184,7 @@ def test_collective_schedule(results, name):
             for op, b in events:
                 nbytes[phase][op] = nbytes[phase].get(op, 0) + b
         buckets = results[rank][name]["buckets"]
-        if kw["stage"] == 1:
-            assert ops["forward"] == [] and ops["backward"] == []
-            assert ops["step"] == (["reduce_scatter_tensor"] * buckets + ["all_reduce"]
-                                   + ["all_gather_into_tensor"] * buckets)
-            assert buckets >= 3
-        elif kw["stage"] == 2:
+        if kw["stage"] in (1, 2):  # stage 1 at one micro-step reduces during backward too: nothing accumulates
             assert ops["forward"] == []
             # every bucket once, in bucket order, then the agreement on buckets reopened by late gradients
             assert ops["backward"] == ["reduce_scatter_tensor"] * buckets + ["all_reduce"] and buckets >= 3
