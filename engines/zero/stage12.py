@@ -6,9 +6,9 @@ per-parameter post-accumulate hooks during every backward, in the rank-independe
 :class:`~.bucket_order.BucketOrder`, and drops each gradient once it is copied into its
 bucket; stage 1 keeps full gradients in ``param.grad`` until the
 accumulation boundary and reduces them there, except at one micro-step per boundary, where
-there is nothing to accumulate and it reduces during backward like stage 2. After the optimizer step each rank writes its
-updated slice into the flat buffer and one ``all_gather_into_tensor`` per bucket rebuilds
-the parameters in place.
+there is nothing to accumulate and it reduces during backward like stage 2. After the
+optimizer step each rank writes its updated slice into the flat buffer and one
+``all_gather_into_tensor`` per bucket rebuilds the parameters in place.
 """
 
 from __future__ import annotations
