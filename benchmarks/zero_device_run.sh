@@ -23,7 +23,7 @@ run() {  # name, command...
 for step in "$@"; do
   case $step in
     peers220m) run peers220m python3 zero_gpu.py --out "$OUT/zero220m.json" ;;
-    peers1b) run peers1b python3 zero_gpu.py --size 1b --no-granular --out "$OUT/zero1b.json" ;;
+    peers1b) run peers1b python3 zero_gpu.py --size 1b --no-granular --steps 5 --out "$OUT/zero1b.json" ;;
     phases2) run phases2 python3 zero_offload_phases.py --stage 2 ;;
     overlap2) run overlap2 python3 zero_offload_phases.py --stage 2 --overlap ;;
     memory) run memory python3 zero_memory.py ;;
