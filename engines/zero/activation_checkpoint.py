@@ -126,12 +126,14 @@ class _Frame:
             self.device_rng = getattr(torch, device.type).get_rng_state()
         self.autocast = [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
                          for t in {device.type, "cpu"}]
-        self.saved: list[torch.Tensor] | None = None
+        self.saved: list[torch.Tensor | None] | None = None
+        self.unused = 0
+        self.recomputed = False
         self.prefetched = None
         self.previous = None  # weak reference to the checkpoint that ran before this one in forward
 
     def prefetch(self) -> None:
-        if self.offload is None or self.prefetched is not None or self.saved is not None:
+        if self.offload is None or self.prefetched is not None or self.recomputed:
             return
         self.prefetched = [self.offload.up(buf, like) if kind == "host" else None
                            for kind, buf, like, _ in self.args]
@@ -176,7 +178,22 @@ class _Frame:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t))
                 self.fn(*args, **self.kwargs)
         self.saved = saved
+        self.unused = len(saved)
+        self.recomputed = True
         self.args = []
+
+    def take(self, index: int) -> torch.Tensor:
+        """Hand out a recomputed tensor and let go of it: backward unpacks each saved tensor once, and holding
+        them until the whole graph dies would keep every checkpoint's recomputed activations at once."""
+        if self.saved is None or self.saved[index] is None:
+            raise RuntimeError("backward went through a checkpointed region a second time (retain_graph=True); "
+                               "polyaccel's activation checkpointing recomputes once per forward: run forward again")
+        t = self.saved[index]
+        self.saved[index] = None
+        self.unused -= 1
+        if not self.unused:
+            self.saved = None
+        return t
 
 
 class ActivationCheckpointer:
@@ -199,7 +216,7 @@ class ActivationCheckpointer:
         self.checkpoints += 1
         frame = _Frame(fn, args, kwargs, self.device, self.offload)
         last = self._last() if self._last is not None else None
-        if last is not None and last.saved is None:
+        if last is not None and not last.recomputed:
             frame.previous = self._last
         self._last = weakref.ref(frame)
         count = 0
@@ -210,9 +227,9 @@ class ActivationCheckpointer:
             return count - 1
 
         def unpack(index):
-            if frame.saved is None:
+            if not frame.recomputed:
                 frame.recompute()
-            return frame.saved[index]
+            return frame.take(index)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = fn(*args, **kwargs)

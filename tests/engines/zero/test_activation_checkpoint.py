@@ -175,3 +175,34 @@ def test_engine_installs_it_into_a_hugging_face_model():
             engine.destroy()
     assert runs[1] == pytest.approx(runs[0], rel=1e-10)
     assert runs[0][-1] < runs[0][0]
+
+
+@pytest.mark.parametrize("cpu_checkpointing", [False, True])
+def test_recomputed_activations_go_as_soon_as_their_backward_used_them(cpu_checkpointing):
+    """When backward reaches a checkpoint's input, every later checkpoint holds no recomputed tensor any more
+    (holding them until backward ends would keep every checkpoint's activations at once)."""
+    ours = _checkpointer(cpu_checkpointing=cpu_checkpointing)
+    blocks = _blocks(seed=4)
+    h = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    outputs, frames = [], []
+    for blk in blocks:
+        h = ours(blk, h)
+        outputs.append(h)
+        frames.append(ours._last())
+    held = {}
+    for i, out in enumerate(outputs[:-1]):  # the gradient of block i's output: blocks after i are done
+        out.register_hook(lambda g, i=i: held.__setitem__(i, [f.saved is not None for f in frames[i + 1:]]))
+    h.square().sum().backward()
+    assert sorted(held) == list(range(len(blocks) - 1))
+    assert all(not any(flags) for flags in held.values()), held
+    assert all(f.recomputed for f in frames)
+
+
+def test_a_second_backward_through_a_checkpoint_is_refused_with_the_fix():
+    ours = _checkpointer()
+    blk = _blocks(seed=5, n=1)[0]
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    loss = ours(blk, x).square().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time.*run forward again"):
+        loss.backward()
