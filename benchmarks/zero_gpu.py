@@ -79,6 +79,83 @@ def run(step_fn, data, device, sync):
     return times, losses
 
 
+BASELINE = "torch AdamW(fused) fp32 + bf16 autocast"
+
+
+def row_names(args, peers) -> list[str]:
+    """The rows ``main`` runs for these arguments, in order (``--isolate`` runs each in its own process)."""
+    names = [BASELINE]
+    for name, zero in CONFIGS:
+        if args.only and args.only not in name:
+            continue
+        names.append(f"polyaccel {name}")
+        if zero["stage"] == 3 and args.granular:
+            names.append(f"polyaccel {name} (layer granularity)")
+        names.extend(f"{peer} {name}" for peer in peers)
+    return names
+
+
+def run_isolated(args, peers) -> int:
+    import subprocess
+    import sys
+    import tempfile
+
+    argv = [a for a in sys.argv[1:] if a != "--isolate"]
+    if "--out" in argv:
+        i = argv.index("--out")
+        del argv[i:i + 2]
+    rows, params = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, name in enumerate(row_names(args, peers)):
+            out = os.path.join(tmp, f"{i}.json")
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--row", name, "--out", out],
+                                  capture_output=True, text=True)
+            got = json.load(open(out))["rows"] if os.path.exists(out) else []
+            if not got:
+                tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+                skipped = [line for line in tail if "skipped" in line]
+                print(skipped[0] if skipped else f"{name}: FAILED (exit {proc.returncode}): {' | '.join(tail)}",
+                      flush=True)
+                if not skipped:
+                    rows.append({"config": name, "error": f"exit {proc.returncode}"})
+                continue
+            rows.extend(got)
+            r = got[0]
+            if "error" in r:
+                print(f"{name}: FAILED {r['error']}", flush=True)
+                continue
+            print(f"{name:45s} {r['step_ms']:9.1f} ms {r['peak_gib']:7.2f} GiB (own process)", flush=True)
+            params = json.load(open(out))["params"]
+    report(args, peers, rows, params)
+    return 0
+
+
+def report(args, peers, rows, n_params=None) -> None:
+    """Print the table and the polyaccel/peer ratios; write ``--out``."""
+    base = next((r for r in rows if r["config"] == BASELINE and "error" not in r), None)
+    by_name = {r["config"]: r for r in rows if "error" not in r}
+    print(f"\nmodel: Llama {args.layers}x{args.hidden}, batch {args.batch}x{args.seq}, "
+          f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+    print(f"{'config':45s} {'step ms':>9s} {'vs torch':>9s} {'peak GiB':>9s} {'B/param':>8s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['config']:45s} FAILED: {r['error']}")
+            continue
+        speed = f"{base['step_ms'] / r['step_ms']:9.2f}" if base else f"{'':9s}"
+        print(f"{r['config']:45s} {r['step_ms']:9.1f} {speed} {r['peak_gib']:9.2f} {r['bytes_per_param']:8.1f}")
+    print("\npolyaccel / peer (time below 1: polyaccel faster; memory below 1: polyaccel smaller)")
+    for name, _ in CONFIGS:
+        ours = by_name.get(f"polyaccel {name}")
+        for peer in peers:
+            theirs = by_name.get(f"{peer} {name}")
+            if ours and theirs and theirs["step_ms"] and theirs["peak_gib"]:
+                print(f"{name:45s} vs {peer:9s} time {ours['step_ms'] / theirs['step_ms']:5.2f}  "
+                      f"memory {ours['peak_gib'] / theirs['peak_gib']:5.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"params": n_params, "args": vars(args), "rows": rows}, f, indent=1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="220m", help="model preset (default 220m)")
@@ -92,12 +169,18 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="run only the configurations whose name contains this")
     ap.add_argument("--no-granular", dest="granular", action="store_false",
                     help="skip the extra stage-3 rows with decoder layers gathered whole")
+    ap.add_argument("--isolate", action="store_true",
+                    help="run every row in a fresh process (peaks then cannot include memory an earlier row left)")
+    ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # --isolate's child: run this row only
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     for key, value in SIZES[args.size].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     peers = [p for p in args.peers.split(",") if p]
+
+    if args.isolate:
+        return run_isolated(args, peers)
 
     import polyaccel
     import polyaccel.comm
@@ -132,38 +215,37 @@ def main() -> int:
             with open(args.out, "w") as f:
                 json.dump({"params": n_params, "args": vars(args), "rows": rows}, f, indent=1)
         print(f"{name:45s} {row['step_ms']:9.1f} ms {row['tokens_per_s']:10.0f} tok/s {row['peak_gib']:7.2f} GiB "
-              f"(left by earlier rows: {row['leftover_gib']:.2f} GiB) loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-              f"{extra or ''}", flush=True)
+              f"(of which left by earlier rows: {row['leftover_gib']:.2f} GiB) "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f} {extra or ''}", flush=True)
 
-    # baseline: fp32 weights, bf16 autocast, torch's fused AdamW
-    model = copy.deepcopy(base_model).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    reset_peak()
+    def torch_row():
+        """Baseline: fp32 weights, bf16 autocast, torch's fused AdamW."""
+        model = copy.deepcopy(base_model).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
 
-    def torch_step(ids):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        def torch_step(ids):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
 
-    times, losses = run(torch_step, data, device, sync)
-    record("torch AdamW(fused) fp32 + bf16 autocast", times, losses, peak_now())
-    model = opt = None  # free the baseline before the engines run
-    gc.collect()
-    acc.empty_cache()
+        return torch_step, lambda: None, None
 
     def measure(name, make):
-        """Run one engine's row; ``make()`` returns (step_fn, close, extra). Its peak counts only what it
-        allocated: device memory an earlier row left behind (a peer that does not free everything on
-        close) is subtracted and reported as ``leftover_gib``."""
+        """Run one row; ``make()`` returns (step_fn, close, extra). Device memory an earlier row left
+        allocated (an engine that does not free everything on close) is reported as ``leftover_gib``:
+        the peak includes it, as it may be freed during this row (``--isolate`` avoids both)."""
+        if args.row is not None and name != args.row:
+            return
         try:
             leftover = held_now()
             step, close, extra = make()
             reset_peak()
             times, losses = run(step, data, device, sync)
-            record(name, times, losses, peak_now() - leftover, extra, leftover)
+            record(name, times, losses, peak_now(), extra, leftover)
+            step = None
             close()
         except PeerUnavailable as exc:
             print(f"{name}: skipped ({exc})", flush=True)
@@ -173,6 +255,7 @@ def main() -> int:
         gc.collect()
         acc.empty_cache()
 
+    measure(BASELINE, torch_row)
     for name, zero in CONFIGS:
         if args.only and args.only not in name:
             continue
@@ -202,28 +285,7 @@ def main() -> int:
             measure(f"fsdp2 {name}", lambda zero=zero: (
                 *fsdp2_step(copy.deepcopy(base_model), zero, device, 1e-4, 0.01), {"engine": "fsdp2"}))
 
-    base = rows[0]
-    by_name = {r["config"]: r for r in rows if "error" not in r}
-    print(f"\nmodel: Llama {args.layers}x{args.hidden}, {n_params / 1e6:.1f} M params, batch {args.batch}x{args.seq}, "
-          f"device {torch.cuda.get_device_name() if device.type == 'cuda' else device}")
-    print(f"{'config':45s} {'step ms':>9s} {'vs torch':>9s} {'peak GiB':>9s} {'B/param':>8s}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['config']:45s} FAILED: {r['error']}")
-            continue
-        print(f"{r['config']:45s} {r['step_ms']:9.1f} {base['step_ms'] / r['step_ms']:9.2f} {r['peak_gib']:9.2f} "
-              f"{r['bytes_per_param']:8.1f}")
-    print("\npolyaccel / peer (time below 1: polyaccel faster; memory below 1: polyaccel smaller)")
-    for name, _ in CONFIGS:
-        ours = by_name.get(f"polyaccel {name}")
-        for peer in peers:
-            theirs = by_name.get(f"{peer} {name}")
-            if ours and theirs and theirs["step_ms"] and theirs["peak_gib"]:
-                print(f"{name:45s} vs {peer:9s} time {ours['step_ms'] / theirs['step_ms']:5.2f}  "
-                      f"memory {ours['peak_gib'] / theirs['peak_gib']:5.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"params": n_params, "args": vars(args), "rows": rows}, f, indent=1)
+    report(args, peers, rows, n_params)
     polyaccel.comm.destroy()
     return 0
 
