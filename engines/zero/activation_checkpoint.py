@@ -163,8 +163,10 @@ class _Frame:
         saved: list[torch.Tensor] = []
 
         def keep(t):
-            saved.append(t)
-            return t
+            # detached, and the recomputed graph keeps nothing: a pack hook that returned ``t`` itself would,
+            # for a tensor its own node saves (an output), close a reference cycle through autograd that only a
+            # garbage collection breaks, keeping every recomputed activation until then
+            saved.append(t.detach())
 
         devices = [self.device.index or 0] if self.device_rng is not None else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):
@@ -175,7 +177,7 @@ class _Frame:
                 for device_type, enabled, dtype in self.autocast:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
                 stack.enter_context(torch.enable_grad())
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t))
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(keep, lambda _: None))
                 self.fn(*args, **self.kwargs)
         self.saved = saved
         self.unused = len(saved)
