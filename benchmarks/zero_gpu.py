@@ -247,6 +247,7 @@ def main() -> int:
             record(name, times, losses, peak_now(), extra, leftover)
             step = None
             close()
+            close = None  # a bound method of the engine: let it go before the collection below
         except PeerUnavailable as exc:
             print(f"{name}: skipped ({exc})", flush=True)
         except Exception as exc:  # noqa: BLE001 - record the failure, go on with the other rows

@@ -410,10 +410,14 @@ class ZeroEngine:
         return load(self, load_dir, tag=tag)
 
     def destroy(self) -> None:
-        """Remove hooks, release registered host memory, and tear down comm if the engine set it up."""
+        """Remove hooks; drop the master copies, optimizer state and gradients (device memory comes back now,
+        not when the garbage collector finds the engine; the module keeps its parameters); release registered
+        host memory; tear down comm if the engine set it up. The engine cannot step afterwards."""
         self.stepper.close()
         for g in self.groups:
             g.partitioner.remove_hooks()
+            g.partitioner.release_training_state()
+            g.optimizer.release()
         self.host.release()
         if self._owns_comm:
             comm().destroy()

@@ -51,6 +51,11 @@ class PartitionOptimizer:
                 raise ValueError("lamb needs segment ids and an all-reduce for its per-parameter trust ratio")
             self._segments = segment_ids().to(master.device)
 
+    def release(self) -> None:
+        """Drop the state and the master reference (the engine is being destroyed)."""
+        self.state.clear()
+        self.master = None
+
     @property
     def builder_name(self) -> str:
         """Name of the op builder the registry chose for this partition's device type."""

@@ -154,6 +154,11 @@ class FlatPartitioner:
         for p in self.params:
             p.grad = None
 
+    def release_training_state(self) -> None:
+        """Drop the master partition and the gradient partition (the engine is being destroyed)."""
+        self.master = None
+        self._grad.release()
+
     @property
     def grad(self) -> torch.Tensor:
         """This rank's gradient partition (see :class:`~.partition.GradientPartition`)."""

@@ -432,6 +432,11 @@ class ShardedParameters:
     def reduce_at_boundary(self) -> None:
         """Gradients were reduced during backward."""
 
+    def release_training_state(self) -> None:
+        """Drop the master partition and the gradient partition (the engine is being destroyed)."""
+        self.master = None
+        self._grad.release()
+
     @property
     def grad(self) -> torch.Tensor:
         """This rank's gradient partition (see :class:`~.partition.GradientPartition`)."""

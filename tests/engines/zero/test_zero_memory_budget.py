@@ -123,3 +123,20 @@ def test_stage3_releases_module_outputs_without_a_garbage_collection():
     finally:
         gc.enable()
         engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_destroy_gives_the_training_state_back_at_once(stage):
+    """Master copy, moments and gradients go at ``destroy()``, while the caller still holds the engine."""
+    engine = polyaccel.initialize(build_model("llama", torch.float32, edge=False), _config(stage))
+    engine.backward(lm_loss(engine, _ids(0)))
+    engine.step()
+    engine.backward(lm_loss(engine, _ids(1)))  # a gradient partition exists now
+    kept = [weakref.ref(t) for t in (engine.partitioner.master, engine.partitioner.grad,
+                                     *engine.optimizer.state.values())]
+    gc.disable()
+    try:
+        engine.destroy()
+        assert all(ref() is None for ref in kept)
+    finally:
+        gc.enable()
