@@ -155,6 +155,8 @@ class ShardedParameters:
             self.infos[id(p)] = info
             if not persistent:
                 p.data = torch.empty(0, dtype=compute_dtype, device=device)
+            elif world == 1 and not self.offload_param:  # one storage: the shard is the whole parameter
+                p.data = shard[:n].view(p.shape)
         self.master = alloc_master(self.layout.partition_size, master_dtype)
         for info in self.infos.values():
             if info.index is not None:
@@ -205,6 +207,10 @@ class ShardedParameters:
     def _launch_gather(self, infos: list[_Info], async_op: bool) -> _Gather | None:
         infos = [i for i in infos if i.inflight is None and i.param.numel() != i.numel]
         if not infos:
+            return None
+        if self.world == 1 and not self.offload_param:  # each shard on the device is its whole parameter
+            for i in infos:
+                i.param.data = i.shard[:i.numel].view(i.shape)
             return None
         total = sum(i.shard_size for i in infos)
         if self.check_schedule:
@@ -295,8 +301,9 @@ class ShardedParameters:
             need = sum(x.numel for x in infos)
             if inflight + need > self.prefetch_budget:
                 break
-            if infos:
-                self._outstanding.append(self._launch_gather(infos, async_op=True))
+            gather = self._launch_gather(infos, async_op=True) if infos else None
+            if gather is not None:
+                self._outstanding.append(gather)
                 inflight += need
             i += 1
         self._ahead = i
