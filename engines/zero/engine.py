@@ -190,7 +190,8 @@ class ZeroEngine:
                     model, entries, frozen, coll=coll, device=self.device, compute_dtype=self.compute_dtype,
                     master_dtype=self.master_dtype, config=cfg, alloc_master=alloc_master, host=self.host,
                     reduction_stream=stream, accelerator=self.accelerator, eager=eager, divisor=divisor,
-                    transfer=self.transfer, grad_dtype=self._grad_dtype(key))
+                    transfer=self.transfer, grad_dtype=self._grad_dtype(key),
+                    derive_shards=not (self.offload_optimizer or cfg.offload_param.enabled))
             layout = part.layout
             opt = PartitionOptimizer(
                 cfg.optimizer, part.master, alloc_master,

@@ -122,7 +122,8 @@ def _replace_tensors(x, wrapped: dict):
 class ShardedParameters:
     def __init__(self, model, trainable, frozen, *, coll, device, compute_dtype, master_dtype, config,
                  alloc_master, host, reduction_stream=None, accelerator=None, eager: bool = True,
-                 divisor: int | None = None, transfer=None, grad_dtype: torch.dtype | None = None):
+                 divisor: int | None = None, transfer=None, grad_dtype: torch.dtype | None = None,
+                 derive_shards: bool = False):
         self.coll = coll
         self.world, self.rank = coll.world, coll.rank
         self.device = device
@@ -162,6 +163,8 @@ class ShardedParameters:
             if info.index is not None:
                 off = self.layout.part_offsets[info.index]
                 self.master[off:off + info.shard_size].copy_(info.shard)
+                if derive_shards:
+                    info.shard = None
         self._grad = GradientPartition(alloc_master, self.layout.partition_size, grad_dtype or master_dtype, device)
 
         self._module_params: dict[int, list[_Info]] = {}
@@ -204,18 +207,28 @@ class ShardedParameters:
         self._modules: dict[int, torch.nn.Module] = {id(m): m for m in model.modules()}
 
     # ------------------------------------------------------------------ gather
+    def _shard(self, info: _Info) -> torch.Tensor:
+        """A parameter's shard in the compute dtype: stored, or (``derive_shards``: the master partition is on
+        the device) cast from the master where it is needed. Keeping a 16-bit copy of every trainable shard
+        beside the master would hold 2 more bytes per parameter on the device between uses; the cast costs one
+        pass over what a gather sends."""
+        if info.shard is not None:
+            return info.shard
+        off = self.layout.part_offsets[info.index]
+        return self.master[off:off + info.shard_size].to(self.compute_dtype)
+
     def _launch_gather(self, infos: list[_Info], async_op: bool) -> _Gather | None:
         infos = [i for i in infos if i.inflight is None and i.param.numel() != i.numel]
         if not infos:
             return None
         if self.world == 1 and not self.offload_param:  # each shard on the device is its whole parameter
             for i in infos:
-                i.param.data = i.shard[:i.numel].view(i.shape)
+                i.param.data = self._shard(i)[:i.numel].view(i.shape)
             return None
         total = sum(i.shard_size for i in infos)
         if self.check_schedule:
             self._agree_on_gather(infos, total)
-        shards = [i.shard.to(self.device, non_blocking=True) for i in infos]
+        shards = [self._shard(i).to(self.device, non_blocking=True) for i in infos]
         inp = shards[0] if len(shards) == 1 else torch.cat(shards)
         if self.world == 1:  # the shard is the parameter: nothing to gather
             out, work = inp, None
@@ -475,7 +488,8 @@ class ShardedParameters:
         """Start copying the updated master shards in ``[lo, hi)`` into the parameter shards."""
         offsets = self.layout.part_offsets
         infos = [i for i in self._by_offset if lo <= offsets[i.index] < hi and i.index not in self._uploaded]
-        self.transfer.upload([(i.shard, self.master[offsets[i.index]:][:i.shard_size]) for i in infos])
+        self.transfer.upload([(i.shard, self.master[offsets[i.index]:][:i.shard_size]) for i in infos
+                              if i.shard is not None])  # a derived shard is read from the master when gathered
         self._uploaded.update(i.index for i in infos)
 
     @torch.no_grad()
@@ -523,8 +537,8 @@ class ShardedParameters:
         self._hooks.clear()
 
     def device_param_elements(self) -> int:
-        """Parameter elements resident on the device now: gathered tensors plus device shards."""
+        """Parameter elements resident on the device now: gathered tensors plus stored device shards."""
         n = sum(i.param.numel() for i in self.infos.values())
         if not self.offload_param:
-            n += sum(i.shard.numel() for i in self.infos.values())
+            n += sum(i.shard.numel() for i in self.infos.values() if i.shard is not None)
         return n

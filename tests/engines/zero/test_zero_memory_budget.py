@@ -1,7 +1,8 @@
 """What the engine keeps per parameter at world size 1, and that keeping less changes no number.
 
 bf16 with AdamW, one micro-step, optimizer on the device: between steps 2 bytes of 16-bit
-parameter, 4 of fp32 master and 8 of moments = 14 bytes per parameter, nothing more; the
+parameter, 4 of fp32 master and 8 of moments = 14 bytes per parameter, nothing more (12 at stage
+3, whose gathers cast the master: no 16-bit shard is kept); the
 gradient partition exists from the first reduced bucket to the step, and holds the compute
 dtype (reduced 16-bit buckets, never accumulated: an fp32 copy would add bytes and no
 precision). Accumulation, loss scaling or offload keep an fp32 gradient partition.
@@ -49,7 +50,7 @@ def _live_bytes():
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bf16_adamw_keeps_fourteen_bytes_per_parameter_between_steps(stage):
+def test_bf16_adamw_keeps_fourteen_bytes_per_parameter_between_steps_twelve_at_stage_3(stage):
     before = _live_bytes()
     model = build_model("llama", torch.float32, edge=False)
     n = sum(p.numel() for p in model.parameters())
@@ -58,10 +59,14 @@ def test_bf16_adamw_keeps_fourteen_bytes_per_parameter_between_steps(stage):
         engine.backward(lm_loss(engine, _ids(step)))
         engine.step()
     held = _live_bytes() - before
-    # stage 1/2 pad the flat buffers to whole buckets
-    assert 13.9 * n <= held <= 14 * n + 14 * 3000, (held / n, "bytes per parameter")
-    assert engine.partitioner.grad.dtype == torch.bfloat16
-    engine.destroy()
+    try:
+        # stage 1/2 pad the flat buffers to whole buckets; stage 3 keeps no 16-bit shard beside the master
+        # (a gather casts it) and gathers nothing between steps here (no persistent parameters)
+        per_param = 12 if stage == 3 else 14
+        assert per_param - 0.1 <= held / n <= per_param + 14 * 3000 / n, (held / n, "bytes per parameter")
+        assert engine.partitioner.grad.dtype == torch.bfloat16
+    finally:
+        engine.destroy()
 
 
 @pytest.mark.parametrize("extra", [{"gradient_accumulation_steps": 2},
