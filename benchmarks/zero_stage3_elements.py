@@ -40,10 +40,13 @@ def worker(rank: int, world: int, offload: bool) -> dict:
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     grad = engine.partitioner.grad.numel()
     engine.step()
-    storages = {}  # shards and gathered parameters; at world size 1 a parameter is its shard (one storage)
+    # shards and gathered parameters; at world size 1 a parameter is its shard (one storage), and in this fp32
+    # run a parameter cast from the master is the master itself (counted under "master")
+    master_storage = engine.partitioner.master.untyped_storage().data_ptr()
+    storages = {master_storage: 0}
     for info in engine.partitioner.infos.values():
-        for t in (info.param.data, info.shard):
-            if t.numel():
+        for t in (info.param.data, info.shard):  # a trainable shard is not stored while the master is on the device
+            if t is not None and t.numel() and t.untyped_storage().data_ptr() != master_storage:
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
     out = {"params": sum(storages.values()), "master": engine.partitioner.master.numel(),
            "state": engine.optimizer.state_elements(), "grad": grad}
