@@ -234,13 +234,26 @@ def test_unknown_plan_style_refused_before_any_change():
     assert "model.layers.0.mlp.up_proj" in ok.modules  # skip of the module itself; its children keep their rules
 
 
-def test_moe_plan_styles_refused_unless_skipped():
+#: the expert rules transformers 5.17-5.24 put in Mixtral's plan (5.25 dropped them): the two tests below set
+#: them themselves, so they check AutoTP's handling of these styles whatever the installed release ships
+_MIXTRAL_EXPERT_RULES = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                         "layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.experts": "moe_tp_experts"}
+
+
+def _tiny_mixtral_with_expert_rules():
     from transformers import MixtralConfig, MixtralForCausalLM
 
     with torch.device("meta"):
         model = MixtralForCausalLM(MixtralConfig(vocab_size=101, hidden_size=32, intermediate_size=40,
                                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                                  num_local_experts=4))
+    model.config.base_model_tp_plan = {**(model.config.base_model_tp_plan or {}), **_MIXTRAL_EXPERT_RULES}
+    model._tp_plan = None  # (transformers 5 caches the merged plan on the instance)
+    return model
+
+
+def test_moe_plan_styles_refused_unless_skipped():
+    model = _tiny_mixtral_with_expert_rules()
     with pytest.raises(ConfigError, match=r"moe_tp_experts .* bare parameters"):
         infer_plan(model, 2)
     plan = infer_plan(model, 2, {"autotp_size": 2, "partition_config": {"layer_specs": [
@@ -253,12 +266,8 @@ def test_experts_placed_by_autoep_are_left_whole():
     expert rules (moe_tp_experts, packed_colwise, rowwise) and splits the rest as usual."""
     from polyaccel.engines.autoep import apply_autoep
     from polyaccel.parallel import get_layout
-    from transformers import MixtralConfig, MixtralForCausalLM
 
-    with torch.device("meta"):
-        model = MixtralForCausalLM(MixtralConfig(vocab_size=101, hidden_size=32, intermediate_size=40,
-                                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                                 num_local_experts=4))
+    model = _tiny_mixtral_with_expert_rules()
     with pytest.raises(ConfigError, match=r"moe_tp_experts .*a MoE model's experts are AutoEP's"):
         infer_plan(model, 2)
     apply_autoep(model, {})
