@@ -453,7 +453,12 @@ class ShardedParameters:
         """Gradients were reduced during backward."""
 
     def release_training_state(self) -> None:
-        """Drop the master partition and the gradient partition (the engine is being destroyed)."""
+        """Drop the master partition and the gradient partition (the engine is being destroyed). A shard read
+        from the master gets its own copy first (a clone: the cast is a view when the dtypes agree), so the
+        parameters survive in the compute dtype."""
+        for info in self.infos.values():
+            if info.shard is None:
+                info.shard = self._shard(info).clone()
         self.master = None
         self._grad.release()
 

@@ -139,9 +139,12 @@ def test_destroy_gives_the_training_state_back_at_once(stage):
     engine.backward(lm_loss(engine, _ids(1)))  # a gradient partition exists now
     kept = [weakref.ref(t) for t in (engine.partitioner.master, engine.partitioner.grad,
                                      *engine.optimizer.state.values())]
+    weights = engine.full_state_dict()
     gc.disable()
     try:
         engine.destroy()
         assert all(ref() is None for ref in kept)
     finally:
         gc.enable()
+    after = engine.full_state_dict()  # the parameters themselves survive, in the compute dtype
+    assert set(after) == set(weights) and all(torch.equal(after[k], weights[k]) for k in weights)
