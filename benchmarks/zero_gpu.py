@@ -110,7 +110,11 @@ def run_isolated(args, peers) -> int:
             out = os.path.join(tmp, f"{i}.json")
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--row", name, "--out", out],
                                   capture_output=True, text=True)
-            got = json.load(open(out))["rows"] if os.path.exists(out) else []
+            result = {"rows": []}
+            if os.path.exists(out):
+                with open(out) as f:
+                    result = json.load(f)
+            got = result["rows"]
             if not got:
                 tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
                 skipped = [line for line in tail if "skipped" in line]
@@ -125,7 +129,7 @@ def run_isolated(args, peers) -> int:
                 print(f"{name}: FAILED {r['error']}", flush=True)
                 continue
             print(f"{name:45s} {r['step_ms']:9.1f} ms {r['peak_gib']:7.2f} GiB (own process)", flush=True)
-            params = json.load(open(out))["params"]
+            params = result["params"]
     report(args, peers, rows, params)
     return 0
 
