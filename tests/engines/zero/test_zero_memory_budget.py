@@ -1,11 +1,11 @@
 """What the engine keeps per parameter at world size 1, and that keeping less changes no number.
 
 bf16 with AdamW, one micro-step, optimizer on the device: between steps 2 bytes of 16-bit
-parameter, 4 of fp32 master and 8 of moments = 14 bytes per parameter, nothing more (12 at stage
-3, whose gathers cast the master: no 16-bit shard is kept); the
-gradient partition exists from the first reduced bucket to the step, and holds the compute
-dtype (reduced 16-bit buckets, never accumulated: an fp32 copy would add bytes and no
-precision). Accumulation, loss scaling or offload keep an fp32 gradient partition.
+parameter, 4 of fp32 master and 8 of moments = 14 bytes per parameter, nothing more (12 at
+stage 3, whose gathers cast the master: no 16-bit shard is kept). The gradient partition exists
+from the first reduced bucket to the step and holds the compute dtype (reduced 16-bit buckets,
+never accumulated: an fp32 copy would add bytes and no precision). Accumulation, loss scaling
+or offload keep an fp32 gradient partition.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ def _live_bytes():
     gc.collect()
     sizes = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter) or (
-                isinstance(obj, torch.nn.Parameter) and obj.numel()):
+        if isinstance(obj, torch.Tensor):
             st = obj.untyped_storage()
             sizes[st.data_ptr()] = st.nbytes()
     return sum(sizes.values())
