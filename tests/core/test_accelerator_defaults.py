@@ -144,6 +144,42 @@ def test_a_refused_unregistration_says_the_buffer_is_kept_alive():
         "modulebacked: hostRegister(0x10) failed with error 1; not registered")
 
 
+def test_a_plugin_claiming_graphs_is_wired_to_torch_accelerator_graph(monkeypatch):
+    """Without a GPU: the default path makes ``torch.accelerator.Graph``, captures inside it on a fresh side
+    stream (runtimes refuse the default stream), passes the pool on, and replays it. The test below runs it
+    for real where there is a GPU."""
+    events = []
+
+    class FakeGraph:
+        def __enter__(self):
+            events.append("capture")
+            return self
+
+        def __exit__(self, *exc):
+            events.append("end")
+
+        def replay(self):
+            events.append("replay")
+
+    class HostModule(ModuleBacked):
+        device_type = "cpu"
+
+        def Stream(self, *args, **kwargs):  # noqa: N802 - the contract's name
+            events.append("side stream")
+            return super().Stream(*args, **kwargs)
+
+    monkeypatch.setattr(torch.accelerator, "Graph", FakeGraph, raising=False)
+    acc = HostModule(SimpleNamespace(), claims={"graphs", "streams", "events"}, torch_serves=True)
+    graph = acc.create_graph()
+    assert type(graph) is FakeGraph
+    pool = object()
+    with acc.capture_to_graph(graph, pool=pool) as captured:
+        assert captured is graph and events == ["side stream", "capture"]
+    assert graph.graph_pool is pool and events[-1] == "end"
+    acc.replay_graph(graph)
+    assert events[-1] == "replay"
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and hasattr(torch.accelerator, "Graph")),
                     reason="needs a GPU and torch.accelerator.Graph")
 def test_a_plugin_claiming_graphs_gets_torch_accelerator_graph_on_a_device_torch_serves():
