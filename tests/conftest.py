@@ -21,3 +21,14 @@ def _fresh_polyaccel(monkeypatch):
     selection.reset()
     yield
     selection.reset()
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Fail the test if ``polyaccel train``'s launcher is reached (argument checks must refuse first)."""
+    from polyaccel.apps.train import launcher
+
+    def forbidden(opts):
+        raise AssertionError(f"ranks were spawned for {opts}")
+
+    monkeypatch.setattr(launcher, "launch", forbidden)

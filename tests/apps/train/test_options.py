@@ -3,18 +3,8 @@
 import json
 
 import pytest
-from polyaccel.apps.train import launcher
 from polyaccel.apps.train.options import META_PREFIX, TrainOptions, options_from_args
 from polyaccel.cli import main
-
-
-@pytest.fixture
-def no_spawn(monkeypatch):
-    """Fail the test if the launcher is reached."""
-    def forbidden(opts):
-        raise AssertionError(f"ranks were spawned for {opts}")
-
-    monkeypatch.setattr(launcher, "launch", forbidden)
 
 
 def _fake_checkpoint(tmp_path, step=3, **model):

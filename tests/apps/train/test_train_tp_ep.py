@@ -9,7 +9,6 @@ import json
 import polyaccel
 import pytest
 import torch
-from polyaccel.apps.train import launcher
 from polyaccel.apps.train.options import options_from_args
 from polyaccel.cli import build_parser, main
 
@@ -17,14 +16,6 @@ pytestmark = pytest.mark.timeout(240)
 
 TINY = ["--model", "mixtral", "--hidden-size", "32", "--layers", "1", "--heads", "4", "--batch-size", "2",
         "--seq-len", "16", "--threads", "1", "--lr", "1e-2"]
-
-
-@pytest.fixture
-def no_spawn(monkeypatch):
-    def forbidden(opts):
-        raise AssertionError(f"ranks were spawned for {opts}")
-
-    monkeypatch.setattr(launcher, "launch", forbidden)
 
 
 def _opts(argv):

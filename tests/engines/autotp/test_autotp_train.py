@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from polyaccel.apps.train import launcher
 from polyaccel.apps.train.options import options_from_args
 from polyaccel.cli import main
 
@@ -14,14 +13,6 @@ pytestmark = pytest.mark.timeout(240)
 
 TINY = ["--hidden-size", "64", "--layers", "1", "--heads", "2", "--batch-size", "4", "--seq-len", "32",
         "--threads", "1", "--lr", "1e-2"]
-
-
-@pytest.fixture
-def no_spawn(monkeypatch):
-    def forbidden(opts):
-        raise AssertionError(f"ranks were spawned for {opts}")
-
-    monkeypatch.setattr(launcher, "launch", forbidden)
 
 
 def _args(argv):
