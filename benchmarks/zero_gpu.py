@@ -84,6 +84,8 @@ BASELINE = "torch AdamW(fused) fp32 + bf16 autocast"
 
 def row_names(args, peers) -> list[str]:
     """The rows ``main`` runs for these arguments, in order (``--isolate`` runs each in its own process)."""
+    from zero_peers import fsdp2_unsupported
+
     names = [BASELINE]
     for name, zero in CONFIGS:
         if args.only and args.only not in name:
@@ -91,7 +93,7 @@ def row_names(args, peers) -> list[str]:
         names.append(f"polyaccel {name}")
         if zero["stage"] == 3 and args.granular:
             names.append(f"polyaccel {name} (layer granularity)")
-        names.extend(f"{peer} {name}" for peer in peers)
+        names.extend(f"{peer} {name}" for peer in peers if peer != "fsdp2" or fsdp2_unsupported(zero) is None)
     return names
 
 

@@ -41,6 +41,16 @@ def deepspeed_step(model, zero: dict, batch: int, lr: float, wd: float):
     return step, close
 
 
+def fsdp2_unsupported(zero: dict) -> str | None:
+    """Why FSDP2 has no equivalent of this ZeRO row, or None when it has one."""
+    offload = "offload_optimizer" in zero
+    if zero["stage"] == 1 or (offload and zero["stage"] != 3):
+        return "FSDP2 has no equivalent of this row (it shards parameters, or offloads both)"
+    if "offload_param" in zero and not offload:
+        return "FSDP2 cannot offload parameters without the optimizer"
+    return None
+
+
 def fsdp2_step(model, zero: dict, device, lr: float, wd: float):
     """``fully_shard`` per decoder layer and at the root, bf16 parameters, fp32 gradient reduction;
     stage 2 keeps parameters gathered between forward and backward, stage 3 reshards, and the
@@ -49,12 +59,10 @@ def fsdp2_step(model, zero: dict, device, lr: float, wd: float):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     except ImportError as exc:
         raise PeerUnavailable(f"torch FSDP2 not importable ({exc})") from None
+    if (why := fsdp2_unsupported(zero)) is not None:
+        raise PeerUnavailable(why)
     stage = zero["stage"]
     offload = "offload_optimizer" in zero
-    if stage == 1 or (offload and stage != 3):
-        raise PeerUnavailable("FSDP2 has no equivalent of this row (it shards parameters, or offloads both)")
-    if "offload_param" in zero and not offload:
-        raise PeerUnavailable("FSDP2 cannot offload parameters without the optimizer")
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
               "reshard_after_forward": stage == 3}
     if offload:
