@@ -352,7 +352,12 @@ class _TorchGroupedMM(torch.autograd.Function):
             dx = torch._grouped_mm(grad_out, weight.transpose(-2, -1), offs=off32)
             _zero_rows_past(dx, off64, ctx.last)
         if ctx.needs_input_grad[1]:
-            dw = torch._grouped_mm(x.t(), grad_out, offs=off32)
+            if weight.stride(-2) == 1 and weight.stride(-1) != 1:
+                # a transposed view of an [E, N, K] parameter (HF's fused experts): compute the gradient in
+                # the parameter's own layout, so accumulating it needs no strided copy
+                dw = torch._grouped_mm(grad_out.t(), x, offs=off32).transpose(-2, -1)
+            else:
+                dw = torch._grouped_mm(x.t(), grad_out, offs=off32)
         return dx, dw, None, None, None
 
 

@@ -1,10 +1,12 @@
 """Triton SwiGLU: ``silu(gate) * up`` with a fused forward and a fused backward kernel.
 
-Both kernels are one pass over flat, contiguous tensors (math in fp32, results stored in the
-input dtype), with 64-bit program ids and offsets so tensors past 2**31 elements work. The
-forward reads gate and up and writes out (3 tensor passes); the backward reads grad_out,
-gate and up and writes d_gate and d_up (5 passes), recomputing the sigmoid instead of storing
-it. :data:`swiglu` is the autograd-aware op built with the reference ``make_swiglu``.
+Both kernels are one pass over the elements (math in fp32, results stored in the input dtype),
+with 64-bit program ids and offsets so tensors past 2**31 elements work. Inputs are read as rows
+with a row stride, so ``gate`` and ``up`` may be the two halves of one ``[N, 2F]`` projection
+(``h.chunk(2, -1)``) without a copy; outputs are contiguous. The forward reads gate and up
+and writes out (3 tensor passes); the backward reads grad_out, gate and up and writes d_gate
+and d_up (5 passes), recomputing the sigmoid instead of storing it. :data:`swiglu` is the
+autograd-aware op built with the reference ``make_swiglu``.
 """
 
 from __future__ import annotations
@@ -21,22 +23,25 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _swiglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, n, cols, g_stride, u_stride, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < n
-    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    row, col = offs // cols, offs % cols
+    g = tl.load(gate_ptr + row * g_stride + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * u_stride + col, mask=mask, other=0.0).to(tl.float32)
     out = g * tl.sigmoid(g) * u
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, n, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, n, cols, g_stride, u_stride,
+                       BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < n
+    row, col = offs // cols, offs % cols
     go = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + row * g_stride + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * u_stride + col, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
     silu = g * sig
     d_gate = go * u * sig * (1.0 + g * (1.0 - sig))
@@ -49,30 +54,48 @@ def _grid(n: int, block: int):
     return (triton.cdiv(n, block),)
 
 
+def _cols(t: torch.Tensor) -> int:
+    return t.shape[-1] if t.dim() and t.shape[-1] else 1
+
+
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` (or a contiguous copy) and its row stride, for rows of ``_cols(t)`` unit-stride elements.
+
+    Contiguous tensors and row-strided 2-D views (a half of ``h.chunk(2, -1)``) are read in
+    place; any other layout is copied first.
+    """
+    if not t.is_contiguous() and not (t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]):
+        t = t.contiguous()
+    return t, (t.stride(0) if t.dim() == 2 else _cols(t))
+
+
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, *, block: int = BLOCK, num_warps: int = NUM_WARPS):
-    """``silu(gate) * up`` in one kernel; non-contiguous inputs are made contiguous first."""
+    """``silu(gate) * up`` in one kernel (a contiguous result; see :func:`_rows` for the input layouts)."""
     check_swiglu_args(gate, up)
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
+    (gate, gs), (up, us) = _rows(gate), _rows(up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
     if n:
-        _swiglu_fwd_kernel[_grid(n, block)](gate, up, out, n, BLOCK=block, num_warps=num_warps)
+        _swiglu_fwd_kernel[_grid(n, block)](gate, up, out, n, _cols(gate), gs, us, BLOCK=block,
+                                            num_warps=num_warps)
     return out
 
 
 def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, block: int = BLOCK,
                     num_warps: int = NUM_WARPS):
-    """(d_gate, d_up) of ``out = silu(gate) * up`` in one kernel."""
+    """(d_gate, d_up) of ``out = silu(gate) * up`` in one kernel (contiguous results)."""
     check_swiglu_args(gate, up)
     if grad_out.shape != gate.shape:
         raise OpArgumentError(f"swiglu backward: grad_out {tuple(grad_out.shape)} does not match gate "
                          f"{tuple(gate.shape)}")
-    grad_out, gate, up = grad_out.contiguous(), gate.contiguous(), up.contiguous()
-    d_gate = torch.empty_like(gate)
-    d_up = torch.empty_like(up)
+    grad_out = grad_out.contiguous()
+    (gate, gs), (up, us) = _rows(gate), _rows(up)
+    d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
     n = gate.numel()
     if n:
-        _swiglu_bwd_kernel[_grid(n, block)](grad_out, gate, up, d_gate, d_up, n, BLOCK=block, num_warps=num_warps)
+        _swiglu_bwd_kernel[_grid(n, block)](grad_out, gate, up, d_gate, d_up, n, _cols(gate), gs, us,
+                                            BLOCK=block, num_warps=num_warps)
     return d_gate, d_up
 
 

@@ -121,6 +121,22 @@ def test_torch_grouped_mm_wrapper_zeroes_rows_past_the_end_both_ways():
     _check(w.grad, want_dw, torch.bfloat16, 30, "dw")
 
 
+def test_torch_grouped_mm_weight_gradient_keeps_a_transposed_parameters_layout():
+    """Experts stored [E, N, K] and passed as a transposed view: dw is right and lands contiguous in the
+    parameter's layout (no strided copy when it accumulates)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(30, 32, generator=gen).bfloat16().requires_grad_()
+    param = torch.randn(3, 16, 32, generator=gen).bfloat16().requires_grad_()
+    offsets = torch.tensor([9, 9, 26])
+    grad_out = torch.randn(30, 16, generator=gen).bfloat16()
+    weight = param.transpose(1, 2)
+    dx, dw = torch.autograd.grad(kg.torch_grouped_mm(x, weight, offsets), (x, weight), grad_out)
+    _, want_dx, want_dw = _f64_forward_and_grads(x, weight, offsets, grad_out)
+    assert dw.stride() == weight.stride()
+    _check(dw, want_dw, torch.bfloat16, 30, "dw")
+    _check(dx, want_dx, torch.bfloat16, 16, "dx")
+
+
 def test_torch_grouped_mm_wrapper_sends_what_torch_does_not_take_to_the_reference():
     x, w = torch.randn(10, 12), torch.randn(2, 12, 8)
     ok, why = kg.torch_grouped_mm_applies(x, w)

@@ -51,6 +51,26 @@ def test_forward_and_backward_match_float64(shape, dtype):
     _check(up.grad, want_du, dtype, "d_up")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_halves_of_one_projection_are_read_in_place(dtype):
+    """gate and up as the two halves of an [N, 2F] tensor (MoE experts' h.chunk(2, -1)): no copy, same math."""
+    gen = torch.Generator().manual_seed(11)
+    h = (torch.randn(37, 2 * 130, generator=gen) * 3).to(dtype).requires_grad_()
+    gate, up = h.chunk(2, dim=-1)
+    assert not gate.is_contiguous()
+    assert ks._rows(gate)[0].data_ptr() == gate.data_ptr() and ks._rows(gate)[1] == 260
+    go = torch.randn(37, 130, generator=gen).to(dtype)
+    out = ks.swiglu(gate, up)
+    out.backward(go)
+    want_out, want_dg, want_du = _f64(gate.detach(), up.detach(), go)
+    _check(out, want_out, dtype, "forward")
+    _check(h.grad[:, :130], want_dg, dtype, "d_gate")
+    _check(h.grad[:, 130:], want_du, dtype, "d_up")
+    # a layout that is not rows of unit stride is copied first and still right
+    t = torch.randn(130, 37, generator=gen).to(dtype).t()
+    _check(ks.swiglu_forward(t, t), _f64(t, t, t)[0], dtype, "transposed input")
+
+
 def test_many_programs_with_a_partial_last_block():
     """A small block forces several programs and a masked tail."""
     n = 5 * 256 + 37
