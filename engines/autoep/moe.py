@@ -30,6 +30,7 @@ from polyaccel import ops
 
 from .detect import MoELayerSpec
 from .dispatch import AllToAllV, exchange_counts
+from .permute import CombineRows, DispatchRows, PermuteRows, inverse_permutation
 from .presets import Routing
 
 
@@ -175,10 +176,11 @@ class AutoEPMoE(torch.nn.Module):
         E, ep = self.num_experts, self.ep_size
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # expert-major; within an expert, token order
-        w_sorted = weights.reshape(-1).index_select(0, order).to(x.dtype)
-        routed = x.index_select(0, order // k)
+        inverse = inverse_permutation(order)
+        routed = DispatchRows.apply(x, order, inverse, k)
+        weights = weights.to(x.dtype)
         if self.routing.score_apply == "pre":
-            routed = routed * w_sorted.unsqueeze(-1)
+            routed = routed * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
         # (bincount would sync with the host to size its output; a scatter-add into E slots does not)
         counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
         experts = self.local_experts
@@ -192,18 +194,10 @@ class AutoEPMoE(torch.nn.Module):
             local_ids = torch.arange(n_local, device=x.device).repeat(ep)
             row_expert = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=sum(recv_rows))
             perm = torch.argsort(row_expert, stable=True)
-            y_local = experts(received.index_select(0, perm), recv.sum(0))
-            y_src = y_local.index_select(0, _inverse(perm))
-            y = AllToAllV.apply(y_src, send_rows, recv_rows, self.group)
+            back = inverse_permutation(perm)
+            y_local = experts(PermuteRows.apply(received, perm, back), recv.sum(0))
+            y = AllToAllV.apply(PermuteRows.apply(y_local, back, perm), send_rows, recv_rows, self.group)
             self.last_dispatch = {"counts": counts.detach(), "received": recv.sum(0).detach(), "send": send_rows,
                                   "recv": recv_rows}
-        if self.routing.score_apply == "post":
-            y = y * w_sorted.unsqueeze(-1)
-        y = y.index_select(0, _inverse(order))  # back to (token, slot) order
-        return y.view(T, k, y.shape[-1]).sum(dim=1)
-
-
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
+        post = weights if self.routing.score_apply == "post" else None
+        return CombineRows.apply(y, post, order, inverse, k)  # back to tokens, summed over their k slots
