@@ -13,7 +13,9 @@ one strip of the expert's weight in L2. Row indices, offsets and pointer arithme
 Loads and stores are masked (never clamped: a clamp on the contiguous dimension would cost
 the 16-byte vector loads). Offsets are clamped in the kernel (to ``[previous end, T]``), so
 even invalid offsets cannot make it read or write out of bounds; outside CUDA graph capture
-they are also validated on the host first (one sync), with the reference's error messages.
+they are also validated on the host first (one sync), with the reference's error messages. An
+offsets tensor that passed is remembered (by identity and version counter), so a MoE layer's
+GEMMs that share one offsets tensor pay that sync once, not once per call.
 
 Backward (:data:`grouped_mm`, autograd-aware): ``dx`` is the same grouped kernel on
 ``grad_out`` and the per-expert transposed weights (a strided view, no copy); ``dw[e] =
@@ -26,6 +28,7 @@ zeroes the rows past the last offset, which torch leaves unwritten, in both dire
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -209,7 +212,22 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     if _capturing(x):
         return off64, None
     check_grouped_mm_shapes(x, weight, offsets)
-    return off64, last_offset(off64, x.shape[0])
+    return off64, _checked_last_offset(off64, x.shape[0])
+
+
+#: (weak reference to the int64 offsets last checked, their version counter, rows, last offset)
+_last_checked: tuple = (None, -1, -1, 0)
+
+
+def _checked_last_offset(off64: torch.Tensor, rows: int) -> int:
+    """``last_offset`` with its host sync skipped for the tensor checked last, unchanged since."""
+    global _last_checked
+    ref, version, checked_rows, last = _last_checked
+    if ref is not None and ref() is off64 and version == off64._version and checked_rows == rows:
+        return last
+    last = last_offset(off64, rows)
+    _last_checked = (weakref.ref(off64), off64._version, rows, last)
+    return last
 
 
 def _launch_grouped(a, b, off64, out, cfg: TileConfig | None):

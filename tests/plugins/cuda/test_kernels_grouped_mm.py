@@ -137,6 +137,28 @@ def test_torch_grouped_mm_weight_gradient_keeps_a_transposed_parameters_layout()
     _check(dx, want_dx, torch.bfloat16, 16, "dx")
 
 
+def test_offsets_shared_by_two_calls_are_checked_on_the_host_once(monkeypatch):
+    """A MoE layer's two GEMMs share one offsets tensor: one host check (sync) between them; an in-place
+    change or a fresh tensor is checked again, so bad values still raise."""
+    calls = []
+    real = kg.last_offset
+    monkeypatch.setattr(kg, "last_offset", lambda off, rows: calls.append(rows) or real(off, rows))
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(12, 16, generator=gen).bfloat16()
+    w = torch.randn(2, 16, 16, generator=gen).bfloat16()
+    offsets = torch.tensor([5, 12])
+    first = kg.torch_grouped_mm(x, w, offsets)
+    second = kg.torch_grouped_mm(first, w, offsets)
+    assert len(calls) == 1
+    _check(second, reference(reference(x.double(), w.double(), offsets).bfloat16().double(), w.double(), offsets),
+           torch.bfloat16, 32, "second call")
+    offsets[0] = 13  # in place: version changes, checked again
+    with pytest.raises(ValueError, match="non-decreasing"):
+        kg.torch_grouped_mm(x, w, offsets)
+    kg.torch_grouped_mm(x, w, torch.tensor([5, 12]))
+    assert len(calls) == 3
+
+
 def test_torch_grouped_mm_wrapper_sends_what_torch_does_not_take_to_the_reference():
     x, w = torch.randn(10, 12), torch.randn(2, 12, 8)
     ok, why = kg.torch_grouped_mm_applies(x, w)
