@@ -61,7 +61,8 @@ class CombineRows(torch.autograd.Function):
             ctx.save_for_backward(order, None, None)
             return per_slot.sum(dim=1)
         ctx.save_for_backward(order, weights, per_slot if ctx.needs_input_grad[1] else None)
-        return (per_slot * weights.unsqueeze(-1)).sum(dim=1)
+        # batched [1, k] @ [k, H]: one read of the rows, no broadcast multiply
+        return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -72,5 +73,5 @@ class CombineRows(torch.autograd.Function):
         if weights is not None:
             d_y.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(-1))
             if ctx.needs_input_grad[1]:
-                d_w = (per_slot * grad.unsqueeze(1)).sum(dim=-1)
+                d_w = torch.bmm(per_slot, grad.unsqueeze(-1)).squeeze(-1)
         return d_y, d_w, None, None, None
