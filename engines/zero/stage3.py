@@ -12,8 +12,8 @@ owns parameters:
   backward gathers them again before the module's own backward runs;
 - a post-accumulate-grad hook per trainable parameter: hold its gradient for its reduce
   bucket and release the parameter. Buckets are fixed groups of about ``reduce_bucket_size``
-  gathered elements, reduce-scattered into each rank's fp32 gradient partition in the
-  rank-independent order of :class:`~.bucket_order.BucketOrder`.
+  gathered elements (one parameter each at world size 1), reduce-scattered into each rank's
+  gradient partition in the rank-independent order of :class:`~.bucket_order.BucketOrder`.
 
 Parameters of at most ``stage3_param_persistence_threshold`` elements stay gathered all the
 time (their optimizer state is still partitioned; they are re-gathered after each step).
@@ -343,7 +343,12 @@ class ShardedParameters:
     # --------------------------------------------------------------- gradients
     def _grad_buckets(self) -> list[list[int]]:
         """Fixed reduction buckets: trainable parameters in reverse registration order (roughly the order
-        backward produces them), about ``reduce_bucket_size`` gathered elements each."""
+        backward produces them), about ``reduce_bucket_size`` gathered elements each.
+
+        At world size 1 every parameter is a bucket of its own: with nothing to exchange there is no
+        collective to amortise, and waiting for a full bucket would hold a bucket's worth of gradients in
+        backward, where the step's memory peaks."""
+        limit = self.bucket_size if self.world > 1 else 1
         buckets, current, elems = [], [], 0
         for index in sorted(self._by_index, reverse=True):
             info = self._by_index[index]
@@ -351,7 +356,7 @@ class ShardedParameters:
                 continue
             current.append(index)
             elems += info.shard_size * self.world
-            if elems >= self.bucket_size:
+            if elems >= limit:
                 buckets.append(current)
                 current, elems = [], 0
         if current:
@@ -373,6 +378,9 @@ class ShardedParameters:
 
     def _reduce_bucket(self, k: int) -> None:
         entries = [self._by_index[i] for i in self._buckets[k]]
+        if self.world == 1:
+            self._settle(entries, self._own_sum(entries))
+            return
         total = sum(i.shard_size for i in entries)
         inp = torch.zeros(self.world, total, dtype=self.compute_dtype, device=self.device)
         col = 0
@@ -384,10 +392,6 @@ class ShardedParameters:
                     g = F.pad(g, (0, s * self.world - info.numel))
                 inp[:, col:col + s].copy_(g.view(self.world, s))
             col += s
-        if self.world == 1:  # the sum over one rank
-            inp.div_(self.divisor)
-            self._settle(entries, inp.view(-1))
-            return
         out = torch.empty(total, dtype=self.compute_dtype, device=self.device)
         if self.stream is not None:
             self.stream.wait_stream(self.accelerator.current_stream())
@@ -401,6 +405,14 @@ class ShardedParameters:
                 self._settle(entries, out)
                 return
         self._pending.append((entries, work, out, inp))
+
+    def _own_sum(self, entries: list[_Info]) -> torch.Tensor:
+        """World size 1: the bucket's gradients as one flat tensor, divided, without packing a copy first."""
+        flat = [self._grads.pop(i.index, None) for i in entries]
+        flat = [torch.zeros(i.numel, dtype=self.compute_dtype, device=self.device) if g is None
+                else g.to(self.compute_dtype) for g, i in zip(flat, entries, strict=True)]
+        out = flat[0] if len(flat) == 1 else torch.cat(flat)
+        return out / self.divisor if self.divisor != 1 else out
 
     def _settle(self, entries: list[_Info], out: torch.Tensor) -> None:
         col, every_fresh = 0, True

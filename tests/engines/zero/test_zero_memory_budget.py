@@ -147,3 +147,26 @@ def test_destroy_gives_the_training_state_back_at_once(stage):
         gc.enable()
     after = engine.full_state_dict()  # the parameters themselves survive, in the compute dtype
     assert set(after) == set(weights) and all(torch.equal(after[k], weights[k]) for k in weights)
+
+
+def test_stage3_at_world_size_one_settles_each_gradient_without_waiting_for_a_bucket():
+    """Nothing to exchange at world size 1: a gradient goes to the partition when it arrives (at most the
+    order's small gaps wait), however large ``reduce_bucket_size`` is, so backward never holds a bucket."""
+    model = build_model("llama", torch.float32, edge=False)
+    sizes = sorted((p.numel() for p in model.parameters()), reverse=True)
+    engine = polyaccel.initialize(model, _config(3, zero={"reduce_bucket_size": 10**9}))
+    part, pending = engine.partitioner, []
+    reduce = part._reduce_bucket
+
+    def counting(k):
+        pending.append(sum(g.numel() for g in part._grads.values()))
+        reduce(k)
+
+    part._reduce_bucket = counting
+    try:
+        engine.backward(lm_loss(engine, _ids(0)))
+        engine.step()
+        assert len(pending) == len(sizes)  # one settle per parameter
+        assert max(pending) <= 2 * sizes[0] < sum(sizes) / 2, (max(pending), sizes[:2])
+    finally:
+        engine.destroy()
