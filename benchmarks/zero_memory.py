@@ -1,10 +1,12 @@
 """Where a ZeRO step's device memory goes, phase by phase, beside plain torch (world size 1).
 
-    python benchmarks/zero_memory.py [--size 220m] [--stages 1,2,3]
+    python benchmarks/zero_memory.py [--size 220m] [--stages 1,2,3] [--snapshot DIR]
 
 For each engine: memory held after set-up, then per phase of the third step the memory held at
 its start and the peak inside it (forward, backward, optimizer step), in GiB. The difference
-between two engines' peaks in the same phase points at the buffers one of them keeps.
+between two engines' peaks in the same phase points at the buffers one of them keeps. With
+``--snapshot DIR`` (CUDA), each engine's allocations are recorded from before it is built and
+``memory_peak.py`` prints what is live at its peak, by allocation site (the pickle stays in DIR).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import os
+import pickle
 
 import torch
 
@@ -39,6 +43,7 @@ def main() -> int:
     ap.add_argument("--offload", action="store_true", help="offload the optimizer too")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--snapshot", metavar="DIR", help="record each engine's allocations (CUDA) and report its peak")
     ap.add_argument("--live", type=int, default=8, metavar="N",
                     help="after each engine's steps, list the N largest storages still referenced (0: none)")
     args = ap.parse_args()
@@ -53,6 +58,24 @@ def main() -> int:
     gib = 2.0**30
     base_model = build(args)
     data = batches(args, 3)
+
+    def record(name):
+        """Start recording allocations for ``name``'s engine; returns the function that ends and reports it."""
+        if not args.snapshot or device.type != "cuda":
+            return lambda: None
+        from memory_peak import peak_report
+
+        os.makedirs(args.snapshot, exist_ok=True)
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python", clear_history=True)
+
+        def finish():
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            path = os.path.join(args.snapshot, name.replace(" ", "_") + ".pickle")
+            with open(path, "wb") as f:
+                pickle.dump(snap, f)
+            print(peak_report(snap), flush=True)
+        return finish
 
     def phases(name, forward, backward, step):
         rows = []
@@ -79,6 +102,7 @@ def main() -> int:
         if args.live:
             print(live_device_tensors(device, args.live), flush=True)
 
+    done = record("torch")
     model = copy.deepcopy(base_model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
 
@@ -88,6 +112,7 @@ def main() -> int:
 
     phases("torch AdamW fused + autocast", torch_forward, lambda loss: loss.backward(),
            lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
+    done()
     model = opt = None
     gc.collect()
     acc.empty_cache()
@@ -96,11 +121,13 @@ def main() -> int:
         zero = {"stage": stage, "reduce_bucket_size": 50_000_000}
         if args.offload:
             zero["offload_optimizer"] = {"device": "cpu"}
+        done = record(f"stage {stage}")
         engine = polyaccel.initialize(copy.deepcopy(base_model), {
             "bf16": {"enabled": True}, "zero_optimization": zero,
             "optimizer": {"type": "adamw", "params": {"lr": 1e-4, "weight_decay": 0.01}}})
         phases(f"polyaccel stage {stage}", lambda ids, engine=engine: engine(input_ids=ids, labels=ids).loss,
                engine.backward, engine.step)
+        done()
         engine.destroy()
         engine = None
         gc.collect()
