@@ -2,7 +2,8 @@
 # One device call for the ZeRO benchmarks: install polyaccel (and DeepSpeed from .wheels when
 # present), then run each named step under its own time limit, logging to OUTDIR/<step>.log.
 #   bash benchmarks/zero_device_run.sh OUTDIR STEP...
-# Steps: peers220m peers1b iso220m isooff phases2 overlap2 memory memoff overlap3 profile3 profile3o profile3g ckpt
+# Steps: peers220m peers1b iso220m isooff phases2 overlap2 memory memoff memsnap overlap3 profile3 profile3o profile3g
+#        ckpt
 set -u
 OUT=${1:?usage: zero_device_run.sh OUTDIR STEP...}
 shift
@@ -30,6 +31,7 @@ for step in "$@"; do
     overlap2) run overlap2 python3 zero_offload_phases.py --stage 2 --overlap ;;
     memory) run memory python3 zero_memory.py ;;
     memoff) run memoff python3 zero_memory.py --offload --stages 1,2,3 ;;
+    memsnap) run memsnap python3 zero_memory.py --stages 2,3 --snapshot "$OUT/snapshots" ;;
     overlap3) run overlap3 python3 zero_offload_phases.py --stage 3 --overlap ;;
     profile3o) run profile3o python3 zero_profile.py --stage 3 --offload --rows 25 ;;
     profile3) run profile3 python3 zero_profile.py --stage 3 ;;
