@@ -6,6 +6,7 @@ import math
 import os
 import socket
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from polyaccel.errors import ConfigError
@@ -43,6 +44,15 @@ class ParamGroup:
     optimizer: PartitionOptimizer
     copies: int
     grad_sum: Collectives | None
+
+
+def _pack_saved(packers, t: torch.Tensor):
+    """Saved-tensor pack hook over every stage-3 group: a parameter reference where one recognises ``t``."""
+    for pack in packers:
+        ref = pack(t)
+        if ref is not None:
+            return ref
+    return t
 
 
 def _free_port() -> int:
@@ -237,7 +247,13 @@ class ZeroEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        packers = [g.partitioner.pack_saved for g in self.groups if hasattr(g.partitioner, "pack_saved")]
+        if not packers:
+            return self.module(*args, **kwargs)
+        from .stage3 import unpack_saved
+
+        with torch.autograd.graph.saved_tensors_hooks(partial(_pack_saved, packers), unpack_saved):
+            return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)

@@ -77,6 +77,35 @@ class _Gather:
         self.done = True
 
 
+class _SavedParam:
+    """What autograd keeps, during forward, in place of a saved tensor that is (a view of) a gathered
+    parameter: the parameter and the view's geometry. Keeping the tensor would keep the gathered storage
+    alive after the module's forward has released it (``linear`` saves ``weight.t()``, a view), so every
+    layer's gathered weights would stay until its backward. Unpacked in backward, after the module's
+    parameters were gathered again, as the same view of the new storage."""
+
+    __slots__ = ("info", "size", "stride", "offset")
+
+    def __init__(self, info, t: torch.Tensor):
+        self.info = info
+        self.size, self.stride = t.size(), t.stride()
+        self.offset = t.storage_offset() - info.param.storage_offset()
+
+    def load(self) -> torch.Tensor:
+        p = self.info.param
+        if p.numel() != self.info.numel:
+            raise RuntimeError(
+                f"ZeRO stage 3: backward needs parameter {self.info.name!r}, which is not gathered now; a tensor "
+                "saved in forward refers to it outside the backward of the module that owns it. Mark the module "
+                "that uses it as a leaf (zero_optimization.stage3_leaf_modules) so it is gathered with its user.")
+        return p.detach().as_strided(self.size, self.stride, p.storage_offset() + self.offset)
+
+
+def unpack_saved(x):
+    """The unpack hook that goes with :meth:`ShardedParameters.pack_saved`."""
+    return x.load() if isinstance(x, _SavedParam) else x
+
+
 class _PreBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, owner, module, *outputs):
@@ -205,8 +234,15 @@ class ShardedParameters:
         self._ahead = 0
         self._outstanding: list[_Gather] = []
         self._modules: dict[int, torch.nn.Module] = {id(m): m for m in model.modules()}
+        self._in_forward: dict[int, _Info] = {}  # parameters gathered for a forward that has not returned
 
     # ------------------------------------------------------------------ gather
+    @property
+    def _gathers_in_place(self) -> bool:
+        """World size 1 with the shards on the device: each shard is its whole parameter, so a gather is a view
+        (or a cast from the master) with no communication to overlap."""
+        return self.world == 1 and not self.offload_param
+
     def _shard(self, info: _Info) -> torch.Tensor:
         """A parameter's shard in the compute dtype: stored, or (``derive_shards``: the master partition is on
         the device) cast from the master where it is needed. Keeping a 16-bit copy of every trainable shard
@@ -221,7 +257,7 @@ class ShardedParameters:
         infos = [i for i in infos if i.inflight is None and i.param.numel() != i.numel]
         if not infos:
             return None
-        if self.world == 1 and not self.offload_param:  # each shard on the device is its whole parameter
+        if self._gathers_in_place:
             for i in infos:
                 i.param.data = self._shard(i)[:i.numel].view(i.shape)
             return None
@@ -305,6 +341,8 @@ class ShardedParameters:
         trace entry is looked at about once per iteration."""
         if not self._trace_done or self.prefetch_budget <= 0 or self._cursor > len(self._trace):
             return
+        if self._gathers_in_place:  # nothing to overlap; an early "gather" would only hold the parameter longer
+            return
         self._outstanding = [g for g in self._outstanding if not g.done]
         inflight = sum(g.numel for g in self._outstanding)
         i = max(self._ahead, self._cursor)
@@ -324,14 +362,33 @@ class ShardedParameters:
     def _pre_forward(self, module, args):
         for info in self._fetch(module):
             info.active += 1
+            if not info.persistent:
+                self._in_forward[id(info)] = info
 
     def _post_forward(self, module, args, output):
         for info in self._module_params[id(module)]:
             info.active -= 1
+            if info.active <= 0:
+                self._in_forward.pop(id(info), None)
             self._release(info)
         if not torch.is_grad_enabled():
             return output
         return self._wrap_outputs(module, output)
+
+    def pack_saved(self, t: torch.Tensor) -> _SavedParam | None:
+        """A reference in place of ``t`` when ``t`` is (a view of) a parameter gathered for a running forward
+        (see :class:`_SavedParam`); None for any other tensor."""
+        if not self._in_forward or not t.numel():
+            return None
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor without a plain storage
+            return None
+        for info in self._in_forward.values():
+            p = info.param
+            if p.numel() and p.untyped_storage().data_ptr() == ptr:
+                return _SavedParam(info, t)
+        return None
 
     def _wrap_outputs(self, module, output):
         tensors = _tensors_needing_grad(output, [])
@@ -455,6 +512,7 @@ class ShardedParameters:
             # activation checkpointing stops its recomputation early by raising inside the module)
             info.active = 0
             self._release(info)
+        self._in_forward.clear()
         if self._trace and not self._trace_done:
             self._trace_done = True
         self._cursor = 0
@@ -523,6 +581,7 @@ class ShardedParameters:
                 info.inflight.finish(self.world)
             info.active = 0
             self._release(info)
+        self._in_forward.clear()
         persistent = [i for i in self.infos.values() if i.persistent and i.index is not None and i.numel]
         if persistent:
             for i in persistent:

@@ -170,3 +170,47 @@ def test_stage3_at_world_size_one_settles_each_gradient_without_waiting_for_a_bu
         assert max(pending) <= 2 * sizes[0] < sum(sizes) / 2, (max(pending), sizes[:2])
     finally:
         engine.destroy()
+
+
+def _first_node_saving(fn, attr):
+    seen, todo = set(), [fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if attr in dir(fn):  # (hasattr would read, and so unpack, the saved tensor)
+            return fn
+        todo.extend(f for f, _ in fn.next_functions)
+    raise AssertionError(f"no autograd node with {attr}")
+
+
+def test_stage3_frees_each_gathered_parameter_after_its_forward_though_autograd_saved_views_of_it():
+    """``linear`` saves ``weight.t()``, a view that would keep the gathered storage alive until backward (every
+    layer's weights at once at the end of forward). Stage 3 saves a reference instead: each gathered storage is
+    gone once its module's forward returns; backward gathers again (the parity tests check its numbers)."""
+    engine = polyaccel.initialize(build_model("llama", torch.float32, edge=False), _config(3))
+    engine.backward(lm_loss(engine, _ids(0)))  # a first step records the module order
+    engine.step()
+    refs = []
+
+    def remember(module, args):
+        refs.extend(p.untyped_storage()._weak_ref() for p in module.parameters(recurse=False) if p.numel())
+
+    hooks = [m.register_forward_pre_hook(remember) for m in engine.module.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        loss = lm_loss(engine, _ids(1))
+        for h in hooks:
+            h.remove()
+        assert len(refs) >= 8
+        alive = [r for r in refs if not torch.UntypedStorage._expired(r)]
+        assert not alive, f"{len(alive)} of {len(refs)} gathered weights still allocated after forward"
+        node = _first_node_saving(loss.grad_fn, "_saved_mat2")  # a linear's saved weight view
+        with pytest.raises(RuntimeError, match="which is not gathered now"):
+            node._saved_mat2  # noqa: B018 - reading it unpacks it, outside the module's backward
+        engine.backward(loss)
+        engine.step()
+    finally:
+        for r in refs:
+            torch.UntypedStorage._free_weak_ref(r)
+        engine.destroy()
