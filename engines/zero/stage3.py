@@ -384,9 +384,11 @@ class ShardedParameters:
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):  # a tensor without a plain storage
             return None
-        for info in self._in_forward.values():
+        off = t.storage_offset()
+        for info in self._in_forward.values():  # (parameters of one gather may share a storage: match the range)
             p = info.param
-            if p.numel() and p.untyped_storage().data_ptr() == ptr:
+            if (p.numel() and p.dtype == t.dtype and p.untyped_storage().data_ptr() == ptr
+                    and p.storage_offset() <= off < p.storage_offset() + p.numel()):
                 return _SavedParam(info, t)
         return None
 
