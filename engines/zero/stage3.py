@@ -7,9 +7,13 @@ owns parameters:
 
 - forward pre-hook: gather the module's parameters (one coalesced ``all_gather_into_tensor``
   for those not already present) and, from the second iteration on, prefetch the next modules'
-  parameters in the recorded order, within ``stage3_prefetch_bucket_size`` elements;
+  parameters in the recorded order, within ``stage3_prefetch_bucket_size`` elements (not at
+  world size 1 with the shards on the device, where a gather is a view or a cast);
 - forward post-hook: release them, and wrap the outputs in an identity autograd function whose
-  backward gathers them again before the module's own backward runs;
+  backward gathers them again before the module's own backward runs. While the model's forward
+  runs (the engine installs a saved-tensor hook), a tensor autograd saves that is a view of a
+  gathered parameter is kept as a reference to the parameter (:class:`_SavedParam`), so the
+  release really frees the gathered storage;
 - a post-accumulate-grad hook per trainable parameter: hold its gradient for its reduce
   bucket and release the parameter. Buckets are fixed groups of about ``reduce_bucket_size``
   gathered elements (one parameter each at world size 1), reduce-scattered into each rank's
