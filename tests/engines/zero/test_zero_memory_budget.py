@@ -219,7 +219,7 @@ def test_stage3_frees_each_gathered_parameter_after_its_forward_though_autograd_
 @pytest.mark.parametrize("kw", [{}, {"granularity": 3000, "offload": True, "offload_param": True}],
                          ids=["plain", "whole-layers-offload-param"])
 def test_stage3_at_world_size_one_matches_plain_training_with_saved_parameter_references(kw):
-    """World size 1 in float64, against plain training: in-place gathers (casts of the master) and whole decoder
+    """World size 1 in float64, against plain training: in-place gathers (views of the master here) and whole decoder
     layers uploaded from the host, each saved parameter view resolved again in backward."""
     from zero_testlib import reference_run, train_engine, zero_config
 
