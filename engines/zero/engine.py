@@ -108,6 +108,12 @@ class ZeroEngine:
         self.scaler = LossScaler(cfg.fp16)
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.groups = self._build_groups(model, alloc_master, self.reduction_stream)
+        packers = [g.partitioner.pack_saved for g in self.groups if hasattr(g.partitioner, "pack_saved")]
+        self._saved_tensor_hooks = None  # stage 3: (pack, unpack), installed around every forward
+        if packers:
+            from .stage3 import unpack_saved
+
+            self._saved_tensor_hooks = (partial(_pack_saved, packers), unpack_saved)
         first = self.groups[0]
         self.partitioner, self.optimizer = first.partitioner, first.optimizer
         self.global_steps = 0
@@ -247,12 +253,9 @@ class ZeroEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        packers = [g.partitioner.pack_saved for g in self.groups if hasattr(g.partitioner, "pack_saved")]
-        if not packers:
+        if self._saved_tensor_hooks is None:
             return self.module(*args, **kwargs)
-        from .stage3 import unpack_saved
-
-        with torch.autograd.graph.saved_tensors_hooks(partial(_pack_saved, packers), unpack_saved):
+        with torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_hooks):
             return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> ZeroEngine:

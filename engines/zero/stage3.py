@@ -382,12 +382,9 @@ class ShardedParameters:
     def pack_saved(self, t: torch.Tensor) -> _SavedParam | None:
         """A reference in place of ``t`` when ``t`` is (a view of) a parameter gathered for a running forward
         (see :class:`_SavedParam`); None for any other tensor."""
-        if not self._in_forward or not t.numel():
-            return None
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # a tensor without a plain storage
-            return None
+        if not self._in_forward or not t.numel() or t.layout is not torch.strided or t.is_nested:
+            return None  # (a parameter is a plain strided tensor; sparse and nested ones have no single storage)
+        ptr = t.untyped_storage().data_ptr()
         off = t.storage_offset()
         for info in self._in_forward.values():  # (parameters of one gather may share a storage: match the range)
             p = info.param
@@ -441,8 +438,12 @@ class ShardedParameters:
 
     def _reduce_bucket(self, k: int) -> None:
         entries = [self._by_index[i] for i in self._buckets[k]]
-        if self.world == 1:
-            self._settle(entries, self._own_sum(entries))
+        if self.world == 1:  # one parameter per bucket (see _grad_buckets), nothing to exchange: no packed copy
+            (info,) = entries
+            g = self._grads.pop(info.index, None)
+            g = torch.zeros(info.numel, dtype=self.compute_dtype, device=self.device) if g is None \
+                else g.to(self.compute_dtype)
+            self._settle(entries, g / self.divisor if self.divisor != 1 else g)
             return
         total = sum(i.shard_size for i in entries)
         inp = torch.zeros(self.world, total, dtype=self.compute_dtype, device=self.device)
@@ -468,14 +469,6 @@ class ShardedParameters:
                 self._settle(entries, out)
                 return
         self._pending.append((entries, work, out, inp))
-
-    def _own_sum(self, entries: list[_Info]) -> torch.Tensor:
-        """World size 1: the bucket's gradients as one flat tensor, divided, without packing a copy first."""
-        flat = [self._grads.pop(i.index, None) for i in entries]
-        flat = [torch.zeros(i.numel, dtype=self.compute_dtype, device=self.device) if g is None
-                else g.to(self.compute_dtype) for g, i in zip(flat, entries, strict=True)]
-        out = flat[0] if len(flat) == 1 else torch.cat(flat)
-        return out / self.divisor if self.divisor != 1 else out
 
     def _settle(self, entries: list[_Info], out: torch.Tensor) -> None:
         col, every_fresh = 0, True
