@@ -167,6 +167,7 @@ class ShardedParameters:
         self.stream = reduction_stream
         self.accelerator = accelerator
         self.offload_param = config.offload_param.enabled
+        self.offload_optimizer = config.offload_optimizer.enabled
         self.eager = eager  # False: reduce every bucket after backward (the engine orders several groups)
         self.transfer = transfer or HostTransfer(HostBuffers(accelerator), accelerator, device)
         self.divisor = divisor or coll.world  # gradients are averaged over this many data-parallel ranks
@@ -405,10 +406,12 @@ class ShardedParameters:
         """Fixed reduction buckets: trainable parameters in reverse registration order (roughly the order
         backward produces them), about ``reduce_bucket_size`` gathered elements each.
 
-        At world size 1 every parameter is a bucket of its own: with nothing to exchange there is no
-        collective to amortise, and waiting for a full bucket would hold a bucket's worth of gradients in
-        backward, where the step's memory peaks."""
-        limit = self.bucket_size if self.world > 1 else 1
+        At world size 1 every parameter is a bucket of its own unless the optimizer is offloaded: with
+        nothing to exchange there is no collective to amortise, and waiting for a full bucket would hold a
+        bucket's worth of gradients in backward, where the step's memory peaks. With the optimizer offloaded
+        a bucket is also the unit of the copy down and of the overlapped host step, whose fixed costs (an
+        event, a thread hand-off, an optimizer call, an upload) are paid per bucket."""
+        limit = 1 if self.world == 1 and not self.offload_optimizer else self.bucket_size
         buckets, current, elems = [], [], 0
         for index in sorted(self._by_index, reverse=True):
             info = self._by_index[index]
@@ -438,11 +441,11 @@ class ShardedParameters:
 
     def _reduce_bucket(self, k: int) -> None:
         entries = [self._by_index[i] for i in self._buckets[k]]
-        if self.world == 1:  # one parameter per bucket (see _grad_buckets), nothing to exchange: no packed copy
-            (info,) = entries
-            g = self._grads.pop(info.index, None)
-            g = torch.zeros(info.numel, dtype=self.compute_dtype, device=self.device) if g is None \
-                else g.to(self.compute_dtype)
+        if self.world == 1:  # nothing to exchange: the gradients themselves (one parameter: no packed copy)
+            flat = [self._grads.pop(i.index, None) for i in entries]
+            flat = [torch.zeros(i.numel, dtype=self.compute_dtype, device=self.device) if g is None
+                    else g.to(self.compute_dtype) for g, i in zip(flat, entries, strict=True)]
+            g = flat[0] if len(flat) == 1 else torch.cat(flat)
             self._settle(entries, g / self.divisor if self.divisor != 1 else g)
             return
         total = sum(i.shard_size for i in entries)

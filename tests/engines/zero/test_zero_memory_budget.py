@@ -266,3 +266,27 @@ def test_stage3_saved_tensor_hook_passes_sparse_tensors_through():
         engine.destroy()
     for name, p in plain.named_parameters():
         torch.testing.assert_close(got[name], p.grad.reshape(-1), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_stage3_at_world_size_one_keeps_buckets_when_the_optimizer_is_offloaded():
+    """With the optimizer offloaded a bucket is the unit of the copy down and of the host step, so world size 1
+    keeps ``reduce_bucket_size`` buckets there (one per parameter would pay those fixed costs per parameter);
+    the gradients and the step still equal the per-parameter run's."""
+    results = {}
+    for offload in (False, True):
+        zero = {"reduce_bucket_size": 10**9}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        torch.manual_seed(0)
+        engine = polyaccel.initialize(build_model("llama", torch.float64, edge=False), _config(3, zero=zero))
+        try:
+            n_params = sum(1 for p in engine.module.parameters() if p.requires_grad)
+            assert len(engine.partitioner._buckets) == (1 if offload else n_params)
+            engine.backward(lm_loss(engine, _ids(0)))
+            engine.step()
+            results[offload] = {k: v.clone() for k, v in engine.full_state_dict().items()}
+        finally:
+            engine.destroy()
+    assert results[True].keys() == results[False].keys()
+    for k in results[False]:
+        torch.testing.assert_close(results[True][k], results[False][k], rtol=1e-10, atol=1e-12)
