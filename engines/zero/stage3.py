@@ -483,7 +483,9 @@ class ShardedParameters:
             self.transfer.add_later(self.grad[off:off + s], out[col:col + s], self.grad, fresh, track=False)
             every_fresh = every_fresh and fresh
             col += s
-        self.transfer.track(self.grad, out[:col], every_fresh)  # one norm per bucket, not one per parameter
+        if self.offload_optimizer:  # one norm per bucket on the device, so the host never reduces the partition
+            self.transfer.track(self.grad, out[:col], every_fresh)
+        # (a partition on the device is reduced once at the step: one kernel, not four launches per bucket)
         if self.on_settle is not None:
             ranges = []
             for info in sorted(entries, key=lambda i: self.layout.part_offsets[i.index]):
