@@ -61,8 +61,12 @@ class CombineRows(torch.autograd.Function):
             ctx.save_for_backward(order, None, None)
             return per_slot.sum(dim=1)
         ctx.save_for_backward(order, weights, per_slot if ctx.needs_input_grad[1] else None)
-        # batched [1, k] @ [k, H]: one read of the rows, no broadcast multiply
-        return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)
+        # slot by slot into one [T, H] result: no [T, k, H] product is materialised, and each pass is a plain
+        # element-wise kernel (a batched [1, k] @ [k, H] product runs as a GEMV several times slower)
+        out = per_slot[:, 0] * weights[:, :1]
+        for j in range(1, k):
+            out.addcmul_(per_slot[:, j], weights[:, j:j + 1])
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
