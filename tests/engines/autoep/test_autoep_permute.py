@@ -23,10 +23,10 @@ def test_inverse_permutation():
     assert torch.equal(perm[inv], torch.arange(50)) and torch.equal(inv[perm], torch.arange(50))
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, 3, 5])  # (up to 3 slots the combine weights slot by slot, above in one bmm)
 def test_dispatch_and_combine_match_index_select_autograd(k):
     gen = torch.Generator().manual_seed(k)
-    T, H, E = 13, 6, 5
+    T, H, E = 13, 6, 7
     order, inverse = _routing(T, k, E, gen)
     x = torch.randn(T, H, dtype=torch.float64, generator=gen, requires_grad=True)
     w = torch.rand(T, k, dtype=torch.float64, generator=gen, requires_grad=True)
