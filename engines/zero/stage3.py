@@ -483,9 +483,10 @@ class ShardedParameters:
             self.transfer.add_later(self.grad[off:off + s], out[col:col + s], self.grad, fresh, track=False)
             every_fresh = every_fresh and fresh
             col += s
-        if self.offload_optimizer:  # one norm per bucket on the device, so the host never reduces the partition
+        # the norm on the way down only for a partition on the host, which should never have to reduce it; one
+        # on the device is reduced once at the step (one kernel, not four launches per bucket)
+        if self.offload_optimizer:
             self.transfer.track(self.grad, out[:col], every_fresh)
-        # (a partition on the device is reduced once at the step: one kernel, not four launches per bucket)
         if self.on_settle is not None:
             ranges = []
             for info in sorted(entries, key=lambda i: self.layout.part_offsets[i.index]):
