@@ -16,8 +16,9 @@ owns parameters:
   release really frees the gathered storage;
 - a post-accumulate-grad hook per trainable parameter: hold its gradient for its reduce
   bucket and release the parameter. Buckets are fixed groups of about ``reduce_bucket_size``
-  gathered elements (one parameter each at world size 1), reduce-scattered into each rank's
-  gradient partition in the rank-independent order of :class:`~.bucket_order.BucketOrder`.
+  gathered elements (at world size 1 one parameter each, unless the optimizer is offloaded),
+  reduce-scattered into each rank's gradient partition in the rank-independent order of
+  :class:`~.bucket_order.BucketOrder`.
 
 Parameters of at most ``stage3_param_persistence_threshold`` elements stay gathered all the
 time (their optimizer state is still partitioned; they are re-gathered after each step).
