@@ -2,7 +2,7 @@
 # One device call for the ZeRO benchmarks: install polyaccel (and DeepSpeed from .wheels when
 # present), then run each named step under its own time limit, logging to OUTDIR/<step>.log.
 #   bash benchmarks/zero_device_run.sh OUTDIR STEP...
-# Steps: peers220m peers1b iso220m isooff phases2 overlap2 memory memoff memsnap overlap3 profile3 profile3o profile3g
+# Steps: peers220m peers1b iso220m iso3r isooff phases2 overlap2 memory memoff memsnap overlap3 profile3 profile3o profile3g
 #        ckpt
 set -u
 OUT=${1:?usage: zero_device_run.sh OUTDIR STEP...}
@@ -26,6 +26,8 @@ for step in "$@"; do
     peers220m) run peers220m python3 zero_gpu.py --out "$OUT/zero220m.json" ;;
     peers1b) run peers1b python3 zero_gpu.py --size 1b --no-granular --steps 5 --out "$OUT/zero1b.json" ;;
     iso220m) run iso220m python3 zero_gpu.py --isolate --steps 6 --out "$OUT/iso220m.json" ;;
+    iso3r) run iso3r python3 zero_gpu.py --isolate --rounds 3 --only "stage 3" --no-granular --peers fsdp2 --steps 8 \
+             --out "$OUT/iso3r.json" ;;
     isooff) run isooff python3 zero_gpu.py --isolate --only offload --no-granular --steps 4 --out "$OUT/isooff.json" ;;
     phases2) run phases2 python3 zero_offload_phases.py --stage 2 ;;
     overlap2) run overlap2 python3 zero_offload_phases.py --stage 2 --overlap ;;

@@ -8,6 +8,7 @@ offload saves; it cannot show communication savings. Baseline in the same proces
 section (offload buffers pinned) and torch FSDP2 (``zero_peers.py`` says how it is set up).
 
     python benchmarks/zero_gpu.py [--size 220m|1b] [--peers deepspeed,fsdp2] [--only "stage 3"] [--out x.json]
+    python benchmarks/zero_gpu.py --isolate --rounds 3 --only "stage 3" --no-granular   # one process per row
 
 Every configuration starts from the same initial weights and sees the same batches, so the first
 loss must agree across rows and the last losses should be close (bf16). A row's peak is the
@@ -98,42 +99,74 @@ def row_names(args, peers) -> list[str]:
 
 
 def run_isolated(args, peers) -> int:
+    """Every row in a fresh process, ``--rounds`` times over, the rows interleaved within a round (so a slow
+    stretch of the host falls on every row alike); a row's step time is the mean over the rounds."""
     import subprocess
     import sys
     import tempfile
 
     argv = [a for a in sys.argv[1:] if a != "--isolate"]
-    if "--out" in argv:
-        i = argv.index("--out")
-        del argv[i:i + 2]
-    rows, params = [], None
+    for flag in ("--out", "--rounds"):
+        if flag in argv:
+            i = argv.index(flag)
+            del argv[i:i + 2]
+    names = row_names(args, peers)
+    runs: dict[str, list[dict]] = {}
+    failed: dict[str, str] = {}
+    skipped: set[str] = set()
+    params = None
     with tempfile.TemporaryDirectory() as tmp:
-        for i, name in enumerate(row_names(args, peers)):
-            out = os.path.join(tmp, f"{i}.json")
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--row", name, "--out", out],
-                                  capture_output=True, text=True)
-            result = {"rows": []}
-            if os.path.exists(out):
-                with open(out) as f:
-                    result = json.load(f)
-            got = result["rows"]
-            if not got:
-                tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-                skipped = [line for line in tail if "skipped" in line]
-                print(skipped[0] if skipped else f"{name}: FAILED (exit {proc.returncode}): {' | '.join(tail)}",
-                      flush=True)
-                if not skipped:
-                    rows.append({"config": name, "error": f"exit {proc.returncode}"})
-                continue
-            rows.extend(got)
-            r = got[0]
-            if "error" in r:
-                print(f"{name}: FAILED {r['error']}", flush=True)
-                continue
-            print(f"{name:45s} {r['step_ms']:9.1f} ms {r['peak_gib']:7.2f} GiB (own process)", flush=True)
-            params = result["params"]
-    report(args, peers, rows, params)
+        for rnd in range(args.rounds):
+            for i, name in enumerate(names):
+                if name in skipped or name in failed:
+                    continue
+                out = os.path.join(tmp, f"{rnd}-{i}.json")
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--row", name, "--out", out],
+                                      capture_output=True, text=True)
+                result = {"rows": []}
+                if os.path.exists(out):
+                    with open(out) as f:
+                        result = json.load(f)
+                got = result["rows"]
+                if not got:
+                    tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+                    skip = [line for line in tail if "skipped" in line]
+                    if skip:
+                        skipped.add(name)
+                        print(skip[0], flush=True)
+                    else:
+                        failed[name] = f"exit {proc.returncode}"
+                        print(f"{name}: FAILED (exit {proc.returncode}): {' | '.join(tail)}", flush=True)
+                    continue
+                r = got[0]
+                if "error" in r:
+                    failed[name] = r["error"]
+                    print(f"{name}: FAILED {r['error']}", flush=True)
+                    continue
+                runs.setdefault(name, []).append(r)
+                where = f"own process, round {rnd + 1} of {args.rounds}" if args.rounds > 1 else "own process"
+                print(f"{name:45s} {r['step_ms']:9.1f} ms {r['peak_gib']:7.2f} GiB ({where})", flush=True)
+                params = result["params"]
+    report(args, peers, merge_rounds(names, runs, failed), params)
     return 0
+
+
+def merge_rounds(names: list[str], runs: dict[str, list[dict]], failed: dict[str, str]) -> list[dict]:
+    """One row per name, in ``names``' order: the mean step time over its rounds (tokens/s to match), the
+    highest peak, and each round's time in ``round_ms``; a row that failed in any round is an error row, and
+    one that never ran (skipped) is left out."""
+    import statistics
+
+    rows = []
+    for name in names:
+        if name in failed:
+            rows.append({"config": name, "error": failed[name]})
+        elif name in runs:
+            got = runs[name]
+            ms = statistics.mean(r["step_ms"] for r in got)
+            rows.append({**got[0], "step_ms": ms, "tokens_per_s": got[0]["tokens_per_s"] * got[0]["step_ms"] / ms,
+                         "peak_gib": max(r["peak_gib"] for r in got), "round_ms": [r["step_ms"] for r in got]})
+    return rows
 
 
 def report(args, peers, rows, n_params=None) -> None:
@@ -148,7 +181,8 @@ def report(args, peers, rows, n_params=None) -> None:
             print(f"{r['config']:45s} FAILED: {r['error']}")
             continue
         speed = f"{base['step_ms'] / r['step_ms']:9.2f}" if base else f"{'':9s}"
-        print(f"{r['config']:45s} {r['step_ms']:9.1f} {speed} {r['peak_gib']:9.2f} {r['bytes_per_param']:8.1f}")
+        rounds = "  rounds: " + ", ".join(f"{ms:.1f}" for ms in r["round_ms"]) if len(r.get("round_ms", [])) > 1 else ""
+        print(f"{r['config']:45s} {r['step_ms']:9.1f} {speed} {r['peak_gib']:9.2f} {r['bytes_per_param']:8.1f}{rounds}")
     print("\npolyaccel / peer (time below 1: polyaccel faster; memory below 1: polyaccel smaller)")
     for name, _ in CONFIGS:
         ours = by_name.get(f"polyaccel {name}")
@@ -177,6 +211,8 @@ def main() -> int:
                     help="skip the extra stage-3 rows with decoder layers gathered whole")
     ap.add_argument("--isolate", action="store_true",
                     help="run every row in a fresh process (peaks then cannot include memory an earlier row left)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --isolate: run every row this many times (interleaved) and report the mean step time")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # --isolate's child: run this row only
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -184,6 +220,10 @@ def main() -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     peers = [p for p in args.peers.split(",") if p]
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rounds > 1 and not args.isolate:
+        ap.error("--rounds needs --isolate (rows run in one process share its allocator and caches)")
 
     if args.isolate:
         return run_isolated(args, peers)
