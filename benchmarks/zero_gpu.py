@@ -105,11 +105,14 @@ def run_isolated(args, peers) -> int:
     import sys
     import tempfile
 
-    argv = [a for a in sys.argv[1:] if a != "--isolate"]
-    for flag in ("--out", "--rounds"):
-        if flag in argv:
-            i = argv.index(flag)
-            del argv[i:i + 2]
+    argv, rest = [], iter(sys.argv[1:])
+    for a in rest:  # the child gets the same arguments less these (each as "--flag value" or "--flag=value")
+        if a == "--isolate" or a.startswith(("--out=", "--rounds=")):
+            continue
+        if a in ("--out", "--rounds"):
+            next(rest, None)
+            continue
+        argv.append(a)
     names = row_names(args, peers)
     runs: dict[str, list[dict]] = {}
     failed: dict[str, str] = {}
