@@ -3,7 +3,7 @@
 Every parameter keeps only its shard (``ceil(numel/world)`` elements, see
 :class:`~.partition.ShardLayout`) on the device (or in host memory with ``offload_param``);
 ``param.data`` is an empty tensor outside the module that uses it. Hooks on every module that
-owns parameters:
+owns a parameter that is not persistent (see below):
 
 - forward pre-hook: gather the module's parameters (one coalesced ``all_gather_into_tensor``
   for those not already present) and, from the second iteration on, prefetch the next modules'
@@ -217,6 +217,8 @@ class ShardedParameters:
                 continue
             for info in infos:
                 self._owner.setdefault(info.order, path)
+            if all(info.persistent for info in infos):  # always gathered (norms, biases): nothing for hooks to do
+                continue
             self._module_params[id(module)] = infos
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(module.register_forward_hook(self._post_forward))

@@ -290,3 +290,21 @@ def test_stage3_at_world_size_one_keeps_buckets_when_the_optimizer_is_offloaded(
     assert results[True].keys() == results[False].keys()
     for k in results[False]:
         torch.testing.assert_close(results[True][k], results[False][k], rtol=1e-10, atol=1e-12)
+
+
+def test_stage3_hooks_only_modules_with_something_to_gather():
+    """A module whose parameters are all persistent (always gathered: norms, small biases) gets no stage-3 hooks,
+    so its forward and backward pay no gather bookkeeping; a module with a partitioned weight does."""
+    model = build_model("llama", torch.float32, edge=False)
+    norms = [m for n, m in model.named_modules() if n.endswith("norm")]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    threshold = max(m.weight.numel() for m in norms)
+    assert norms and linears and min(m.weight.numel() for m in linears) > threshold
+    engine = polyaccel.initialize(model, _config(3, zero={"stage3_param_persistence_threshold": threshold}))
+    try:
+        assert all(not m._forward_pre_hooks and not m._forward_hooks for m in norms)
+        assert all(len(m._forward_pre_hooks) == 1 and len(m._forward_hooks) == 1 for m in linears)
+        engine.backward(lm_loss(engine, _ids(0)))
+        assert engine.step()
+    finally:
+        engine.destroy()
