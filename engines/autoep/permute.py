@@ -55,16 +55,25 @@ class DispatchRows(torch.autograd.Function):
 _MAX_SLOTS_ONE_BY_ONE = 3
 
 
-def _sum_slots(per_slot: torch.Tensor) -> torch.Tensor:
-    """``per_slot [T, k, H]`` summed over k; up to ``_MAX_SLOTS_ONE_BY_ONE`` slots as element-wise adds, as the
-    weighted combine does. (Not yet timed against the reduction over the middle dimension, which took 0.37 ms
-    of run 3's 32k-token top-2 step: ``autoep_combine.py`` prints both.)"""
+def _sum_slots(per_slot: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``per_slot [T, k, H]`` summed over k, each slot times its ``weights [T, k]`` column when given: up to
+    ``_MAX_SLOTS_ONE_BY_ONE`` slots one element-wise pass each, above that one batched product (weighted) or one
+    reduction. (The unweighted passes are not yet timed against the reduction over the middle dimension, which
+    took 0.37 ms of run 3's 32k-token top-2 step: ``autoep_combine.py`` prints both.) ``per_slot`` must be a
+    tensor of the caller's own: with one slot and no weights the result is a view of it."""
     k = per_slot.shape[1]
     if k > _MAX_SLOTS_ONE_BY_ONE:
-        return per_slot.sum(dim=1)
-    out = per_slot[:, 0].clone() if k == 1 else per_slot[:, 0] + per_slot[:, 1]
-    for j in range(2, k):
-        out.add_(per_slot[:, j])
+        if weights is None:
+            return per_slot.sum(dim=1)
+        return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)  # one read of the rows, no [T, k, H] product
+    if weights is None:
+        out = per_slot[:, 0] if k == 1 else per_slot[:, 0] + per_slot[:, 1]
+        for j in range(2, k):
+            out.add_(per_slot[:, j])
+        return out
+    out = per_slot[:, 0] * weights[:, :1]
+    for j in range(1, k):
+        out.addcmul_(per_slot[:, j], weights[:, j:j + 1])
     return out
 
 
@@ -77,16 +86,9 @@ class CombineRows(torch.autograd.Function):
                 k: int) -> torch.Tensor:
         per_slot = y.index_select(0, inverse).view(-1, k, y.shape[-1])
         ctx.k = k
-        if weights is None:
-            ctx.save_for_backward(order, None, None)
-            return _sum_slots(per_slot)
-        ctx.save_for_backward(order, weights, per_slot if ctx.needs_input_grad[1] else None)
-        if k > _MAX_SLOTS_ONE_BY_ONE:  # batched [1, k] @ [k, H]: one read of the rows, no [T, k, H] product
-            return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)
-        out = per_slot[:, 0] * weights[:, :1]
-        for j in range(1, k):
-            out.addcmul_(per_slot[:, j], weights[:, j:j + 1])
-        return out
+        needs_rows = weights is not None and ctx.needs_input_grad[1]
+        ctx.save_for_backward(order, weights, per_slot if needs_rows else None)
+        return _sum_slots(per_slot, weights)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
