@@ -1,13 +1,18 @@
-"""How AutoEP's combine should apply the router weights: ways of ``out[t] = sum_j w[t, j] * rows[t, j]``
-timed on the device (forward only: ``CombineRows`` has its own backward), over the shapes of
-``autoep_gpu.py`` (bf16, H 2048).
+"""AutoEP's combine and its dispatch's backward on the device: torch ops against the op registry's
+``gather_sum`` (whichever builder serves the device), over the shapes of ``autoep_gpu.py`` (bf16, H 2048).
 
-    python benchmarks/autoep_combine.py [--hidden 2048] [--tokens 4096 32768] [--topk 2 8]
+    python benchmarks/autoep_combine.py [--hidden 2048] [--tokens 4096 32768] [--topk 1 2 3 8]
 
-``rows`` is ``[T, k, H]`` (the routed rows already back in token order), ``w`` is ``[T, k]``; each way is
-checked against a float64 product first. The way ``CombineRows`` uses should be the fastest in every row.
-The last two columns are the unweighted sum over k (the dispatch's backward, and a combine without
-weights): a reduction over the middle dimension, and ``_sum_slots``.
+``y [T*k, H]`` holds the experts' rows in expert order (a random expert-major routing), ``w [T, k]`` the router
+weights. Columns, in ms:
+
+- combine forward: gather into token order then weight and sum (slot by slot up to k = 3, one batched
+  product above: what AutoEP ran before ``gather_sum``), against ``gather_sum(y, index, w)``;
+- combine forward + backward: the above plus its backward (gather ``grad_out`` per slot, multiply by the
+  weights, a batched dot product for the weights' gradient), against ``gather_sum`` forward and backward;
+- dispatch backward: gather per slot then ``sum(dim=1)``, against ``gather_sum(grad, index)``.
+
+Each way is checked against float64 first.
 """
 
 from __future__ import annotations
@@ -17,57 +22,102 @@ import argparse
 import torch
 
 
-def by_bmm(rows, w):
-    return torch.bmm(w.unsqueeze(1), rows).squeeze(1)
+def torch_combine_forward(y, w, inverse, k):
+    per_slot = y.index_select(0, inverse).view(-1, k, y.shape[-1])
+    if k > 3:
+        return torch.bmm(w.unsqueeze(1), per_slot).squeeze(1), per_slot
+    out = per_slot[:, 0] * w[:, :1]
+    for j in range(1, k):
+        out.addcmul_(per_slot[:, j], w[:, j:j + 1])
+    return out, per_slot
 
 
-def by_slots(rows, w):
-    out = rows[:, 0] * w[:, :1]
-    for j in range(1, rows.shape[1]):
-        out = torch.addcmul(out, rows[:, j], w[:, j:j + 1])
-    return out
+def torch_combine(y, w, order, inverse, k, grad):
+    out, per_slot = torch_combine_forward(y, w, inverse, k)
+    d_y = grad.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    d_y.mul_(w.reshape(-1).index_select(0, order).unsqueeze(-1))
+    d_w = torch.bmm(per_slot, grad.unsqueeze(-1)).squeeze(-1)
+    return out, d_y, d_w
 
 
-def by_broadcast(rows, w):
-    return (rows * w.unsqueeze(-1)).sum(dim=1)
+def op_combine(y, w, order, inverse, k, grad):
+    from polyaccel import ops
+
+    y, w = y.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    out = ops.gather_sum(y, inverse.view(-1, k), w)
+    return (out, *torch.autograd.grad(out, (y, w), grad))
 
 
-def plain_sum(rows, w):  # the unweighted sum over k (the dispatch's backward), as a reduction
-    return rows.sum(dim=1)
+def torch_dispatch_backward(grad, inverse, k):
+    return grad.index_select(0, inverse).view(-1, k, grad.shape[-1]).sum(dim=1)
 
 
-def plain_slots(rows, w):  # and slot by slot, as CombineRows does up to k = 3
-    from polyaccel.engines.autoep.permute import _sum_slots
+def op_dispatch_backward(grad, inverse, k):
+    from polyaccel import ops
 
-    return _sum_slots(rows)
+    return ops.gather_sum(grad, inverse.view(-1, k))
 
 
-WAYS = {"bmm [1,k]x[k,H]": by_bmm, "slot by slot": by_slots, "broadcast + sum": by_broadcast}
-SUMS = {"sum(dim=1)": plain_sum, "_sum_slots": plain_slots}  # unweighted: the weights are ignored
+def _routing(T, k, E, device):
+    experts = torch.rand(T, E, device=device).topk(k, dim=-1)[1]
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=device)
+    return order, inverse
+
+
+def _check(got, want, what):
+    err = max((g.double() - r).abs().max().item() / max(r.abs().max().item(), 1.0)
+              for g, r in zip(got, want, strict=True))
+    assert err < 0.05, f"{what}: max relative error {err}"
+
+
+def _times(T: int, k: int, hidden: int, experts: int, device) -> list[float]:
+    """One row of the table: every way checked against float64, then timed (ms)."""
+    from benchlib import time_ms
+    from polyaccel import ops
+
+    order, inverse = _routing(T, k, experts, device)
+    y = torch.randn(T * k, hidden, device=device, dtype=torch.bfloat16)
+    w = torch.rand(T, k, device=device, dtype=torch.bfloat16)
+    grad = torch.randn(T, hidden, device=device, dtype=torch.bfloat16)
+    y64, w64, g64 = y.double().requires_grad_(True), w.double().requires_grad_(True), grad.double()
+    out64 = torch.einsum("tk,tkh->th", w64, y64[inverse].view(T, k, -1))
+    want = (out64.detach(), *torch.autograd.grad(out64, (y64, w64), g64))
+    for fn in (torch_combine, op_combine):
+        _check(fn(y, w, order, inverse, k, grad), want, fn.__name__)
+    want_dispatch = g64.index_select(0, inverse).view(T, k, -1).sum(1)
+    for fn in (torch_dispatch_backward, op_dispatch_backward):
+        _check([fn(grad, inverse, k)], [want_dispatch], fn.__name__)
+    return [
+        time_ms(lambda: torch_combine_forward(y, w, inverse, k)),
+        time_ms(lambda: ops.gather_sum(y, inverse.view(T, k), w)),
+        time_ms(lambda: torch_combine(y, w, order, inverse, k, grad)),
+        time_ms(lambda: op_combine(y, w, order, inverse, k, grad)),
+        time_ms(lambda: torch_dispatch_backward(grad, inverse, k)),
+        time_ms(lambda: op_dispatch_backward(grad, inverse, k)),
+    ]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
-    ap.add_argument("--topk", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("--topk", type=int, nargs="+", default=[1, 2, 3, 8])
     args = ap.parse_args()
-    from benchlib import require_gpu, time_ms
+    from benchlib import require_gpu
+    from polyaccel import ops
 
     device = require_gpu()
-    print(f"{'T':>6s} {'k':>2s} " + " ".join(f"{name:>18s}" for name in {**WAYS, **SUMS}) + "   (ms)")
+    print(f"gather_sum builder: {ops.registry.chosen('gather_sum', device.type).name}")
+    heads = ["fwd torch", "fwd gather_sum", "fwd+bwd torch", "fwd+bwd gather_sum", "dispatch bwd torch",
+             "dispatch bwd gather_sum"]
+    print(f"{'T':>6s} {'k':>2s} " + " ".join(f"{h:>23s}" for h in heads) + "   (ms)")
     for T in args.tokens:
         for k in args.topk:
-            rows = torch.randn(T, k, args.hidden, device=device, dtype=torch.bfloat16)
-            w = torch.rand(T, k, device=device, dtype=torch.bfloat16)
-            ref = by_bmm(rows.double(), w.double())
-            times = []
-            for fn in [*WAYS.values(), *SUMS.values()]:
-                want = ref if fn in WAYS.values() else rows.double().sum(dim=1)
-                err = (fn(rows, w).double() - want).abs().max().item()
-                assert err < 0.1, f"{fn.__name__}: max abs error {err}"
-                times.append(time_ms(lambda fn=fn, rows=rows, w=w: fn(rows, w)))
-            print(f"{T:6d} {k:2d} " + " ".join(f"{t:18.3f}" for t in times))
+            times = _times(T, k, args.hidden, args.experts, device)
+            print(f"{T:6d} {k:2d} " + " ".join(f"{t:23.3f}" for t in times))
     return 0
 
 

@@ -111,8 +111,16 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     return registry.resolve("grouped_mm", x.device.type)(x, weight, offsets)
 
 
+def gather_sum(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``gather_sum`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.gather_sum` (docs/plugin-authoring.md).
+    """
+    return registry.resolve("gather_sum", rows.device.type)(rows, index, weights)
+
+
 __all__ = [
     "ANY_DEVICE", "Candidate", "OpBuilder", "OpRegistry", "QuantizedTensor", "dequantize", "explain",
-    "fused_adam", "fused_lamb", "fused_lion", "grouped_mm", "override", "quantize", "registry",
+    "fused_adam", "fused_lamb", "fused_lion", "gather_sum", "grouped_mm", "override", "quantize", "registry",
     "resolve", "swiglu",
 ]

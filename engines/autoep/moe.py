@@ -12,7 +12,8 @@ Forward, for the T tokens of this rank:
 4. the local experts run as ``grouped_mm`` -> ``swiglu`` -> ``grouped_mm`` from the op registry
    (whichever builder serves the device), with 64-bit cumulative offsets;
 5. the results go home by the reverse all-to-all, are weighted by the router weights and
-   summed per token; shared experts (with Qwen's sigmoid gate) are added.
+   summed per token (the op registry's ``gather_sum``); shared experts (with Qwen's sigmoid
+   gate) are added.
 
 Dropless: no capacity, every assignment is computed. With ep 1 no collective is issued.
 
@@ -30,7 +31,7 @@ from polyaccel import ops
 
 from .detect import MoELayerSpec
 from .dispatch import AllToAllV, exchange_counts
-from .permute import CombineRows, DispatchRows, PermuteRows, inverse_permutation
+from .permute import DispatchRows, PermuteRows, inverse_permutation
 from .presets import Routing
 
 
@@ -200,4 +201,4 @@ class AutoEPMoE(torch.nn.Module):
             self.last_dispatch = {"counts": counts.detach(), "received": recv.sum(0).detach(), "send": send_rows,
                                   "recv": recv_rows}
         post = weights if self.routing.score_apply == "post" else None
-        return CombineRows.apply(y, post, order, inverse, k)  # back to tokens, summed over their k slots
+        return ops.gather_sum(y, inverse.view(T, k), post)  # back to tokens, summed over their k slots

@@ -1,4 +1,4 @@
-"""Op builders of the cuda plugin for quantize/dequantize, swiglu and grouped_mm (device type "cuda").
+"""Op builders of the cuda plugin for quantize/dequantize, swiglu, grouped_mm and gather_sum (device type "cuda").
 
 The plugin's ``polyaccel_register_ops`` hook calls :func:`register`. Importing this module
 loads neither Triton nor a kernel: loaders import the kernel modules on first use, and the
@@ -101,6 +101,11 @@ def builders() -> list[OpBuilder]:
                   compatible=triton_compatible,
                   description="Triton grouped GEMM, one launch for all experts, 64-bit offsets, bf16/fp16/fp32, "
                               "autograd-aware"),
+        OpBuilder(op="gather_sum", name="triton_gather_sum", device_types=cuda,
+                  loader=_load("gather_sum", "gather_sum"), kind="triton", priority=TRITON_PRIORITY,
+                  compatible=triton_compatible,
+                  description="Triton gather-sum: one pass over the rows forward, one backward (weights' gradient "
+                              "included), no atomics, autograd-aware"),
         OpBuilder(op="grouped_mm", name="torch_grouped_mm", device_types=cuda,
                   loader=_load("grouped_mm", "torch_grouped_mm"), kind="torch",
                   priority=TORCH_GROUPED_MM_PRIORITY, compatible=torch_grouped_mm_compatible,

@@ -138,3 +138,38 @@ def test_grouped_mm_bad_inputs():
         ref.grouped_mm(x, w, torch.tensor([2.0, 4.0]))
     with pytest.raises(ValueError, match="features"):
         ref.grouped_mm(torch.randn(4, 2), w, torch.tensor([2, 4]))
+
+
+def test_gather_sum_matches_per_token_loops_float64():
+    T, k, H = 6, 3, 5
+    rows = torch.randn(T * k, H, dtype=torch.float64, requires_grad=True)
+    index = torch.randperm(T * k).view(T, k)
+    w = torch.rand(T, k, dtype=torch.float64, requires_grad=True)
+    out = ref.gather_sum(rows, index, w)
+    expect = torch.stack([sum(w[t, j] * rows[index[t, j]] for j in range(k)) for t in range(T)])
+    torch.testing.assert_close(out, expect, rtol=1e-14, atol=1e-14)
+    plain = torch.stack([sum(rows[index[t, j]] for j in range(k)) for t in range(T)])
+    torch.testing.assert_close(ref.gather_sum(rows, index), plain, rtol=1e-14, atol=1e-14)
+    go = torch.randn(T, H, dtype=torch.float64)
+    got = torch.autograd.grad(out, (rows, w), go)
+    want = torch.autograd.grad(expect, (rows, w), go)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(ref.gather_sum, (rows, index, w))
+    assert torch.autograd.gradcheck(lambda r: ref.gather_sum(r, index), (rows,))
+
+
+def test_gather_sum_bad_inputs():
+    rows, index = torch.randn(6, 4), torch.arange(6).view(3, 2)
+    with pytest.raises(ValueError, match="tokens \\* k == rows"):
+        ref.gather_sum(rows, index[:2])
+    with pytest.raises(ValueError, match="int32/int64"):
+        ref.gather_sum(rows, index.float())
+    with pytest.raises(ValueError, match="shaped like index"):
+        ref.gather_sum(rows, index, torch.rand(2, 3))
+    with pytest.raises(ValueError, match="exactly once"):
+        ref.gather_sum(rows, torch.tensor([[0, 1], [1, 2], [3, 4]]))
+    with pytest.raises(ValueError, match="exactly once"):
+        ref.gather_sum(rows, torch.tensor([[0, 1], [2, 3], [4, 6]]))
+    with pytest.raises(ValueError, match="2-D floating-point"):
+        ref.gather_sum(rows.long(), index)

@@ -1,5 +1,6 @@
 """Plain-torch reference implementations: the definition of every op and the fallback."""
 
+from .gather_sum import gather_sum, gather_sum_backward, gather_sum_forward, make_gather_sum
 from .grouped_mm import grouped_mm
 from .optimizers import fused_adam, fused_lamb, fused_lion
 from .quantize import QuantizedTensor, dequantize, quantize
@@ -14,6 +15,7 @@ REFERENCE_OPS = {
     "dequantize": "dequantize",
     "swiglu": "swiglu",
     "grouped_mm": "grouped_mm",
+    "gather_sum": "gather_sum",
 }
 
 __all__ = [
@@ -23,7 +25,11 @@ __all__ = [
     "fused_adam",
     "fused_lamb",
     "fused_lion",
+    "gather_sum",
+    "gather_sum_backward",
+    "gather_sum_forward",
     "grouped_mm",
+    "make_gather_sum",
     "make_swiglu",
     "op_reference_markdown",
     "quantize",

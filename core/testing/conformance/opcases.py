@@ -22,6 +22,7 @@ OP_DTYPES = {
     "dequantize": FLOATS,
     "swiglu": FLOATS,
     "grouped_mm": FLOATS,
+    "gather_sum": FLOATS,
 }
 #: odd sizes, including zero-size tensors, for the multi-tensor ops
 LIST_SHAPES = [(7,), (0,), (1,), (3, 5), (5, 0), (33,), (130,), (2, 3, 17), (1031,)]
@@ -234,3 +235,39 @@ def check_grouped_mm(fn, device: torch.device, dtype: torch.dtype) -> None:
                 worst = float((err - bound).max())
                 assert worst <= 0, f"{where}: error exceeds the bound by {worst:.3e} (max error {float(err.max()):.3e})"
             assert bool((got.detach().cpu()[rows - tail:] == 0).all()), f"{where}: rows past the last offset not zero"
+
+
+# ---------------------------------------------------------------------------- gather_sum
+#: (tokens, k, H): one slot, several, a row longer than one block of columns, no tokens
+GATHER_SUM_CASES = [(9, 2, 7), (5, 1, 3), (6, 3, 1100), (4, 8, 5), (0, 2, 4)]
+
+
+def check_gather_sum(fn, device: torch.device, dtype: torch.dtype) -> None:
+    for T, k, H in GATHER_SUM_CASES:
+        for weighted in (True, False):
+            rows, grad = torch.randn(T * k, H).to(dtype), torch.randn(T, H).to(dtype)
+            index = torch.randperm(T * k).view(T, k)
+            weights = torch.rand(T, k).to(dtype) if weighted else None
+            where = f"gather_sum {dtype} tokens {T} k {k} H {H} {'weighted' if weighted else 'unweighted'}"
+            r_d = _dev(rows, device).requires_grad_(True)
+            w_d = _dev(weights, device).requires_grad_(True) if weighted else None
+            out = fn(r_d, _dev(index, device), w_d)
+            assert out.shape == (T, H) and out.dtype == dtype, f"{where}: got {out.dtype}{tuple(out.shape)}"
+            out.backward(_dev(grad, device))
+            r_r = rows.to(torch.float64, copy=True).requires_grad_(True)
+            w_r = weights.to(torch.float64, copy=True).requires_grad_(True) if weighted else None
+            want = ref.gather_sum(r_r, index, w_r)
+            want.backward(grad.double())
+            _close(out, want, dtype, f"{where}: forward")
+            assert r_d.grad is not None, f"{where}: backward produced no gradient for rows"
+            _close(r_d.grad, r_r.grad, dtype, f"{where}: d rows")
+            if weighted:
+                assert w_d.grad is not None, f"{where}: backward produced no gradient for weights"
+                # a dot product over H: bounded relative to sum |rows||grad|, not to the (cancelled) result
+                rtol, atol = op_tolerances(dtype)
+                per_slot = rows.double().abs()[index.reshape(-1)].view(T, k, H)
+                mag = (per_slot * grad.double().abs().unsqueeze(1)).sum(-1)
+                err = (w_d.grad.detach().cpu().double() - w_r.grad).abs()
+                if T:
+                    worst = float((err - (atol + rtol * mag)).max())
+                    assert worst <= 0, f"{where}: d weights error exceeds the bound by {worst:.3e}"

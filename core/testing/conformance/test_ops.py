@@ -125,5 +125,7 @@ def _check(op_case: OpCase, fn, device, fp8: bool) -> None:
         opcases.check_swiglu(fn, device, op_case.dtype)
     elif op_case.op == "grouped_mm":
         opcases.check_grouped_mm(fn, device, op_case.dtype)
+    elif op_case.op == "gather_sum":
+        opcases.check_gather_sum(fn, device, op_case.dtype)
     else:  # pragma: no cover - op_cases() only yields ops with a check
         pytest.fail(f"no check for op {op_case.op!r}")

@@ -116,3 +116,22 @@ def test_grouped_mm_check_rejects_ignored_offsets_and_dirty_tail():
 
     with pytest.raises(AssertionError, match="grouped_mm"):
         opcases.check_grouped_mm(dirty_tail, CPU, torch.float32)
+
+
+def test_gather_sum_check_rejects_a_wrong_weight_gradient_and_a_dropped_slot():
+    from polyaccel.ops.reference import gather_sum_backward, gather_sum_forward, make_gather_sum
+
+    opcases.check_gather_sum(ref.gather_sum, CPU, torch.bfloat16)
+
+    def unweighted_d_rows(grad_out, rows, index, weights, need_d_weights):
+        return gather_sum_backward(grad_out, rows, index, None, False)[0], (
+            gather_sum_backward(grad_out, rows, index, weights, need_d_weights)[1])
+
+    with pytest.raises(AssertionError, match="d rows"):
+        opcases.check_gather_sum(make_gather_sum(gather_sum_forward, unweighted_d_rows), CPU, torch.float32)
+
+    def first_slot_only(rows, index, weights):
+        return gather_sum_forward(rows, index[:, :1].contiguous(), None if weights is None else weights[:, :1])
+
+    with pytest.raises(AssertionError, match="forward"):
+        opcases.check_gather_sum(make_gather_sum(first_slot_only, gather_sum_backward), CPU, torch.float32)

@@ -1,10 +1,12 @@
-"""AutoEP's row permutations: values and float64 gradients against plain index_select autograd."""
+"""AutoEP's row permutations and its combine (``ops.gather_sum``): values and float64 gradients against plain
+index_select autograd."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from polyaccel.engines.autoep.permute import CombineRows, DispatchRows, PermuteRows, inverse_permutation
+from polyaccel import ops
+from polyaccel.engines.autoep.permute import DispatchRows, PermuteRows, inverse_permutation
 
 
 def _routing(T: int, k: int, E: int, gen: torch.Generator):
@@ -23,7 +25,7 @@ def test_inverse_permutation():
     assert torch.equal(perm[inv], torch.arange(50)) and torch.equal(inv[perm], torch.arange(50))
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])  # (up to 3 slots the combine weights slot by slot, above in one bmm)
+@pytest.mark.parametrize("k", [1, 3, 5])
 def test_dispatch_and_combine_match_index_select_autograd(k):
     gen = torch.Generator().manual_seed(k)
     T, H, E = 13, 6, 7
@@ -33,14 +35,14 @@ def test_dispatch_and_combine_match_index_select_autograd(k):
     scale = torch.randn(T * k, H, dtype=torch.float64, generator=gen)  # stands in for the experts
     g = torch.randn(T, H, dtype=torch.float64, generator=gen)
 
-    got = CombineRows.apply(DispatchRows.apply(x, order, inverse, k) * scale, w, order, inverse, k)
+    got = ops.gather_sum(DispatchRows.apply(x, order, inverse, k) * scale, inverse.view(T, k), w)
     routed = x.index_select(0, order // k) * scale
     want = (routed * w.reshape(-1)[order].unsqueeze(-1)).index_select(0, inverse).view(T, k, H).sum(1)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     for a, b in zip(_grads(got, (x, w), g), _grads(want, (x, w), g), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
-    plain = CombineRows.apply(DispatchRows.apply(x, order, inverse, k) * scale, None, order, inverse, k)
+    plain = ops.gather_sum(DispatchRows.apply(x, order, inverse, k) * scale, inverse.view(T, k))
     want_plain = routed.index_select(0, inverse).view(T, k, H).sum(1)
     torch.testing.assert_close(plain, want_plain, rtol=0, atol=1e-12)
     torch.testing.assert_close(_grads(plain, x, g)[0], _grads(want_plain, x, g)[0], rtol=0, atol=1e-12)
@@ -56,4 +58,4 @@ def test_permute_rows_and_gradcheck():
     xs = torch.randn(5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
     ws = torch.rand(5, 2, dtype=torch.float64, generator=gen, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda a, b: CombineRows.apply(DispatchRows.apply(a, order, inverse, 2) ** 2, b, order, inverse, 2), (xs, ws))
+        lambda a, b: ops.gather_sum(DispatchRows.apply(a, order, inverse, 2) ** 2, inverse.view(5, 2), b), (xs, ws))

@@ -43,7 +43,7 @@ def test_register_adds_one_builder_per_op_and_torch_grouped_mm():
     names = {op: [b.name for b in reg.builders(op)] for op in reg.ops()}
     assert names == {
         "quantize": ["triton_quantize"], "dequantize": ["triton_dequantize"], "swiglu": ["triton_swiglu"],
-        "grouped_mm": ["triton_grouped_mm", "torch_grouped_mm"],
+        "grouped_mm": ["triton_grouped_mm", "torch_grouped_mm"], "gather_sum": ["triton_gather_sum"],
     }
     for op in names:
         for b in reg.builders(op):
@@ -57,6 +57,7 @@ def test_register_adds_one_builder_per_op_and_torch_grouped_mm():
     ("swiglu", "triton_swiglu", "swiglu", "swiglu"),
     ("grouped_mm", "triton_grouped_mm", "grouped_mm", "grouped_mm"),
     ("grouped_mm", "torch_grouped_mm", "grouped_mm", "torch_grouped_mm"),
+    ("gather_sum", "triton_gather_sum", "gather_sum", "gather_sum"),
 ])
 def test_loaders_return_the_kernel_functions(op, name, module, attr):
     builder = next(b for b in _registry().builders(op) if b.name == name)
