@@ -10,7 +10,8 @@ weights. Columns, in ms:
   product above: what AutoEP ran before ``gather_sum``), against ``gather_sum(y, index, w)``;
 - combine forward + backward: the above plus its backward (gather ``grad_out`` per slot, multiply by the
   weights, a batched dot product for the weights' gradient), against ``gather_sum`` forward and backward;
-- dispatch backward: gather per slot then ``sum(dim=1)``, against ``gather_sum(grad, index)``.
+- dispatch backward: the ``[T*k, H]`` gradient of the routed rows gathered per slot then ``sum(dim=1)``,
+  against ``gather_sum(grad, index)``.
 
 Each way is checked against float64 first.
 """
@@ -86,16 +87,17 @@ def _times(T: int, k: int, hidden: int, experts: int, device) -> list[float]:
     want = (out64.detach(), *torch.autograd.grad(out64, (y64, w64), g64))
     for fn in (torch_combine, op_combine):
         _check(fn(y, w, order, inverse, k, grad), want, fn.__name__)
-    want_dispatch = g64.index_select(0, inverse).view(T, k, -1).sum(1)
+    routed_grad = torch.randn(T * k, hidden, device=device, dtype=torch.bfloat16)  # the dispatch's grad_out
+    want_dispatch = routed_grad.double().index_select(0, inverse).view(T, k, -1).sum(1)
     for fn in (torch_dispatch_backward, op_dispatch_backward):
-        _check([fn(grad, inverse, k)], [want_dispatch], fn.__name__)
+        _check([fn(routed_grad, inverse, k)], [want_dispatch], fn.__name__)
     return [
         time_ms(lambda: torch_combine_forward(y, w, inverse, k)),
         time_ms(lambda: ops.gather_sum(y, inverse.view(T, k), w)),
         time_ms(lambda: torch_combine(y, w, order, inverse, k, grad)),
         time_ms(lambda: op_combine(y, w, order, inverse, k, grad)),
-        time_ms(lambda: torch_dispatch_backward(grad, inverse, k)),
-        time_ms(lambda: op_dispatch_backward(grad, inverse, k)),
+        time_ms(lambda: torch_dispatch_backward(routed_grad, inverse, k)),
+        time_ms(lambda: op_dispatch_backward(routed_grad, inverse, k)),
     ]
 
 
