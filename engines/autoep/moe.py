@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 from polyaccel import ops
+from polyaccel.ops.reference.swiglu import halves_of
 
 from .detect import MoELayerSpec
 from .dispatch import AllToAllV, exchange_counts
@@ -110,11 +111,28 @@ class GroupedExperts(torch.nn.Module):
         return f"experts {self.first_expert}-{last} of {self.num_experts}, transposed={self.transposed}"
 
 
+class GateUpHalves(torch.autograd.Function):
+    """``h.chunk(2, -1)`` (gate, up), whose backward hands back the two gradients without a copy when the
+    swiglu builder wrote them as the halves of one tensor (the Triton one does); else it concatenates them."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor):
+        return h.chunk(2, dim=-1)
+
+    @staticmethod
+    def backward(ctx, d_gate: torch.Tensor | None, d_up: torch.Tensor | None):
+        if d_gate is None or d_up is None:
+            ref = d_up if d_gate is None else d_gate
+            d_gate = torch.zeros_like(ref) if d_gate is None else d_gate
+            d_up = torch.zeros_like(ref) if d_up is None else d_up
+        whole = halves_of(d_gate, d_up)
+        return whole if whole is not None else torch.cat((d_gate, d_up), dim=-1)
+
+
 def run_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts on rows sorted by local expert: grouped_mm -> swiglu -> grouped_mm."""
     offsets = torch.cumsum(counts.to(torch.int64), dim=0)
-    h = ops.grouped_mm(x, w1, offsets)
-    gate, up = h.chunk(2, dim=-1)
+    gate, up = GateUpHalves.apply(ops.grouped_mm(x, w1, offsets))
     return ops.grouped_mm(ops.swiglu(gate, up), w2, offsets)
 
 

@@ -23,6 +23,23 @@ def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     return d_gate.to(gate.dtype), d_up.to(up.dtype)
 
 
+def halves_of(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous ``[N, 2F]`` tensor whose ``chunk(2, -1)`` gave ``gate`` and ``up``; None if they are not.
+
+    A swiglu builder may return its two gradients this way (the halves of one new tensor), and a
+    caller that split ``h`` may then hand back the whole gradient without concatenating.
+    """
+    base = gate._base
+    if gate.dim() != 2 or base is None or up._base is not base or base.dim() != 2 or not base.is_contiguous():
+        return None
+    F = gate.shape[1]
+    if base.shape[1] != 2 * F or gate.shape != up.shape or gate.shape[0] != base.shape[0]:
+        return None
+    if gate.data_ptr() != base.data_ptr() or up.data_ptr() != base.data_ptr() + F * base.element_size():
+        return None
+    return base
+
+
 def check_swiglu_args(gate: torch.Tensor, up: torch.Tensor) -> None:
     if gate.shape != up.shape:
         raise OpArgumentError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
@@ -71,6 +88,11 @@ swiglu.__doc__ = """SwiGLU, `silu(gate) * up`, differentiable; returns a new ten
         out    = gate * sig * up
         d_gate = grad_out * up * sig * (1 + gate * (1 - sig))
         d_up   = grad_out * gate * sig
+
+    Where `gate` and `up` are the two halves of one contiguous `[N, 2F]` tensor (what
+    `h.chunk(2, -1)` gives), a builder may return `d_gate` and `d_up` as the halves of one
+    new `[N, 2F]` tensor, so that the caller needs no concatenation for `h`'s gradient
+    (`halves_of(d_gate, d_up)` in `polyaccel.ops.reference.swiglu` finds that tensor).
 
     Build a builder's function with `make_swiglu(forward, backward)` (from
     `polyaccel.ops.reference`): it supplies the argument checks and the autograd wiring.

@@ -3,7 +3,8 @@
 Both kernels are one pass over the elements (math in fp32, results stored in the input dtype),
 with 64-bit program ids and offsets so tensors past 2**31 elements work. Inputs are read as rows
 with a row stride, so ``gate`` and ``up`` may be the two halves of one ``[N, 2F]`` projection
-(``h.chunk(2, -1)``) without a copy; outputs are contiguous. The forward reads gate and up
+(``h.chunk(2, -1)``) without a copy; the backward then writes its two gradients as the halves of
+one ``[N, 2F]`` tensor (otherwise outputs are contiguous). The forward reads gate and up
 and writes out (3 tensor passes); the backward reads grad_out, gate and up and writes d_gate
 and d_up (5 passes), recomputing the sigmoid instead of storing it. :data:`swiglu` is the
 autograd-aware op built with the reference ``make_swiglu``.
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from polyaccel.errors import OpArgumentError
-from polyaccel.ops.reference.swiglu import check_swiglu_args, make_swiglu
+from polyaccel.ops.reference.swiglu import check_swiglu_args, halves_of, make_swiglu
 
 #: elements per program and warps per program (one configuration: both kernels are memory-bound)
 BLOCK = 4096
@@ -34,7 +35,7 @@ def _swiglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, n, cols, g_stride, u_stride, B
 
 
 @triton.jit
-def _swiglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, n, cols, g_stride, u_stride,
+def _swiglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, n, cols, g_stride, u_stride, d_stride,
                        BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < n
@@ -46,8 +47,8 @@ def _swiglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, n, cols
     silu = g * sig
     d_gate = go * u * sig * (1.0 + g * (1.0 - sig))
     d_up = go * silu
-    tl.store(d_gate_ptr + offs, d_gate.to(d_gate_ptr.dtype.element_ty), mask=mask)
-    tl.store(d_up_ptr + offs, d_up.to(d_up_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_gate_ptr + row * d_stride + col, d_gate.to(d_gate_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_up_ptr + row * d_stride + col, d_up.to(d_up_ptr.dtype.element_ty), mask=mask)
 
 
 def _grid(n: int, block: int):
@@ -83,18 +84,30 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, *, block: int = BLOCK, 
 
 def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, block: int = BLOCK,
                     num_warps: int = NUM_WARPS):
-    """(d_gate, d_up) of ``out = silu(gate) * up`` in one kernel (contiguous results)."""
+    """(d_gate, d_up) of ``out = silu(gate) * up`` in one kernel.
+
+    Contiguous results, except when ``gate`` and ``up`` are the two halves of one ``[N, 2F]`` tensor
+    (``halves_of``): then the gradients are the two halves of one new ``[N, 2F]`` tensor, so a caller
+    that split ``h`` can hand back its gradient without concatenating (AutoEP's experts do).
+    """
     check_swiglu_args(gate, up)
     if grad_out.shape != gate.shape:
         raise OpArgumentError(f"swiglu backward: grad_out {tuple(grad_out.shape)} does not match gate "
                          f"{tuple(gate.shape)}")
     grad_out = grad_out.contiguous()
+    h = halves_of(gate, up)
+    if h is not None:
+        d_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        d_gate, d_up = d_h.chunk(2, dim=-1)
+        d_stride = d_h.stride(0)
+    else:
+        d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        d_stride = _cols(gate)
     (gate, gs), (up, us) = _rows(gate), _rows(up)
-    d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
     n = gate.numel()
     if n:
-        _swiglu_bwd_kernel[_grid(n, block)](grad_out, gate, up, d_gate, d_up, n, _cols(gate), gs, us,
+        _swiglu_bwd_kernel[_grid(n, block)](grad_out, gate, up, d_gate, d_up, n, _cols(gate), gs, us, d_stride,
                                             BLOCK=block, num_warps=num_warps)
     return d_gate, d_up
 

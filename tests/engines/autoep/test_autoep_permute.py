@@ -59,3 +59,25 @@ def test_permute_rows_and_gradcheck():
     ws = torch.rand(5, 2, dtype=torch.float64, generator=gen, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda a, b: ops.gather_sum(DispatchRows.apply(a, order, inverse, 2) ** 2, inverse.view(5, 2), b), (xs, ws))
+
+
+@pytest.mark.parametrize("builder", ["reference", "triton"])
+def test_gate_up_halves_hands_back_the_gradient_with_or_without_a_copy(builder):
+    from polyaccel.engines.autoep.moe import GateUpHalves
+    from polyaccel.ops import reference as ref
+
+    if builder == "triton":
+        from polyaccel.plugins.cuda.kernels.swiglu import swiglu  # writes the halves of one tensor
+    else:
+        swiglu = ref.swiglu  # two tensors of its own: the backward concatenates
+    gen = torch.Generator().manual_seed(7)
+    h = torch.randn(6, 10, dtype=torch.float64, generator=gen, requires_grad=True)
+    go = torch.randn(6, 5, dtype=torch.float64, generator=gen)
+    gate, up = GateUpHalves.apply(h)
+    (got,) = torch.autograd.grad(swiglu(gate, up), h, go)
+    a, b = h.chunk(2, dim=-1)
+    (want,) = torch.autograd.grad(torch.nn.functional.silu(a) * b, h, go)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 if builder == "triton" else 1e-12)
+    # one half unused: its gradient is zero
+    (only_gate,) = torch.autograd.grad(GateUpHalves.apply(h)[0], h, go)
+    assert torch.equal(only_gate[:, :5], go) and not only_gate[:, 5:].any()

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from polyaccel.ops import reference as ref
+from polyaccel.plugins.cuda.kernels import gather_sum as ks
 from polyaccel.testing.conformance import opcases
-
-ks = pytest.importorskip("polyaccel.plugins.cuda.kernels.gather_sum")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

@@ -99,3 +99,22 @@ def test_mismatched_inputs_raise():
         ks.swiglu(torch.randn(4), torch.randn(4, dtype=torch.float64))
     with pytest.raises(ValueError, match="grad_out"):
         ks.swiglu_backward(torch.randn(3), torch.randn(4), torch.randn(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_of_the_halves_of_one_tensor_writes_the_halves_of_one_gradient(dtype):
+    from polyaccel.ops.reference.swiglu import halves_of
+
+    h = torch.randn(5, 2 * 37).to(dtype)
+    gate, up = h.chunk(2, dim=-1)
+    go = torch.randn(5, 37).to(dtype)
+    d_gate, d_up = ks.swiglu_backward(go, gate, up)
+    whole = halves_of(d_gate, d_up)
+    assert whole is not None and whole.shape == h.shape and whole.data_ptr() != h.data_ptr()
+    _, want_gate, want_up = _f64(gate, up, go)
+    _check(whole[:, :37], want_gate, dtype, "d gate half")
+    _check(whole[:, 37:], want_up, dtype, "d up half")
+    # two unrelated tensors: contiguous gradients of their own
+    d_gate, d_up = ks.swiglu_backward(go, gate.contiguous(), up.contiguous())
+    assert halves_of(d_gate, d_up) is None and d_gate.is_contiguous() and d_up.is_contiguous()
+    _check(d_gate, want_gate, dtype, "d gate")
