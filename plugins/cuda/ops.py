@@ -2,7 +2,7 @@
 
 Triton builders are compatible only where :func:`triton_support.triton_compatible` says so;
 ``polyaccel.ops.explain("fused_adam", "cuda")`` shows the reason when they are not. Part of
-the plugin's builders (quantize, swiglu, grouped_mm) live in :mod:`.kernel_builders`.
+the plugin's builders (quantize, swiglu, grouped_mm, gather_sum) live in :mod:`.kernel_builders`.
 """
 
 from __future__ import annotations
