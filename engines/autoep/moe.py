@@ -120,11 +120,7 @@ class GateUpHalves(torch.autograd.Function):
         return h.chunk(2, dim=-1)
 
     @staticmethod
-    def backward(ctx, d_gate: torch.Tensor | None, d_up: torch.Tensor | None):
-        if d_gate is None or d_up is None:
-            ref = d_up if d_gate is None else d_gate
-            d_gate = torch.zeros_like(ref) if d_gate is None else d_gate
-            d_up = torch.zeros_like(ref) if d_up is None else d_up
+    def backward(ctx, d_gate: torch.Tensor, d_up: torch.Tensor):  # (an unused half's gradient arrives as zeros)
         whole = halves_of(d_gate, d_up)
         return whole if whole is not None else torch.cat((d_gate, d_up), dim=-1)
 
