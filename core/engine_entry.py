@@ -10,6 +10,8 @@ turns it on (``tensor_parallel``, ``expert_parallel``); the object it loads has
 - ``ORDER``: an int; layers apply in ascending order;
 - ``mesh_sizes(section: dict) -> dict``: the mesh dimensions it needs, e.g. ``{"tensor": 2}``
   (it validates its section here and raises ``ConfigError`` naming the bad key);
+- optionally ``SIZE_KEYS``: mesh dimension -> the key of its section that sets it, e.g.
+  ``{"expert": "autoep_size"}``, so that a mesh that cannot be built names the config key;
 - ``apply(model, section: dict, mesh) -> model``: shard the model over the
   :class:`~polyaccel.comm.mesh.ParallelMesh` and describe every parameter it changed with
   :func:`polyaccel.parallel.set_layout`.
@@ -57,6 +59,7 @@ def apply_layers(model, config: dict, mesh=None):
     if not chosen:
         return model, cfg, mesh
     sizes: dict[str, int] = {}
+    keys: dict[str, str] = {}  # mesh dimension -> the config key that set it
     for key, layer in chosen.items():
         if not isinstance(sections[key], dict):
             raise ConfigError(f"config key {key!r} must be a dict, got {type(sections[key]).__name__}")
@@ -64,13 +67,18 @@ def apply_layers(model, config: dict, mesh=None):
             if dim in sizes and sizes[dim] != n:
                 raise ConfigError(f"two layers ask for different {dim} sizes: {sizes[dim]} and {n}")
             sizes[dim] = n
+            keys[dim] = f"{key}.{getattr(layer, 'SIZE_KEYS', {}).get(dim, dim)}"
     if mesh is None:
         from .comm import init_distributed, is_initialized
         from .comm.mesh import init_parallel_mesh
 
         if not is_initialized():
             init_distributed()
-        mesh = init_parallel_mesh(tensor=sizes.get("tensor", 1), expert=sizes.get("expert", 1))
+        try:
+            mesh = init_parallel_mesh(tensor=sizes.get("tensor", 1), expert=sizes.get("expert", 1))
+        except ConfigError as exc:  # the mesh speaks of dimensions; the caller wrote config keys
+            named = ", ".join(f"'{keys[d]}'={sizes[d]}" for d in sorted(keys) if sizes[d] != 1)
+            raise ConfigError(f"{named or 'the config'}: {exc}") from None
     else:
         for dim, n in sizes.items():
             if mesh.size(dim) != n:

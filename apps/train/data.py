@@ -23,7 +23,10 @@ class ByteTokenizer:
     vocab_size = VOCAB_SIZE
 
     def encode(self, text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.long)
+        data = text.encode("utf-8")
+        if not data:  # torch.frombuffer refuses an empty buffer
+            return torch.empty(0, dtype=torch.long)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.long)
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -39,9 +42,13 @@ def load_text(path: str | None) -> str:
     if not p.is_file():
         raise ConfigError(f"--text {path}: no such file; pass a UTF-8 text file or leave --text out")
     try:
-        return p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"--text {path}: not UTF-8 text ({exc})") from None
+    if not text:
+        raise ConfigError(f"--text {path}: the file is empty; pass a UTF-8 text of more than --seq-len bytes, "
+                          "or leave --text out for the bundled text")
+    return text
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,10 @@ class TokenSampler:
         if seq_len < 2:
             raise ConfigError(f"--seq-len {seq_len}: must be at least 2")
         if tokens.numel() < seq_len + 1:
-            raise ConfigError(
-                f"--seq-len {seq_len}: the text has only {tokens.numel()} tokens; "
-                f"use --seq-len {max(2, tokens.numel() - 1)} or less, or a longer --text file"
-            )
+            fix = (f"use --seq-len {tokens.numel() - 1} or less, or a longer --text file" if tokens.numel() >= 3
+                   else "pass a longer --text file")
+            raise ConfigError(f"--seq-len {seq_len}: the text has only {tokens.numel()} tokens (a window needs "
+                              f"--seq-len + 1 = {seq_len + 1}); {fix}")
         if batch_size < 1:
             raise ConfigError(f"--batch-size {batch_size}: must be at least 1")
         self.tokens = tokens

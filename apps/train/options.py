@@ -364,10 +364,27 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+#: host ranks allowed per available core (cpu plugin); every rank is a process with its own pipes and threads
+CPU_RANKS_PER_CORE = 4
+#: host ranks always allowed, however few cores there are (small tests oversubscribe on purpose)
+MIN_CPU_RANK_LIMIT = 16
+
+
+def max_cpu_ranks() -> int:
+    """How many ranks ``--nproc`` may start on the host: a small multiple of the cores this process may use."""
+    return max(MIN_CPU_RANK_LIMIT, CPU_RANKS_PER_CORE * _cpu_count())
+
+
 def _nproc(requested: int | None, accelerator) -> int:
     if accelerator.device_type == "cpu":
         n = 2 if requested is None else requested
         _positive("--nproc", n)
+        limit = max_cpu_ranks()
+        if n > limit:
+            raise ConfigError(
+                f"--nproc {n}: at most {limit} ranks on the host ({CPU_RANKS_PER_CORE} per available core, "
+                f"{_cpu_count()} core(s), at least {MIN_CPU_RANK_LIMIT}); use --nproc {limit} or less"
+            )
         return n
     count = accelerator.device_count()
     if requested is None:

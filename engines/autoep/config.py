@@ -21,6 +21,8 @@ from typing import Any
 from polyaccel.errors import ConfigError
 
 SECTION = "expert_parallel"
+#: the mesh dimension this section sets, and the key that sets it (named in mesh errors)
+SIZE_KEYS = {"expert": "autoep_size"}
 SCORE_FUNCS = ("auto", "softmax", "sigmoid")
 SCORE_APPLY = ("auto", "pre", "post")
 GROUP_SCORES = ("auto", "max", "top2_sum")

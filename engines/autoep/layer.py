@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from polyaccel.errors import ConfigError
 
-from .config import SECTION, parse_config
+from .config import SECTION, SIZE_KEYS, parse_config  # noqa: F401 - SIZE_KEYS: read by polyaccel.initialize
 from .config import mesh_sizes as _mesh_sizes
 from .convert import convert
 from .detect import detect

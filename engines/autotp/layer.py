@@ -14,6 +14,8 @@ from .apply import apply_tensor_parallel
 from .config import parse
 
 ORDER = 20
+#: the mesh dimension this section sets, and the key that sets it (named in mesh errors)
+SIZE_KEYS = {"tensor": "autotp_size"}
 
 
 def mesh_sizes(section: dict) -> dict:
