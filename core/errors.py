@@ -43,3 +43,15 @@ class OpArgumentError(OpError, InvalidArgument):
 
 class ConfigError(PolyaccelError, ValueError):
     """An invalid configuration value; the message names the key and the allowed values."""
+
+
+class CheckpointError(PolyaccelError):
+    """A checkpoint could not be saved or loaded as it is: a file is missing, damaged or inconsistent.
+
+    ``path`` is the file (or folder) at fault, so callers (the trainers' integrations, the CLI) can
+    name it without parsing the message; the message says what is wrong and what to do.
+    """
+
+    def __init__(self, message: str, path=None):
+        super().__init__(message)
+        self.path = str(path) if path is not None else None

@@ -18,21 +18,24 @@ tensors from all shards and cuts its new partition out of them (resharding).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
-from polyaccel.errors import PolyaccelError
+from polyaccel.errors import CheckpointError, PolyaccelError
 from polyaccel.parallel import get_layout
-from safetensors.torch import save_file
 
 from .consolidate import (
+    FIX,
     FORMAT,
     LATEST,
     META,
     MODEL_STATES,
+    Shard,
+    check_files,
     full_tensors,
     full_tensors_any,
     group_id,
@@ -41,7 +44,10 @@ from .consolidate import (
     read_meta,
     read_model_states,
     resolve_tag,
+    saved_files,
+    verify_files,
 )
+from .integrity import ALGORITHM, CHUNK_BYTES, dumps_checked, write_safetensors
 from .partition import FlatLayout
 
 #: test hook: called with a phase name ("rank_files", "commit"); raising there simulates a crash
@@ -64,12 +70,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write) -> None:
+def _write_atomic(path: Path, write):
+    """``write(tmp)`` to a temporary name, fsync, rename to ``path``; returns what ``write`` returned.
+    A failed write removes the temporary file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        out = write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return out
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -77,6 +91,51 @@ def _write_text(path: Path, text: str) -> None:
         with open(tmp, "w") as f:
             f.write(text)
     _write_atomic(path, write)
+
+
+#: bytes of one rank's status record in :func:`_agree` (JSON, zero-padded)
+_AGREE_BYTES = 4096
+
+
+def _agree(coll, record: dict) -> list[dict]:
+    """Every rank's ``record`` (small JSON), on every rank: one all-reduce of a [world, _AGREE_BYTES] tensor.
+
+    Save and load phases end with it instead of a barrier, so a rank that failed tells the others
+    (they raise the same error instead of waiting forever at the next barrier).
+    """
+    raw = json.dumps(record).encode()
+    if len(raw) > _AGREE_BYTES:  # only an error message can be that long
+        raw = json.dumps({**record, "error": record.get("error", "")[:1000]}).encode()[:_AGREE_BYTES]
+    rows = torch.zeros(coll.world, _AGREE_BYTES, dtype=torch.int64)
+    rows[coll.rank, :len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+    rows = coll.all_reduce(rows) if coll.world > 1 else rows
+    out = []
+    for r in range(coll.world):
+        row = bytes(rows[r].to(torch.uint8).tolist()).rstrip(b"\0")
+        try:
+            out.append(json.loads(row))
+        except json.JSONDecodeError:
+            out.append({"error": f"rank {r} sent an unreadable status"})
+    return out
+
+
+def _raise_first(records: list[dict], what: str) -> None:
+    """Raise the first rank's error among ``records`` (the same error on every rank)."""
+    for r, rec in enumerate(records):
+        if rec.get("error"):
+            where = f" (on rank {r})" if len(records) > 1 else ""
+            raise CheckpointError(f"{what}{where}: {rec['error']}", rec.get("path"))
+
+
+def _error_record(exc: BaseException) -> dict:
+    path = getattr(exc, "path", None) or getattr(exc, "filename", None)
+    if isinstance(exc, OSError):
+        text = f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+    elif isinstance(exc, PolyaccelError):
+        text = str(exc)
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return {"error": text, "path": str(path) if path else None}
 
 
 def _layout_meta(engine) -> dict:
@@ -122,9 +181,46 @@ def _model_states(engine) -> dict[str, torch.Tensor]:
     return {k: v.to("cpu").contiguous().clone() for k, v in out.items()}
 
 
+def _tensors_to_save(engine) -> tuple[dict, dict]:
+    """(tensors, safetensors metadata) of this rank's partition file."""
+    rank = engine.rank
+    if _is_grouped(engine):
+        tensors, groups = {}, []
+        for g in engine.groups:
+            gid = group_id(g.key)
+            tensors[f"{gid}/master"] = g.partitioner.master.detach().cpu()
+            for name, t in g.optimizer.state.items():
+                tensors[f"{gid}/{name}"] = t.detach().cpu()
+            groups.append(_group_meta(engine, g))
+        return tensors, {"rank": str(rank), "format": FORMAT, "groups": json.dumps(groups)}
+    tensors = {"master": engine.partitioner.master.detach().cpu()}
+    for name, t in engine.optimizer.state.items():
+        tensors[name] = t.detach().cpu()
+    return tensors, {"rank": str(rank), "format": FORMAT}
+
+
+def _meta(engine, tag: str, client_json: str, files: dict) -> dict:
+    grouped = _is_grouped(engine)
+    return {
+        "format": FORMAT, "version": 2 if grouped else 1, "tag": tag, "zero_stage": engine.stage,
+        "world_size": engine.world_size,
+        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps, "optimizer_type": engine.config.optimizer.type,
+        "optimizer_step": engine.optimizer.step_count, "lr": engine.optimizer.lr,
+        "state_names": sorted(engine.optimizer.state), "loss_scaler": engine.scaler.state_dict(),
+        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
+        "master_dtype": str(engine.master_dtype).removeprefix("torch."),
+        "layout": None if grouped else _layout_meta(engine), "frozen": [n for n, _ in engine.frozen],
+        "aliases": engine.aliases,
+        "state_dict_keys": list(engine.module.state_dict().keys()), "config": engine.config.raw,
+        "client_state": json.loads(client_json),
+        "integrity": {"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES}, "files": files,
+    }
+
+
 def save(engine, save_dir, tag=None, client_state=None) -> str:
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    if "/" in tag or tag.startswith("."):
+    if "/" in tag or tag.startswith(".") or not tag.strip() or "\n" in tag:
         raise PolyaccelError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.')")
     try:
         client_json = json.dumps(client_state if client_state is not None else {})
@@ -133,72 +229,112 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
     root = Path(save_dir)
     staging = root / f".{tag}.partial"
     coll, rank = engine.coll, engine.rank
+    what = f"saving checkpoint {tag!r} in {str(root)!r} failed"
     model_states = _model_states(engine)  # collective in stage 3: every rank takes part
+    status: dict = {}
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if staging.exists():
-            shutil.rmtree(staging)
-        staging.mkdir()
-    coll.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir()
+        except OSError as exc:
+            status = _error_record(exc)
+    _raise_first(_agree(coll, status), what)
 
-    grouped = _is_grouped(engine)
-    if grouped:
-        tensors, groups = {}, []
-        for g in engine.groups:
-            gid = group_id(g.key)
-            tensors[f"{gid}/master"] = g.partitioner.master.detach().cpu()
-            for name, t in g.optimizer.state.items():
-                tensors[f"{gid}/{name}"] = t.detach().cpu()
-            groups.append(_group_meta(engine, g))
-        file_meta = {"rank": str(rank), "format": FORMAT, "groups": json.dumps(groups)}
-    else:
-        tensors = {"master": engine.partitioner.master.detach().cpu()}
-        for name, t in engine.optimizer.state.items():
-            tensors[name] = t.detach().cpu()
-        file_meta = {"rank": str(rank), "format": FORMAT}
-    _write_atomic(staging / rank_file(rank), lambda tmp: save_file(tensors, str(tmp), metadata=file_meta))
-    if rank == 0:
-        _write_atomic(staging / MODEL_STATES, lambda tmp: save_file(model_states, str(tmp), metadata={"format": "pt"}))
+    files: dict = {}
+    try:
+        tensors, file_meta = _tensors_to_save(engine)
+        name = rank_file(rank)
+        files[name] = _write_atomic(staging / name, lambda tmp: write_safetensors(tmp, tensors, file_meta))
+        tensors = None  # the host copies of the partition go now, before rank 0 writes the model states
+        if rank == 0:
+            files[MODEL_STATES] = _write_atomic(
+                staging / MODEL_STATES, lambda tmp: write_safetensors(tmp, model_states, {"format": "pt"}))
+        status = {"files": files}
+    except Exception as exc:  # noqa: BLE001 - every failure to write becomes the same error on every rank
+        status = _error_record(exc)
     _fault("rank_files")
-    coll.barrier()
+    records = _agree(coll, status)
+    try:
+        _raise_first(records, what)
+    except CheckpointError as exc:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"{exc}; nothing was changed, {_latest_note(root)}", exc.path) from None
 
+    status = {}
     if rank == 0:
-        meta = {
-            "format": FORMAT, "version": 2 if grouped else 1, "tag": tag, "zero_stage": engine.stage,
-            "world_size": engine.world_size,
-            "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps, "optimizer_type": engine.config.optimizer.type,
-            "optimizer_step": engine.optimizer.step_count, "lr": engine.optimizer.lr,
-            "state_names": sorted(engine.optimizer.state), "loss_scaler": engine.scaler.state_dict(),
-            "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
-            "master_dtype": str(engine.master_dtype).removeprefix("torch."),
-            "layout": None if grouped else _layout_meta(engine), "frozen": [n for n, _ in engine.frozen],
-            "aliases": engine.aliases,
-            "state_dict_keys": list(engine.module.state_dict().keys()), "config": engine.config.raw,
-            "client_state": json.loads(client_json),
-        }
-        _write_text(staging / META, json.dumps(meta, indent=1))
-        _fault("commit")
-        final = root / tag
-        old = root / f".{tag}.old"
-        if final.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
-        os.replace(staging, final)
-        _fsync_dir(root)
-        _write_text(root / LATEST, tag)
-        _fsync_dir(root)
+        try:
+            all_files = {k: v for rec in records for k, v in rec["files"].items()}
+            _write_text(staging / META, dumps_checked(_meta(engine, tag, client_json, all_files)))
+            _fault("commit")
+            _commit(root, staging, tag)
+        except Exception as exc:  # noqa: BLE001
+            shutil.rmtree(staging, ignore_errors=True)
+            status = _error_record(exc)
+            status["error"] = f"{status['error']}; {_latest_note(root)}"
+    _raise_first(_agree(coll, status), what)
+    return tag
+
+
+def _latest_note(root: Path) -> str:
+    latest = root / LATEST
+    try:
+        return f"'latest' still names {latest.read_text().strip()!r}"
+    except OSError:
+        return "no checkpoint was there before"
+
+
+def _commit(root: Path, staging: Path, tag: str) -> None:
+    """Move the staged folder into place, then point ``latest`` at it (the last step)."""
+    final = root / tag
+    old = root / f".{tag}.old"
+    if final.exists():
         if old.exists():
             shutil.rmtree(old)
-    coll.barrier()
-    return tag
+        os.replace(final, old)
+    try:
+        os.replace(staging, final)
+    except OSError:
+        if old.exists() and not final.exists():
+            os.replace(old, final)
+        raise
+    _fsync_dir(root)
+    _write_text(root / LATEST, tag)
+    _fsync_dir(root)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _files_read(engine, meta: dict) -> list[str]:
+    """The saved files this rank reads: its own partition (same world, stage and layout), or all of them."""
+    if not (_is_grouped(engine) or meta.get("version", 1) >= 2) and _same_layout(engine, meta):
+        return [rank_file(engine.rank), MODEL_STATES]
+    return saved_files(meta)
+
+
+def _open_for_load(engine, load_dir, tag) -> tuple[Path, dict]:
+    """(folder, meta) once every rank found its files there, at their sizes and, unless
+    ``checkpoint.verify`` is false, matching their checksums; else the same error on every rank."""
+    verify = engine.config.checkpoint_verify
+    folder = meta = None
+    status: dict = {}
+    try:
+        folder = resolve_tag(load_dir, tag)
+        meta = read_meta(folder, verify)
+        check_files(folder, meta)
+        if verify:
+            verify_files(folder, meta, _files_read(engine, meta))
+    except (CheckpointError, OSError) as exc:
+        status = _error_record(exc)
+    _raise_first(_agree(engine.coll, status), f"cannot load checkpoint from {str(load_dir)!r}")
+    return folder, meta
 
 
 @torch.no_grad()
 def load(engine, load_dir, tag=None):
-    folder = resolve_tag(load_dir, tag)
-    meta = read_meta(folder)
+    folder, meta = _open_for_load(engine, load_dir, tag)
     family = {"adam": "adam", "adamw": "adam", "lion": "lion", "lamb": "lamb"}
     if family[meta["optimizer_type"]] != family[engine.config.optimizer.type]:
         raise PolyaccelError(
@@ -255,18 +391,25 @@ def _load_grouped(engine, folder: Path, meta: dict) -> None:
                 target.copy_(lay.partition_of(local, rank, target.dtype))
 
 
+def _same_layout(engine, meta: dict) -> bool:
+    return (meta["world_size"] == engine.world_size and meta["zero_stage"] in ((1, 2) if engine.stage < 3 else (3,))
+            and _layout_meta(engine) == meta["layout"])
+
+
 def _load_flat(engine, folder: Path, meta: dict) -> None:
     lay = engine.partitioner.layout
-    same = (meta["world_size"] == engine.world_size and meta["zero_stage"] in ((1, 2) if engine.stage < 3 else (3,))
-            and _layout_meta(engine) == meta["layout"])
+    same = _same_layout(engine, meta)
     keys = ["master", *sorted(engine.optimizer.state)]
     targets = {"master": engine.partitioner.master, **engine.optimizer.state}
     if same:
-        from safetensors import safe_open
-
-        with safe_open(str(folder / rank_file(engine.rank)), framework="pt") as f:
+        with Shard(folder / rank_file(engine.rank)) as f:
             for k in keys:
-                targets[k].copy_(f.get_tensor(k))
+                t = f.get_tensor(k)
+                if t.shape != targets[k].shape:
+                    raise CheckpointError(f"{f.path}: {k!r} has shape {tuple(t.shape)}, this rank's partition "
+                                          f"is {tuple(targets[k].shape)}; the file comes from another save; {FIX}",
+                                          f.path)
+                targets[k].copy_(t)
     else:
         names = set(lay.names)
         for k in keys:

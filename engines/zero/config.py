@@ -21,7 +21,7 @@ OFFLOAD_DEVICES = ("none", "cpu")
 
 _TOP_KEYS = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "bf16", "fp16", "optimizer", "zero_optimization", "activation_checkpointing",
+    "bf16", "fp16", "optimizer", "zero_optimization", "activation_checkpointing", "checkpoint",
 }
 _ZERO_KEYS = {
     "stage", "reduce_bucket_size", "overlap_comm", "contiguous_gradients", "stage3_prefetch_bucket_size",
@@ -29,6 +29,8 @@ _ZERO_KEYS = {
     "stage3_leaf_modules", "stage3_check_schedule", "stage3_module_granularity_threshold",
 }
 _OFFLOAD_KEYS = {"device", "pin_memory", "overlap_step"}
+#: ``checkpoint.verify``: check every file's checksum when loading (see ``integrity``); false skips it
+_CHECKPOINT_KEYS = {"verify"}
 _BF16_KEYS = {"enabled"}
 _FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
 _OPTIMIZER_KEYS = {"type", "params"}
@@ -107,6 +109,8 @@ class ZeroConfig:
     fp16: Fp16Config = field(default_factory=Fp16Config)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     activation_checkpointing: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    #: ``checkpoint.verify``: loads check each file against the checksums recorded at save
+    checkpoint_verify: bool = True
     #: the validated input, deep-copied (saved with checkpoints)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -300,4 +304,6 @@ def parse_config(config: dict | None, world_size: int = 1) -> ZeroConfig:
         raise ConfigError("config keys 'bf16.enabled' and 'fp16.enabled' are both true; enable at most one")
     out.update(bf16=bf16_on, fp16=fp16, optimizer=_optimizer(cfg.get("optimizer")),
                activation_checkpointing=parse_activation_checkpointing(cfg.get("activation_checkpointing")))
+    ckpt = _check_keys("checkpoint", cfg.get("checkpoint", {}), _CHECKPOINT_KEYS)
+    out["checkpoint_verify"] = _bool("checkpoint.verify", ckpt.get("verify", True))
     return ZeroConfig(**out, raw=raw)

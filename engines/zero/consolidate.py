@@ -5,7 +5,9 @@ A checkpoint directory holds ``latest`` (the newest complete tag) and one folder
 ``model_states.safetensors`` (frozen parameters and persistent buffers, written by rank 0)
 and ``zero_rank_XXXXX.safetensors`` per rank (the rank's flat master partition and optimizer
 moments). Rebuilding needs no process group and no model: the layout in ``meta.json`` says
-where every element of every rank's partition belongs.
+where every element of every rank's partition belongs. ``meta.json`` also records every other
+file's size and checksum and carries its own (:mod:`.integrity`); readers check them before
+trusting a byte, and every failure names the file.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import os
 from pathlib import Path
 
 import torch
-from polyaccel.errors import PolyaccelError
+from polyaccel.errors import CheckpointError, PolyaccelError
 from safetensors import safe_open
 
+from .integrity import ALGORITHM, file_digest, read_checked_json
 from .partition import FlatLayout, ShardLayout
 
 META = "meta.json"
@@ -28,33 +31,185 @@ FORMAT = "polyaccel-zero"
 PROGRESS_BYTES = 256 * 2**20
 
 
+#: what to do about a damaged or missing file, said at the end of every such error
+FIX = "restore the checkpoint folder from a good copy, or load another tag"
+
+
 def rank_file(rank: int) -> str:
     return f"zero_rank_{rank:05d}.safetensors"
+
+
+def complete_tags(root: Path) -> list[str]:
+    """The tags in ``root`` that have a ``meta.json`` (sorted; staging and backup folders left out)."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith(".") and (p / META).is_file())
+
+
+def _tags_hint(root: Path) -> str:
+    tags = complete_tags(root)
+    return f"complete checkpoints here: {', '.join(tags)}" if tags else "no complete checkpoint is here"
+
+
+def read_latest(root: Path) -> str:
+    """The tag named by ``root/latest``; a missing, empty or malformed file raises :class:`CheckpointError`."""
+    latest = root / LATEST
+    if not latest.is_file():
+        raise CheckpointError(f"no ZeRO checkpoint in {str(root)!r}: the file {LATEST!r} is missing "
+                              f"(pass the checkpoint directory, or a tag; {_tags_hint(root)})", latest)
+    try:
+        tag = latest.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{latest}: cannot be read as a tag ({exc}); write the tag to load into it "
+                              f"({_tags_hint(root)}) or pass a tag", latest) from None
+    if not tag or "/" in tag or "\n" in tag or tag.startswith("."):
+        what = "is empty" if not tag else f"holds {tag[:60]!r}, not a checkpoint tag"
+        raise CheckpointError(f"{latest} {what}; write the tag to load into it ({_tags_hint(root)}) "
+                              "or pass a tag", latest)
+    return tag
 
 
 def resolve_tag(ckpt_dir, tag: str | None = None) -> Path:
     """The folder of ``tag`` (or of the tag named in ``latest``) inside ``ckpt_dir``."""
     root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{str(root)!r} is not a directory; pass the directory given to save_checkpoint", root)
+    named_by = "" if tag is not None else f" (named by {root / LATEST})"
     if tag is None:
-        latest = root / LATEST
-        if not latest.is_file():
-            raise PolyaccelError(f"no ZeRO checkpoint in {str(root)!r}: the file {LATEST!r} is missing "
-                                 "(pass the checkpoint directory, or a tag)")
-        tag = latest.read_text().strip()
+        tag = read_latest(root)
     folder = root / tag
     if not (folder / META).is_file():
         old = root / f".{tag}.old"
         if (old / META).is_file():  # a re-save of this tag was interrupted between its two renames
             return old
-        raise PolyaccelError(f"checkpoint tag {tag!r} in {str(root)!r} is incomplete or missing ({META} not found)")
+        state = "is incomplete" if folder.is_dir() else "does not exist"
+        raise CheckpointError(f"checkpoint {str(folder)!r}{named_by} {state} ({META} not found); "
+                              f"{_tags_hint(root)}", folder)
     return folder
 
 
-def read_meta(folder: Path) -> dict:
-    meta = json.loads((folder / META).read_text())
+def read_meta(folder: Path, verify: bool = True) -> dict:
+    """``meta.json`` of a checkpoint folder, its checksum checked (a file without one is refused when ``verify``)."""
+    path = folder / META
+    meta, checked = read_checked_json(path, FIX)
     if meta.get("format") != FORMAT:
-        raise PolyaccelError(f"{folder} is not a polyaccel ZeRO checkpoint (format {meta.get('format')!r})")
+        raise CheckpointError(f"{folder} is not a polyaccel ZeRO checkpoint (format {meta.get('format')!r} "
+                              f"in {path})", path)
+    if verify and not (checked and "files" in meta):
+        raise CheckpointError(f"{path}: this checkpoint was saved without checksums (by an older polyaccel), so it "
+                              "cannot be verified; load it with the config key checkpoint.verify = false "
+                              "(zero-to-fp32 --no-verify) and save it again", path)
     return meta
+
+
+def saved_files(meta: dict) -> list[str]:
+    """Every file the checkpoint's ``meta.json`` says was written besides itself."""
+    if "files" in meta:
+        return sorted(meta["files"])
+    return [*(rank_file(r) for r in range(meta["world_size"])), MODEL_STATES]
+
+
+def check_files(folder: Path, meta: dict) -> None:
+    """Every saved file is there with the size recorded at save (cheap: one ``stat`` each)."""
+    names = saved_files(meta)
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        present = sorted(p.name for p in folder.iterdir() if p.is_file())
+        ranks = [n for n in names if n.startswith("zero_rank_")]
+        raise CheckpointError(
+            f"checkpoint {folder} was saved by {meta['world_size']} rank(s) ({len(ranks)} rank files "
+            f"{_span(ranks)}, plus {MODEL_STATES}) but lacks {', '.join(missing)}; the folder holds "
+            f"{', '.join(present) or 'no file'}; {FIX}", folder / missing[0])
+    for name, rec in meta.get("files", {}).items():
+        path = folder / name
+        size = path.stat().st_size
+        if size != rec["bytes"]:
+            how = "truncated" if size < rec["bytes"] else "longer than written"
+            raise CheckpointError(f"{path}: {size} bytes, but {rec['bytes']} were saved: the file is {how}; {FIX}",
+                                  path)
+
+
+def _span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}" if names else "none"
+
+
+def verify_files(folder: Path, meta: dict, names=None) -> int:
+    """Check the checksums of ``names`` (default: every saved file); returns the bytes read."""
+    integrity = meta.get("integrity", {})
+    if integrity.get("algorithm") != ALGORITHM:
+        raise CheckpointError(f"{folder / META}: checksum algorithm {integrity.get('algorithm')!r} is not "
+                              f"{ALGORITHM!r}; load it with checkpoint.verify = false", folder / META)
+    total = 0
+    for name in (names if names is not None else saved_files(meta)):
+        rec, path = meta["files"][name], folder / name
+        size, digest = file_digest(path, integrity["chunk_bytes"])
+        if size != rec["bytes"] or digest != rec["sha256"]:
+            raise CheckpointError(f"{path}: checksum mismatch, the file is damaged ({size} bytes); {FIX}", path)
+        total += size
+    return total
+
+
+class Shard:
+    """A safetensors file of a checkpoint, opened so that any failure to read it names the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self._ctx = safe_open(str(path), framework="pt")
+            self._f = self._ctx.__enter__()
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: the file is missing; {FIX}", path) from None
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the file is unreadable
+            raise self._damaged(exc) from None
+
+    def _damaged(self, exc: Exception) -> CheckpointError:
+        return CheckpointError(f"{self.path}: not a readable safetensors file ({type(exc).__name__}: "
+                               f"{str(exc)[:200]}); it is damaged or truncated; {FIX}", self.path)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        try:
+            names = set(self._f.keys())
+            if key not in names:
+                raise CheckpointError(f"{self.path}: holds no tensor {key!r} (it has {sorted(names)[:6]}); "
+                                      f"it does not belong to this checkpoint; {FIX}", self.path)
+            return self._f.get_tensor(key)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise self._damaged(exc) from None
+
+    def keys(self) -> list[str]:
+        return list(self._f.keys())
+
+    def metadata(self) -> dict:
+        return self._f.metadata() or {}
+
+    def close(self) -> None:
+        self._ctx.__exit__(None, None, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _rebuild(layout, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    if isinstance(layout, FlatLayout):
+        return layout.unflatten(layout.full_from_partitions(parts))
+    return layout.unflatten_partitions(parts)
+
+
+def _fit(folder: Path, meta: dict, layout, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full tensors of ``parts``; shape errors become the checkpoint's own: the shards do not fit ``meta.json``."""
+    try:
+        return _rebuild(layout, parts)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        ranks = [n for n in saved_files(meta) if n.startswith("zero_rank_")]
+        raise CheckpointError(
+            f"checkpoint {folder}: the rank files do not fit the layout in {META} (saved by {meta['world_size']} "
+            f"rank(s), files {_span(ranks)}): {str(exc)[:160]}; the files come from different saves; {FIX}",
+            folder) from None
 
 
 def layout_from_meta(meta: dict):
@@ -68,10 +223,7 @@ def layout_from_meta(meta: dict):
 def read_partitions(folder: Path, meta: dict, key: str) -> list[torch.Tensor]:
     parts = []
     for r in range(meta["world_size"]):
-        path = folder / rank_file(r)
-        if not path.is_file():
-            raise PolyaccelError(f"checkpoint {folder} lacks the shard of rank {r} ({path.name})")
-        with safe_open(str(path), framework="pt") as f:
+        with Shard(folder / rank_file(r)) as f:
             parts.append(f.get_tensor(key))
     return parts
 
@@ -80,9 +232,7 @@ def full_tensors(folder: Path, meta: dict, key: str) -> dict[str, torch.Tensor]:
     """Full per-parameter tensors of one flat quantity (``master``, ``exp_avg``...) from every rank."""
     layout = layout_from_meta(meta)
     parts = read_partitions(folder, meta, key)
-    if isinstance(layout, FlatLayout):
-        return layout.unflatten(layout.full_from_partitions(parts))
-    return layout.unflatten_partitions(parts)
+    return _fit(folder, meta, layout, parts)
 
 
 def group_id(key) -> str:
@@ -93,10 +243,12 @@ def group_id(key) -> str:
 def rank_groups(folder: Path, rank: int) -> list[dict]:
     """The groups a rank saved (version-2 checkpoints): key, names, local shapes, partition ranks, splits."""
     path = folder / rank_file(rank)
-    if not path.is_file():
-        raise PolyaccelError(f"checkpoint {folder} lacks the shard of rank {rank} ({path.name})")
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads(f.metadata()["groups"])
+    with Shard(path) as f:
+        groups = f.metadata().get("groups")
+    try:
+        return json.loads(groups)
+    except (TypeError, json.JSONDecodeError):
+        raise CheckpointError(f"{path}: its header lacks a valid 'groups' record; it is damaged; {FIX}", path) from None
 
 
 def _group_layout(meta: dict, group: dict):
@@ -137,13 +289,10 @@ def full_tensors_v2(folder: Path, meta: dict, key: str, groups: dict[int, list[d
                 parts = []
                 for r in group["ranks"]:
                     if r not in handles:
-                        handles[r] = safe_open(str(folder / rank_file(r)), framework="pt").__enter__()
+                        handles[r] = Shard(folder / rank_file(r))
                     parts.append(handles[r].get_tensor(f"{instance[0]}/{key}"))
                 layout = _group_layout(meta, group)
-                if isinstance(layout, FlatLayout):
-                    local = layout.unflatten(layout.full_from_partitions(parts))
-                else:
-                    local = layout.unflatten_partitions(parts)
+                local = _fit(folder, meta, layout, parts)
                 for name, t in local.items():
                     split = group["splits"].get(name)
                     if split is None:
@@ -155,7 +304,7 @@ def full_tensors_v2(folder: Path, meta: dict, key: str, groups: dict[int, list[d
                     tick()
     finally:
         for h in handles.values():
-            h.__exit__(None, None, None)
+            h.close()
     for name, by_rank in pieces.items():
         whole[name] = _assemble(name, by_rank, splits[name], folder)
     return whole
@@ -168,22 +317,30 @@ def full_tensors_any(folder: Path, meta: dict, key: str) -> dict[str, torch.Tens
 
 
 def read_model_states(folder: Path) -> dict[str, torch.Tensor]:
-    path = folder / MODEL_STATES
-    out = {}
-    with safe_open(str(path), framework="pt") as f:
-        for k in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-            out[k] = f.get_tensor(k)
-    return out
+    with Shard(folder / MODEL_STATES) as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - a Shard has no __iter__
 
 
-def consolidate(ckpt_dir, tag: str | None = None, progress: bool | None = None) -> dict[str, torch.Tensor]:
+def open_checkpoint(ckpt_dir, tag: str | None = None, verify: bool = True) -> tuple[Path, dict]:
+    """(folder, meta) of a checkpoint whose files are all there at their saved sizes, and, when ``verify``,
+    match their checksums; anything else raises :class:`CheckpointError` naming the file."""
+    folder = resolve_tag(ckpt_dir, tag)
+    meta = read_meta(folder, verify)
+    check_files(folder, meta)
+    if verify:
+        verify_files(folder, meta)
+    return folder, meta
+
+
+def consolidate(ckpt_dir, tag: str | None = None, progress: bool | None = None,
+                verify: bool = True) -> dict[str, torch.Tensor]:
     """The full state dict (master precision: fp32, or fp64 for a float64 model) of a checkpoint.
 
     Keys are those of the model's ``state_dict()``: trainable parameters from the fp32 masters,
-    frozen parameters and persistent buffers as saved, tied names repeated.
+    frozen parameters and persistent buffers as saved, tied names repeated. Every file is checked
+    against its checksum first unless ``verify`` is false.
     """
-    folder = resolve_tag(ckpt_dir, tag)
-    meta = read_meta(folder)
+    folder, meta = open_checkpoint(ckpt_dir, tag, verify)
     master_dtype = getattr(torch, meta["master_dtype"])
     nbytes = sum(os.path.getsize(folder / rank_file(r)) for r in range(meta["world_size"]))
     show = progress if progress is not None else nbytes > PROGRESS_BYTES
@@ -207,15 +364,12 @@ def consolidate(ckpt_dir, tag: str | None = None, progress: bool | None = None) 
         with Progress() as bar:
             task = bar.add_task(f"reading {meta['world_size']} shards", total=meta["world_size"])
             for r in range(meta["world_size"]):
-                with safe_open(str(folder / rank_file(r)), framework="pt") as f:
+                with Shard(folder / rank_file(r)) as f:
                     parts.append(f.get_tensor("master"))
                 bar.advance(task)
     else:
         parts = read_partitions(folder, meta, "master")
-    if isinstance(layout, FlatLayout):
-        trained = layout.unflatten(layout.full_from_partitions(parts))
-    else:
-        trained = layout.unflatten_partitions(parts)
+    trained = _fit(folder, meta, layout, parts)
     return _state_dict(folder, meta, trained, master_dtype)
 
 
