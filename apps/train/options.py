@@ -7,7 +7,6 @@ options object as is (it pickles), so the parent and the ranks can never disagre
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -100,34 +99,68 @@ def _positive(flag: str, value, minimum=1) -> None:
 
 
 def read_checkpoint_meta(directory: str, tag: str | None) -> tuple[str, dict]:
-    """(tag, metadata) of the checkpoint ``tag`` (default: the one named by ``latest``) in ``directory``."""
+    """(tag, metadata) of the checkpoint ``tag`` (default: the one named by ``latest``) in ``directory``.
+
+    The metadata file must match its checksum (see ``polyaccel.engines.zero.integrity``); a damaged,
+    empty or missing file is a :class:`ConfigError` naming it.
+    """
+    from polyaccel.engines.zero.consolidate import complete_tags, read_latest
+    from polyaccel.engines.zero.integrity import read_checked_json
+    from polyaccel.errors import CheckpointError
+
     d = Path(directory)
     if not d.is_dir():
         raise ConfigError(f"--resume {directory}: no such directory; pass a directory written by --save")
     if tag is None:
-        latest = d / "latest"
-        if not latest.is_file():
+        if not (d / "latest").is_file():
             raise ConfigError(
                 f"--resume {directory}: no 'latest' file, so it holds no complete checkpoint; "
                 "pass a directory written by `polyaccel train --save`"
             )
-        tag = latest.read_text().strip()
+        try:
+            tag = read_latest(d)
+        except CheckpointError as exc:
+            raise ConfigError(f"--resume {directory}: {exc} (--resume-tag)") from None
     meta_file = d / f"{META_PREFIX}{tag}.json"
     if not meta_file.is_file():
+        tags = [t for t in complete_tags(d) if (d / f"{META_PREFIX}{t}.json").is_file()]
         raise ConfigError(
             f"--resume {directory}: checkpoint {tag!r} has no {meta_file.name}, so it was not written by "
             "`polyaccel train --save` (or the save did not finish); pick another --resume-tag or directory"
+            f" ({'saved by polyaccel train here: ' + ', '.join(tags) if tags else 'none here was'})"
         )
-    return tag, json.loads(meta_file.read_text())
+    fix = "restore it from a good copy, or pick another --resume-tag"
+    try:
+        meta, checked = read_checked_json(meta_file, fix)
+    except CheckpointError as exc:
+        raise ConfigError(f"--resume {directory}: {exc}") from None
+    if not checked:
+        raise ConfigError(
+            f"--resume {directory}: {meta_file} has no checksum (written by an older polyaccel), so it cannot be "
+            f"verified; convert the checkpoint with `polyaccel zero-to-fp32 --no-verify {directory} model.safetensors`"
+            " and start from it with --init-from model.safetensors")
+    if not isinstance(meta.get("step"), int) or not isinstance(meta.get("model"), dict):
+        raise ConfigError(f"--resume {directory}: {meta_file} lacks 'step' or 'model'; it was not written by "
+                          f"`polyaccel train --save`; {fix}")
+    return tag, meta
 
 
 def write_checkpoint_meta(directory: str, tag: str, meta: dict) -> Path:
-    """Write the run metadata for ``tag`` atomically (temporary name, then rename)."""
+    """Write the run metadata for ``tag`` atomically (temporary name, fsync, rename), with its checksum."""
+    from polyaccel.engines.zero.integrity import dumps_checked
+
     d = Path(directory)
     final = d / f"{META_PREFIX}{tag}.json"
     tmp = d / f".{final.name}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "w") as f:
+            f.write(dumps_checked(meta))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return final
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .options import TrainOptions, write_checkpoint_meta
+from .options import META_PREFIX, TrainOptions, write_checkpoint_meta
 
 
 def _quiet_libraries() -> None:
@@ -52,17 +52,49 @@ def _checkpoint_meta(opts: TrainOptions, step: int, world_size: int) -> dict:
 
 
 def save(engine, opts: TrainOptions, step: int, rank: int, world_size: int) -> str:
-    """Save a checkpoint tagged ``step<N>``; the run metadata goes first, the engine's ``latest`` last."""
-    from polyaccel import comm
+    """Save a checkpoint tagged ``step<N>``; the run metadata goes first, the engine's ``latest`` last.
+
+    A save that fails (every rank raises the engine's one :class:`CheckpointError`) leaves the save
+    directory as it was: the engine removes its staging folder, rank 0 puts back the metadata file
+    of the tag (removes it, when the tag is new).
+    """
+    from polyaccel.engines.zero.checkpoint import raise_if_any_failed
+    from polyaccel.errors import CheckpointError
 
     tag = f"step{step}"
     meta = _checkpoint_meta(opts, step, world_size)
+    meta_file = Path(opts.save) / f"{META_PREFIX}{tag}.json"
+    before = None
+    error = None
     if rank == 0:
-        Path(opts.save).mkdir(parents=True, exist_ok=True)
-        write_checkpoint_meta(opts.save, tag, meta)
-    comm.barrier()
-    engine.save_checkpoint(opts.save, tag=tag, client_state={"train": meta})
+        try:
+            Path(opts.save).mkdir(parents=True, exist_ok=True)
+            before = meta_file.read_bytes() if meta_file.is_file() else None
+            write_checkpoint_meta(opts.save, tag, meta)
+        except OSError as exc:
+            error = CheckpointError(f"cannot write {meta_file} ({exc.strerror or exc}); nothing was changed",
+                                    meta_file)
+    raise_if_any_failed(engine.coll, error, f"saving checkpoint {tag!r} in {opts.save!r} failed")
+    try:
+        engine.save_checkpoint(opts.save, tag=tag, client_state={"train": meta})
+    except CheckpointError:
+        if rank == 0:
+            _restore(meta_file, before)
+        raise
     return tag
+
+
+def _restore(path: Path, content: bytes | None) -> None:
+    """Put ``path`` back as it was before a failed save (``None``: it did not exist)."""
+    import contextlib
+
+    with contextlib.suppress(OSError):
+        if content is None:
+            path.unlink(missing_ok=True)
+        else:
+            tmp = path.with_name(f".{path.name}.restore{os.getpid()}")
+            tmp.write_bytes(content)
+            os.replace(tmp, path)
 
 
 def optimizer_builders(engine, acc, opts: TrainOptions) -> list[dict]:

@@ -127,6 +127,12 @@ def _raise_first(records: list[dict], what: str) -> None:
             raise CheckpointError(f"{what}{where}: {rec['error']}", rec.get("path"))
 
 
+def raise_if_any_failed(coll, exc: BaseException | None, what: str) -> None:
+    """Collective: every rank of ``coll`` raises the same :class:`CheckpointError` when any rank passes an
+    exception (the first such rank's, prefixed by ``what``); returns on every rank when none did."""
+    _raise_first(_agree(coll, _error_record(exc) if exc is not None else {}), what)
+
+
 def _error_record(exc: BaseException) -> dict:
     path = getattr(exc, "path", None) or getattr(exc, "filename", None)
     if isinstance(exc, OSError):

@@ -4,7 +4,8 @@ Reads every rank's shard of CKPT_DIR (the tag named in its ``latest`` file unles
 given) and writes the model's full state dict, trainable parameters from the fp32 master
 weights, to OUT (a file, or a directory that receives ``model.safetensors``). Works offline:
 no process group, no model code, any world size and ZeRO stage. Shows a progress bar for
-big checkpoints.
+big checkpoints. Every file of the checkpoint is checked against the size and checksum recorded
+at save first (--no-verify skips the checksums; `polyaccel checkpoint verify` checks only).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("checkpoint_dir", metavar="CKPT_DIR", help="directory given to engine.save_checkpoint")
     parser.add_argument("output", metavar="OUT", help="output .safetensors file (or directory)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CKPT_DIR/latest)")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip the checksums (needed for checkpoints saved before polyaccel recorded them)")
     bar = parser.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None,
                      help="always show a progress bar")
@@ -30,7 +33,7 @@ def run(args) -> int:
     from .consolidate import consolidate, save_state_dict
 
     try:
-        state = consolidate(args.checkpoint_dir, tag=args.tag, progress=args.progress)
+        state = consolidate(args.checkpoint_dir, tag=args.tag, progress=args.progress, verify=args.verify)
         out = save_state_dict(state, args.output)
     except (PolyaccelError, OSError) as exc:
         print(f"polyaccel zero-to-fp32: {exc}", file=sys.stderr)

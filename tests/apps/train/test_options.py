@@ -1,9 +1,8 @@
 """`polyaccel train` argument checks: clear errors before any rank is spawned."""
 
-import json
 
 import pytest
-from polyaccel.apps.train.options import META_PREFIX, TrainOptions, options_from_args
+from polyaccel.apps.train.options import TrainOptions, options_from_args, write_checkpoint_meta
 from polyaccel.cli import main
 
 
@@ -12,7 +11,7 @@ def _fake_checkpoint(tmp_path, step=3, **model):
             "max_positions": 256}
     spec.update(model)
     (tmp_path / "latest").write_text(f"step{step}")
-    (tmp_path / f"{META_PREFIX}step{step}.json").write_text(json.dumps({"step": step, "model": spec}))
+    write_checkpoint_meta(str(tmp_path), f"step{step}", {"step": step, "model": spec})
     return tmp_path
 
 
