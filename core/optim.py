@@ -10,6 +10,10 @@ and hands the op that tensor, never a host number: ``step()`` then runs without 
 and can be captured in a device graph (the replayed graph advances the count and the bias
 correction). The op receives the step tensor of the first parameter of each device batch:
 in a capturable run every parameter with a gradient is stepped together.
+
+Hyperparameters follow the op contract's rules (finite ``lr >= 0``, ``weight_decay >= 0`` and
+``eps > 0``, betas in ``[0, 1)``, ``0 < min_coeff <= max_coeff``): checked at construction and
+again at each ``step()``, for every group, before any state or parameter changes.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from . import ops
 from .errors import InvalidArgument, OpError
+from .ops import contract
 
 
 def _state_dtype(p: torch.Tensor) -> torch.dtype:
@@ -29,13 +34,24 @@ def _state_dtype(p: torch.Tensor) -> torch.dtype:
 class _FusedOptimizer(torch.optim.Optimizer):
     _state_names: tuple[str, ...] = ()
 
-    def _check_common(self, lr, betas, weight_decay):
-        if not 0.0 <= lr:
-            raise InvalidArgument(f"invalid learning rate {lr!r}: must be >= 0")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise InvalidArgument(f"invalid betas {betas!r}: need two values in [0, 1)")
-        if not 0.0 <= weight_decay:
-            raise InvalidArgument(f"invalid weight_decay {weight_decay!r}: must be >= 0")
+    def _check_hyperparameters(self, group) -> None:
+        """The op contract's rules (:mod:`polyaccel.ops.contract`) for one param group's values.
+
+        Run at construction and at the start of every ``step()`` (values edited in
+        ``param_groups`` later are checked too) before any state or parameter is touched.
+        """
+        name = type(self).__name__
+        contract.check_lr(name, group["lr"])
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise InvalidArgument(f"{name}: betas={betas!r} is not allowed; betas must be two values in [0, 1)")
+        contract.check_beta(name, betas[0], "betas[0]")
+        contract.check_beta(name, betas[1], "betas[1]")
+        contract.check_weight_decay(name, group["weight_decay"])
+        if "eps" in group:
+            contract.check_eps(name, group["eps"])
+        if "min_coeff" in group:
+            contract.check_trust_bounds(name, group["min_coeff"], group["max_coeff"])
 
     def _init_state(self, p: torch.Tensor, capturable: bool) -> dict:
         st = self.state[p]
@@ -79,6 +95,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            self._check_hyperparameters(group)
+        for group in self.param_groups:
             for step, lists in self._groups(group):
                 self._apply(group, step, lists)
         return loss
@@ -94,12 +112,10 @@ class FusedAdam(_FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  adam_w_mode=True, bias_correction=True, capturable=False):
-        self._check_common(lr, betas, weight_decay)
-        if not eps > 0:
-            raise InvalidArgument(f"invalid eps {eps!r}: must be > 0")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      adam_w_mode=adam_w_mode, bias_correction=bias_correction,
-                                      capturable=capturable))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+                        bias_correction=bias_correction, capturable=capturable)
+        self._check_hyperparameters(defaults)
+        super().__init__(params, defaults)
 
     def _apply(self, group, step, lists):
         b1, b2 = group["betas"]
@@ -114,8 +130,9 @@ class FusedLion(_FusedOptimizer):
     _state_names = ("exp_avg",)
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-        self._check_common(lr, betas, weight_decay)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        self._check_hyperparameters(defaults)
+        super().__init__(params, defaults)
 
     def _apply(self, group, step, lists):
         b1, b2 = group["betas"]
@@ -129,14 +146,11 @@ class FusedLamb(_FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0,
                  bias_correction=True, max_coeff=10.0, min_coeff=0.01, capturable=False):
-        self._check_common(lr, betas, weight_decay)
-        if not eps > 0:
-            raise InvalidArgument(f"invalid eps {eps!r}: must be > 0")
-        if not 0 < min_coeff <= max_coeff:
-            raise InvalidArgument(f"invalid trust-ratio bounds min_coeff={min_coeff}, max_coeff={max_coeff}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      bias_correction=bias_correction, max_coeff=max_coeff,
-                                      min_coeff=min_coeff, capturable=capturable))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
+                        capturable=capturable)
+        self._check_hyperparameters(defaults)
+        super().__init__(params, defaults)
 
     def _apply(self, group, step, lists):
         b1, b2 = group["betas"]

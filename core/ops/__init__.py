@@ -4,6 +4,11 @@ Call ``polyaccel.ops.fused_adam(...)`` and friends; each call resolves (once, th
 cached) the builder for the device type of its tensors. ``explain(op)`` tells which
 builder was picked and why; ``override(op, builder)`` or ``POLYACCEL_OP_OVERRIDES``
 forces one.
+
+Each entry point checks its call against the op's contract (:mod:`.contract`: hyperparameters,
+list lengths, shapes, one device, no aliased memory in written tensors) and then hands the
+builder the caller's tensors unchanged, strides and all: a builder whose kernel needs another
+layout stages the tensors itself (:mod:`.layout`). See docs/plugin-authoring.md.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import current
+from . import contract
 from .reference.quantize import QuantizedTensor
 from .registry import ANY_DEVICE, Candidate, OpBuilder, OpRegistry
 
@@ -42,6 +48,8 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
 
     Semantics and signature: :func:`polyaccel.ops.reference.fused_adam` (docs/plugin-authoring.md).
     """
+    contract.check_fused_adam(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                              weight_decay=weight_decay, step=step)
     if not params:
         return
     registry.resolve("fused_adam", _device_type(params, "fused_adam"))(
@@ -54,6 +62,7 @@ def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
 
     Semantics and signature: :func:`polyaccel.ops.reference.fused_lion` (docs/plugin-authoring.md).
     """
+    contract.check_fused_lion(params, grads, exp_avgs, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
     if not params:
         return
     registry.resolve("fused_lion", _device_type(params, "fused_lion"))(
@@ -66,6 +75,8 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
 
     Semantics and signature: :func:`polyaccel.ops.reference.fused_lamb` (docs/plugin-authoring.md).
     """
+    contract.check_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                              weight_decay=weight_decay, step=step, max_coeff=max_coeff, min_coeff=min_coeff)
     if not params:
         return
     registry.resolve("fused_lamb", _device_type(params, "fused_lamb"))(
@@ -90,8 +101,9 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
 
     Semantics and signature: :func:`polyaccel.ops.reference.dequantize` (docs/plugin-authoring.md).
     """
-    if not isinstance(qt, QuantizedTensor):
-        raise TypeError(f"dequantize: expected a QuantizedTensor, got {type(qt).__name__}")
+    from .reference.quantize import check_dequantize_args
+
+    check_dequantize_args(qt)
     return registry.resolve("dequantize", qt.data.device.type)(qt, dtype=dtype)
 
 

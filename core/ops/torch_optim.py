@@ -7,13 +7,17 @@ Same semantics as the reference ops; no per-element Python, one kernel per op ov
 the whole list.
 
 * ``fused_adam``: torch's fused kernel for each group of tensors that share one dtype
-  (it needs params, grads and states of equal dtype and always applies bias correction);
+  (it needs params, grads and states of equal dtype and always applies bias correction;
+  it pairs the operands of an entry by memory position, so entries whose operands differ
+  in layout run on dense copies, :mod:`polyaccel.ops.layout`);
   everything else (16-bit params with fp32 states, ``bias_correction=False``, a device
   type without the fused kernel) takes the foreach path.
 * ``fused_lion`` / ``fused_lamb``: :func:`foreach_lion` / :func:`foreach_lamb`, on foreach ops;
   :func:`foreach_builders` makes a backend's builders for them.
 
-Math runs in fp32 for 16-bit tensors and in the tensor's own dtype otherwise.
+Math runs in fp32 for 16-bit tensors and in the tensor's own dtype otherwise. The foreach
+paths take any strides: torch's foreach ops fall back to per-tensor (stride-aware) kernels
+where the operands' layouts differ.
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ from collections.abc import Callable
 
 import torch
 
+from . import layout
 from .reference import optimizers as ref
 from .registry import OpBuilder
+
+#: the lists of (params, grads, exp_avgs, exp_avg_sqs) an Adam step writes
+ADAM_WRITTEN = frozenset((0, 2, 3))
 
 
 def fused_kernel_support(device_type: str) -> tuple[bool, str]:
@@ -81,9 +89,12 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
     kernel = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
     for idx in by_dtype.values():
         steps = [_step_tensor(step, params[idx[0]].device)] * len(idx)
-        kernel([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-               [exp_avg_sqs[i] for i in idx], [], steps, lr=lr, beta1=beta1, beta2=beta2,
+        # the fused kernel pairs operands by memory position: entries whose layouts differ run on dense copies
+        staged = layout.stage(tuple([lst[i] for i in idx] for lst in (params, grads, exp_avgs, exp_avg_sqs)),
+                              ADAM_WRITTEN)
+        kernel(*staged.lists, [], steps, lr=lr, beta1=beta1, beta2=beta2,
                weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        staged.copy_back()
     if other:
         pick = lambda lst: [lst[i] for i in other]  # noqa: E731
         foreach_adam(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), lr=lr, beta1=beta1,

@@ -7,7 +7,8 @@
 * ``fused_lion`` / ``fused_lamb``: ``torch._foreach_*`` ops (one launch per op over the
   whole list, served by torch_npu's foreach kernels), fp32 math.
 * ``quantize`` (int8/int4, symmetric and asymmetric): group scales computed with torch,
-  rounding and saturation by ``torch_npu.npu_quantize``; fp8 goes to the reference.
+  rounding and saturation by ``torch_npu.npu_quantize``; fp8 goes to the reference. A group
+  holding a NaN or an infinity gets the contract's NaN scale (zero point 0, codes 0).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def quantize(x, mode="int8", group_size=128, symmetric=True):
         return reference_quantize(x, mode, group_size, symmetric)
     torch_npu = sys.modules["torch_npu"]
     groups = x.reshape(-1, group_size).float()
+    # a group holding a NaN or an infinity is quantized as zeros and gets a NaN scale (the op's contract)
+    bad = ~torch.isfinite(groups).all(dim=1)
+    groups = torch.where(bad[:, None], torch.zeros_like(groups), groups)
     top = qmax(mode, symmetric)
     if symmetric:
         amax = groups.abs().amax(dim=1)
@@ -75,6 +79,7 @@ def quantize(x, mode="int8", group_size=128, symmetric=True):
     else:
         data = q.to(torch.int8 if symmetric else torch.uint8)
     zp = None if zero is None else zero.to(torch.uint8)
+    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
     return QuantizedTensor(data, scale, zp, mode, group_size, x.shape, x.dtype)
 
 

@@ -14,7 +14,8 @@ What it reproduces (from torch_supa's public API and what DeepSpeed's supa backe
   work and ``replay()`` re-runs it.
 * ``torch_supa_ext.deepspeed`` registers ``torch.ops.deepspeed.multi_tensor_adam``,
   ``multi_tensor_lion`` and ``lamb`` with DeepSpeed's argument order and math (fault
-  ``ext_missing`` leaves them out).
+  ``ext_missing`` leaves them out). Like the real kernels they walk each tensor as ``numel()``
+  consecutive elements from its data pointer, ignoring strides.
 * streams, events with asynchronous completion, RNG per device, memory statistics.
 
 Tensors stay on the CPU. Offered through the plugin's ``polyaccel_emulated_runtimes`` hook:
@@ -103,6 +104,11 @@ class SUPAGraph(EmulatedGraph):
 
 
 # -------------------------------------------------- torch_supa_ext.deepspeed kernels (DeepSpeed's math)
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """What the real kernels see of ``t``: ``numel()`` consecutive elements from ``data_ptr()``, strides ignored."""
+    return t.reshape(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,))
+
+
 def _ds_multi_tensor_adam(rt, chunk_size, noop_flag, grads, params, exp_avgs, exp_avg_sqs, lr, beta1, beta2,
                           eps, step, mode, bias_correction, weight_decay):
     rt.record("deepspeed.multi_tensor_adam", len(params), step=step, mode=mode, bias_correction=bias_correction)
@@ -111,6 +117,7 @@ def _ds_multi_tensor_adam(rt, chunk_size, noop_flag, grads, params, exp_avgs, ex
     bc1 = 1 - beta1**step if bias_correction else 1.0
     bc2 = 1 - beta2**step if bias_correction else 1.0
     for g, p, m, v in zip(grads, params, exp_avgs, exp_avg_sqs, strict=True):
+        g, p, m, v = _flat(g), _flat(p), _flat(m), _flat(v)
         g32, p32, m32, v32 = g.float(), p.float(), m.float(), v.float()
         if mode == 0 and weight_decay:
             g32 = g32 + weight_decay * p32
@@ -130,6 +137,7 @@ def _ds_multi_tensor_lion(rt, chunk_size, noop_flag, grads, params, exp_avgs, lr
     if int(noop_flag.item()) == 1:
         return
     for g, p, m in zip(grads, params, exp_avgs, strict=True):
+        g, p, m = _flat(g), _flat(p), _flat(m)
         g32, p32, m32 = g.float(), p.float(), m.float()
         update = torch.sign(beta1 * m32 + (1 - beta1) * g32)
         p.copy_(p32 - lr * (update + weight_decay * p32))
@@ -141,6 +149,7 @@ def _ds_lamb(rt, p, p_copy, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, max_coe
     """DeepSpeed's LAMB: step size lr*sqrt(bc2)/bc1, eps added to sqrt(v) (eps_mode 1) or inside it (0)."""
     rt.record("deepspeed.lamb", step=step, eps_mode=eps_mode, bias_correction=bias_correction)
     step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if bias_correction else lr
+    p, exp_avg, exp_avg_sq, grad = _flat(p), _flat(exp_avg), _flat(exp_avg_sq), _flat(grad)
     g = grad.float() / combined_scale
     m = beta1 * exp_avg.float() + (1 - beta1) * g
     v = beta2 * exp_avg_sq.float() + (1 - beta2) * g * g
@@ -152,7 +161,7 @@ def _ds_lamb(rt, p, p_copy, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, max_coe
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     if p_copy.numel():
-        p_copy.copy_(p)
+        _flat(p_copy).copy_(p)
     return coeff
 
 

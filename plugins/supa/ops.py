@@ -14,6 +14,10 @@ them where their math *is* polyaccel's op:
   (``scale = 2**(b-1)/absmax``, reciprocal stored, clamp to ``2**(b-1)-1``), a different
   op from polyaccel's ``quantize`` (``absmax/(2**(b-1)-1)``); the reference serves it.
 
+The kernels walk each operand as ``numel()`` consecutive elements from ``data_ptr()``:
+entries with a non-contiguous operand run on contiguous copies that are written back
+(:func:`polyaccel.ops.layout.stage`).
+
 Without the extension the builders are incompatible and the registry picks the reference.
 """
 
@@ -21,11 +25,15 @@ from __future__ import annotations
 
 import torch
 from polyaccel.errors import OpError
-from polyaccel.ops import OpBuilder
+from polyaccel.ops import OpBuilder, layout
 from polyaccel.ops.reference import optimizers as ref_optim
 
 #: elements per chunk handed to the multi-tensor kernels (DeepSpeed's default)
 CHUNK_SIZE = 2048 * 32
+#: DeepSpeed's kernels take (grads, params, states...): every list but the first is written
+_WRITTEN_AFTER_GRADS = frozenset((1, 2, 3))
+#: the lamb kernel's (param, exp_avg, exp_avg_sq, grad) as staged: all but the grad are written
+_LAMB_WRITTEN = frozenset((0, 1, 2))
 
 
 def _compatible_with(kernel: str):
@@ -82,9 +90,12 @@ def make_fused_adam():
             for i in uniform:
                 by_dtype.setdefault(params[i].dtype, []).append(i)
             for idx in by_dtype.values():
-                kernel(CHUNK_SIZE, noop, _pick(grads, idx), _pick(params, idx), _pick(exp_avgs, idx),
-                       _pick(exp_avg_sqs, idx), lr, beta1, beta2, eps, _step_int(step), 1 if adam_w_mode else 0,
-                       bool(bias_correction), weight_decay)
+                # (grads, params, exp_avgs, exp_avg_sqs): the kernel walks flat memory, so stage other layouts
+                staged = layout.stage((_pick(grads, idx), _pick(params, idx), _pick(exp_avgs, idx),
+                                       _pick(exp_avg_sqs, idx)), _WRITTEN_AFTER_GRADS, layout.all_contiguous)
+                kernel(CHUNK_SIZE, noop, *staged.lists, lr, beta1, beta2, eps, _step_int(step),
+                       1 if adam_w_mode else 0, bool(bias_correction), weight_decay)
+                staged.copy_back()
         if mixed:
             ref_optim.fused_adam(_pick(params, mixed), _pick(grads, mixed), _pick(exp_avgs, mixed),
                                  _pick(exp_avg_sqs, mixed), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -105,8 +116,10 @@ def make_fused_lion():
             by_dtype.setdefault(params[i].dtype, []).append(i)
         for idx in by_dtype.values():
             noop = torch.zeros(1, dtype=torch.int32, device=params[idx[0]].device)
-            kernel(CHUNK_SIZE, noop, _pick(grads, idx), _pick(params, idx), _pick(exp_avgs, idx),
-                   lr, beta1, beta2, 1, weight_decay)
+            staged = layout.stage((_pick(grads, idx), _pick(params, idx), _pick(exp_avgs, idx)),
+                                  _WRITTEN_AFTER_GRADS, layout.all_contiguous)
+            kernel(CHUNK_SIZE, noop, *staged.lists, lr, beta1, beta2, 1, weight_decay)
+            staged.copy_back()
         if mixed:
             ref_optim.fused_lion(_pick(params, mixed), _pick(grads, mixed), _pick(exp_avgs, mixed), lr=lr,
                                  beta1=beta1, beta2=beta2, weight_decay=weight_decay)
@@ -129,8 +142,12 @@ def make_fused_lamb():
         uniform, mixed = _split_uniform(params, grads, exp_avgs, exp_avg_sqs)
         for i in uniform:
             empty = torch.empty(0, dtype=params[i].dtype, device=params[i].device)
-            kernel(params[i], empty, exp_avgs[i], exp_avg_sqs[i], grads[i], lr, beta1, beta2, max_coeff, min_coeff,
-                   eps, 1.0, _step_int(step), 1, False, weight_decay)
+            staged = layout.stage(([params[i]], [exp_avgs[i]], [exp_avg_sqs[i]], [grads[i]]), _LAMB_WRITTEN,
+                                  layout.all_contiguous)
+            p, m, v, g = (lst[0] for lst in staged.lists)
+            kernel(p, empty, m, v, g, lr, beta1, beta2, max_coeff, min_coeff, eps, 1.0, _step_int(step), 1, False,
+                   weight_decay)
+            staged.copy_back()
         if mixed:
             ref_optim.fused_lamb(_pick(params, mixed), _pick(grads, mixed), _pick(exp_avgs, mixed),
                                  _pick(exp_avg_sqs, mixed), lr=lr, beta1=beta1, beta2=beta2, eps=eps,

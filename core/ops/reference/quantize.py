@@ -11,7 +11,9 @@ each group gets an fp32 scale (and, asymmetric, a uint8 zero point).
 * int4 packs element ``2i`` in the low nibble and ``2i+1`` in the high nibble of byte ``i``.
 * fp8 (symmetric only): ``scale = amax / 448``, data ``torch.float8_e4m3fn``.
 
-A group whose values are all zero gets scale 1, so dequantization returns zeros.
+A group whose values are all zero gets scale 1, so dequantization returns zeros. A group
+holding a NaN or an infinity gets a NaN scale (zero point 0, codes 0), so every element of
+it dequantizes to NaN: a non-finite input is never turned into finite numbers.
 Dequantization is ``(q - zero_point) * scale`` (or ``q * scale``), cast to the original dtype.
 """
 
@@ -84,6 +86,39 @@ def check_quantize_args(x: torch.Tensor, mode: str, group_size: int, symmetric: 
         raise OpArgumentError("quantize: fp8 is symmetric only; pass symmetric=True")
 
 
+def check_dequantize_args(qt) -> None:
+    """What ``dequantize`` needs of a ``QuantizedTensor``: one scale (and zero point) per group, consistent data."""
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"dequantize: expected a QuantizedTensor, got {type(qt).__name__}")
+    if qt.mode not in MODES:
+        raise OpArgumentError(f"dequantize: mode {qt.mode!r} is not one of {MODES}")
+    n = 1
+    for s in qt.shape:
+        n *= int(s)
+    if not isinstance(qt.group_size, int) or qt.group_size <= 0 or n % qt.group_size:
+        raise OpArgumentError(f"dequantize: group_size {qt.group_size!r} does not divide the {n} elements of "
+                              f"shape {tuple(qt.shape)}; the QuantizedTensor is inconsistent")
+    groups = n // qt.group_size
+    if qt.scales.numel() != groups:
+        raise OpArgumentError(f"dequantize: scales has {qt.scales.numel()} entries but shape {tuple(qt.shape)} with "
+                              f"group_size {qt.group_size} has {groups} groups; the QuantizedTensor is inconsistent "
+                              "(one scale per group)")
+    if qt.zero_points is not None and qt.zero_points.numel() != groups:
+        raise OpArgumentError(f"dequantize: zero_points has {qt.zero_points.numel()} entries but there are "
+                              f"{groups} groups; the QuantizedTensor is inconsistent (one zero point per group, "
+                              "or None when symmetric)")
+    per_byte = 2 if qt.mode == "int4" else 1
+    if qt.data.numel() * per_byte != n:
+        raise OpArgumentError(f"dequantize: data has {qt.data.numel()} entries, which do not hold the {n} elements "
+                              f"of shape {tuple(qt.shape)} in mode {qt.mode!r}; the QuantizedTensor is inconsistent")
+
+
+def _nonfinite_groups(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each group holds a NaN or an infinity, the groups with those groups zeroed)."""
+    bad = ~torch.isfinite(g).all(dim=1)
+    return bad, torch.where(bad[:, None], torch.zeros_like(g), g)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Pack int values in [-8, 15] (flattened, even length) two per byte, low nibble first."""
     q = q.to(torch.int16).reshape(-1, 2) & 0xF
@@ -128,6 +163,8 @@ def quantize(x: torch.Tensor, mode: str = "int8", group_size: int = 128, symmetr
         fp8:
             scale = max(|x|) / 448;  q = clamp(x / scale, -448, 448) cast to float8_e4m3fn
         a group whose values are all zero gets scale 1
+        a group holding any NaN or +-Inf gets scale NaN, zero point 0 and codes 0, so
+        every element of that group dequantizes to NaN; other groups are unaffected
 
     Wire format (fixed, compared exactly): `data` is flat `torch.int8` (symmetric int8),
     `torch.uint8` (asymmetric int8; int4 packed two per byte, element 2i in the low
@@ -135,12 +172,12 @@ def quantize(x: torch.Tensor, mode: str = "int8", group_size: int = 128, symmetr
     one entry per group; `zero_points` uint8 per group or None; `shape` and `dtype` of `x`.
     """
     check_quantize_args(x, mode, group_size, symmetric)
-    g = x.reshape(-1, group_size).float()
+    bad, g = _nonfinite_groups(x.reshape(-1, group_size).float())
     if mode == "fp8":
         amax = g.abs().amax(dim=1)
         scale = torch.where(amax > 0, _ieee_div(amax, FP8_MAX), torch.ones_like(amax))
         data = (g / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(-1)
-        return QuantizedTensor(data, scale, None, mode, group_size, x.shape, x.dtype)
+        return QuantizedTensor(data, _nan_where(bad, scale), None, mode, group_size, x.shape, x.dtype)
     top = qmax(mode, symmetric)
     if symmetric:
         amax = g.abs().amax(dim=1)
@@ -160,7 +197,11 @@ def quantize(x: torch.Tensor, mode: str = "int8", group_size: int = 128, symmetr
         data = pack_int4(q)
     else:
         data = q.to(torch.int8 if symmetric else torch.uint8)
-    return QuantizedTensor(data, scale, zp, mode, group_size, x.shape, x.dtype)
+    return QuantizedTensor(data, _nan_where(bad, scale), zp, mode, group_size, x.shape, x.dtype)
+
+
+def _nan_where(bad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(bad, torch.full_like(scale, float("nan")), scale)
 
 
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -169,7 +210,12 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
     Called as `fn(qt, dtype=dtype)`. Per group, in fp32: `(q - zero_point) * scale`
     (symmetric: `q * scale`), reshaped to `qt.shape` and cast to `dtype`, or to `qt.dtype`
     when `dtype` is None. `qt`'s tensors are on the device; nothing is modified in place.
+    A NaN scale (a group that held a NaN or an infinity) makes its whole group NaN.
+    `qt.scales` (and `qt.zero_points`) must hold exactly one entry per group and `qt.data`
+    the codes of `qt.shape`'s elements, else `OpArgumentError` (never a silent broadcast);
+    `polyaccel.ops.dequantize` checks this before any builder runs (`check_dequantize_args`).
     """
+    check_dequantize_args(qt)
     dtype = dtype or qt.dtype
     if qt.mode == "int4":
         q = unpack_int4(qt.data, signed=qt.symmetric).float()

@@ -20,6 +20,11 @@ on the device, so a steady-state step is one table lookup on the host and one ke
   per-tensor reduction into trust ratios, and the parameter update.
 * float64 params (with float64 grads and states) keep float64 math, as the op's contract says:
   they go to torch's own kernels (:mod:`polyaccel.ops.torch_optim`), the rest to Triton.
+* The chunk table walks each operand as ``numel()`` consecutive elements from ``data_ptr()``:
+  entries with a non-contiguous operand (transposed, strided, an expanded gradient) run on
+  contiguous copies that are written back after the launch (:func:`polyaccel.ops.layout.stage`);
+  contiguous entries are passed as they are. The table is built (and the call validated)
+  before any tensor is written.
 """
 
 from __future__ import annotations
@@ -30,11 +35,14 @@ import torch
 import triton
 import triton.language as tl
 from polyaccel.errors import OpArgumentError
-from polyaccel.ops import torch_optim
+from polyaccel.ops import layout, torch_optim
 from polyaccel.ops.reference.optimizers import check_lists
 
 from .chunk_table import table_for
 
+#: the operand lists each kernel writes: (params, grads, exp_avgs[, exp_avg_sqs]) minus the grads
+_ADAM_WRITTEN = frozenset((0, 2, 3))
+_LION_WRITTEN = frozenset((0, 2))
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -360,16 +368,16 @@ def _split_fp64(op: str, lists):
 def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
                adam_w_mode=True, bias_correction=True):
     """In-place Adam/AdamW over lists of tensors in one launch per dtype combination."""
-    (params, grads, exp_avgs, exp_avg_sqs), wide = _split_fp64("fused_adam", (params, grads, exp_avgs, exp_avg_sqs))
+    narrow, wide = _split_fp64("fused_adam", (params, grads, exp_avgs, exp_avg_sqs))
+    staged = layout.stage(narrow, _ADAM_WRITTEN, layout.all_contiguous)
+    table = table_for("fused_adam", staged.lists)  # validates before anything is written
+    if table is not None:
+        step_t, on_dev, bc1, bc2, lb1, lb2 = _step_args(step, bias_correction, beta1, beta2, table.device)
     if wide is not None:
         torch_optim.fused_adam(*wide, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                step=step, adam_w_mode=adam_w_mode, bias_correction=bias_correction)
-        if not params:
-            return
-    table = table_for("fused_adam", (params, grads, exp_avgs, exp_avg_sqs))
     if table is None:
         return
-    step_t, on_dev, bc1, bc2, lb1, lb2 = _step_args(step, bias_correction, beta1, beta2, table.device)
     for grp in table.groups:
         block, iters, warps = grp.config
         p_dt, g_dt, m_dt, v_dt = grp.tl_dtypes
@@ -380,16 +388,16 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
             P_DT=p_dt, G_DT=g_dt, M_DT=m_dt, V_DT=v_dt, ADAM_W=bool(adam_w_mode),
             BIAS_CORRECTION=bool(bias_correction), STEP_ON_DEVICE=on_dev, ALIGNED=grp.aligned,
             BLOCK=block, ITERS=iters, num_warps=warps)
+    staged.copy_back()
 
 
 def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
     """In-place Lion over lists of tensors in one launch per dtype combination."""
-    (params, grads, exp_avgs), wide = _split_fp64("fused_lion", (params, grads, exp_avgs))
+    narrow, wide = _split_fp64("fused_lion", (params, grads, exp_avgs))
+    staged = layout.stage(narrow, _LION_WRITTEN, layout.all_contiguous)
+    table = table_for("fused_lion", staged.lists)  # validates before anything is written
     if wide is not None:
         torch_optim.foreach_lion(*wide, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
-        if not params:
-            return
-    table = table_for("fused_lion", (params, grads, exp_avgs))
     if table is None:
         return
     for grp in table.groups:
@@ -399,6 +407,7 @@ def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
             grp.addrs, grp.numels, grp.chunk_tensor, grp.chunk_start, grp.n_tensors,
             float(lr), float(beta1), float(beta2), float(weight_decay),
             P_DT=p_dt, G_DT=g_dt, M_DT=m_dt, ALIGNED=grp.aligned, BLOCK=block, ITERS=iters, num_warps=warps)
+    staged.copy_back()
 
 
 def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
@@ -406,16 +415,16 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
     """In-place LAMB: moments + partial norms, per-tensor trust ratios, update (three launches)."""
     if not 0 < min_coeff <= max_coeff:
         raise OpArgumentError(f"fused_lamb: need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
-    (params, grads, exp_avgs, exp_avg_sqs), wide = _split_fp64("fused_lamb", (params, grads, exp_avgs, exp_avg_sqs))
+    narrow, wide = _split_fp64("fused_lamb", (params, grads, exp_avgs, exp_avg_sqs))
+    staged = layout.stage(narrow, _ADAM_WRITTEN, layout.all_contiguous)
+    table = table_for("fused_lamb", staged.lists)  # validates before anything is written
+    if table is not None:
+        step_t, on_dev, bc1, bc2, lb1, lb2 = _step_args(step, bias_correction, beta1, beta2, table.device)
     if wide is not None:
         torch_optim.foreach_lamb(*wide, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                step=step, bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff)
-        if not params:
-            return
-    table = table_for("fused_lamb", (params, grads, exp_avgs, exp_avg_sqs))
     if table is None:
         return
-    step_t, on_dev, bc1, bc2, lb1, lb2 = _step_args(step, bias_correction, beta1, beta2, table.device)
     for grp in table.groups:
         block, iters, warps = grp.config
         p_dt, g_dt, m_dt, v_dt = grp.tl_dtypes
@@ -434,6 +443,7 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
             float(lr), float(eps), float(weight_decay), lb1, lb2, bc1, bc2,
             P_DT=p_dt, M_DT=m_dt, V_DT=v_dt, BIAS_CORRECTION=bool(bias_correction),
             STEP_ON_DEVICE=on_dev, ALIGNED=grp.aligned, BLOCK=block, ITERS=iters, num_warps=warps)
+    staged.copy_back()
 
 
 __all__ = ["fused_adam", "fused_lion", "fused_lamb"]

@@ -2,7 +2,8 @@
 
 The semantics are the core reference's (``polyaccel.ops.reference.quantize``), bit for bit:
 fp32 scales, ``amax / qmax`` (symmetric) or ``(max(x, 0) - min(x, 0)) / qmax`` with a uint8
-zero point (asymmetric), scale 1 for an all-zero group, round half to even, int4 element ``2i``
+zero point (asymmetric), scale 1 for an all-zero group, a NaN scale with zero point 0 and
+codes 0 for a group holding a NaN or an infinity, round half to even, int4 element ``2i``
 in the low nibble of byte ``i``, fp8 e4m3 with ``scale = amax / 448``.
 
 One program handles ``ROWS`` consecutive groups as a ``[ROWS, GROUP_P2]`` tile (``GROUP_P2`` is
@@ -33,7 +34,13 @@ import torch
 import triton
 import triton.language as tl
 from polyaccel.errors import OpArgumentError, Unsupported
-from polyaccel.ops.reference.quantize import FP8_MAX, QuantizedTensor, check_quantize_args, qmax
+from polyaccel.ops.reference.quantize import (
+    FP8_MAX,
+    QuantizedTensor,
+    check_dequantize_args,
+    check_quantize_args,
+    qmax,
+)
 from triton.language.extra import libdevice
 
 from ..triton_support import interpreting
@@ -123,13 +130,19 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zp_ptr, num_groups,
     row_ok = rows < num_groups
     mask = row_ok[:, None] & (cols[None, :] < GROUP)
     x = tl.load(x_ptr + rows[:, None] * GROUP + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # a group holding a NaN or an infinity (NaN fails every comparison) is quantized as zeros, then
+    # gets a NaN scale: it dequantizes to NaN, never to finite numbers
+    finite = tl.abs(x) <= 3.4028234663852886e38
+    bad = tl.min(finite.to(tl.int32), axis=1) == 0
+    x = tl.where(bad[:, None], 0.0, x)
+    nan = tl.full([ROWS], 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True)
 
     if MODE == 2:  # fp8 e4m3, symmetric
         amax = tl.max(tl.abs(x), axis=1)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
         v = _round_to_e4m3(tl.minimum(tl.maximum(_div_rows(x, scale, FAST_DIV), -448.0), 448.0))
         tl.store(data_ptr + rows[:, None] * GROUP + cols[None, :], v.to(tl.float8e4nv), mask=mask)
-        tl.store(scale_ptr + rows, scale, mask=row_ok)
+        tl.store(scale_ptr + rows, tl.where(bad, nan, scale), mask=row_ok)
     else:
         if SYMMETRIC:
             amax = tl.max(tl.abs(x), axis=1)
@@ -146,7 +159,7 @@ def _quantize_kernel(x_ptr, data_ptr, scale_ptr, zp_ptr, num_groups,
             qi = _round_to_int(_div_rows(x, scale, FAST_DIV), NATIVE_ROUND) + zp[:, None]
             qi = tl.minimum(tl.maximum(qi, 0), QMAX)
             tl.store(zp_ptr + rows, zp.to(tl.uint8), mask=row_ok)
-        tl.store(scale_ptr + rows, scale, mask=row_ok)
+        tl.store(scale_ptr + rows, tl.where(bad, nan, scale), mask=row_ok)
         if MODE == 0:
             if SYMMETRIC:
                 qb = qi.to(tl.int8)
@@ -259,8 +272,7 @@ def quantize(x: torch.Tensor, mode: str = "int8", group_size: int = 128, symmetr
 
 
 def _check_quantized(qt: QuantizedTensor) -> None:
-    if not isinstance(qt, QuantizedTensor):
-        raise TypeError(f"dequantize: expected a QuantizedTensor, got {type(qt).__name__}")
+    check_dequantize_args(qt)  # one scale / zero point per group, data matching the shape
     if qt.mode not in _MODE_IDS:
         raise OpArgumentError(f"dequantize: mode {qt.mode!r} is not one of {tuple(_MODE_IDS)}")
     n = 1
