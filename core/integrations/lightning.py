@@ -20,7 +20,8 @@ docs/integrations-lightning.md)::
   ``configure_optimizers`` (Adam, AdamW and polyaccel's fused optimizers are translated into the
   engine's config, and their LR schedulers keep working) or from the config's ``optimizer`` section.
   Checkpoints are directories: the engine's sharded checkpoint plus ``lightning.pt`` (loops,
-  callbacks, schedulers); ``polyaccel zero-to-fp32`` consolidates the weights.
+  callbacks, schedulers, loaded with torch's ``weights_only`` loader) and ``polyaccel-files.json``
+  (its checksum, checked before a resume reads anything); ``polyaccel zero-to-fp32`` consolidates the weights.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from polyaccel import selection
-from polyaccel.errors import ConfigError, PolyaccelError
+from polyaccel.errors import CheckpointError, ConfigError, PolyaccelError
 
+from ._checkpoint_files import verify, write_atomic, write_manifest
 from ._engine import EngineAdapter
 
 #: file in a checkpoint directory holding Lightning's own state (loops, callbacks, schedulers)
@@ -227,6 +229,42 @@ class PolyaccelPrecision(Precision):
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
         pass  # the engine clips to gradient_clipping inside its step
+
+
+# ------------------------------------------------------------------------------------------- checkpoint state
+def _state_globals() -> list:
+    """Types Lightning's own state may hold beyond what torch's ``weights_only`` loader allows by itself."""
+    from lightning.fabric.utilities.data import AttributeDict
+
+    return [AttributeDict]
+
+
+def _serialize_state(state: dict, path: str) -> tuple[bytes | None, str | None]:
+    """(bytes, None) of ``state`` as ``torch.save`` writes it, or (None, why) when the ``weights_only`` loader
+    would refuse it at resume (a value of a type it does not allow, e.g. a custom object in hparams)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    try:
+        with torch.serialization.safe_globals(_state_globals()):
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any refusal: the state must be plain to be saved
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return None, (f"{path}: Lightning's state (loops, callbacks, schedulers, hparams) holds a value torch's "
+                      f"weights_only loader refuses ({why}); keep plain values (numbers, strings, lists, dicts, "
+                      "tensors) in hparams and callback states")
+    return data, None
+
+
+def _load_state(path: str, fix: str) -> dict:
+    try:
+        with torch.serialization.safe_globals(_state_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - unreadable or refused: never unpickled beyond weights_only
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: cannot be loaded safely ({type(exc).__name__}: {why}); {fix}", path) from None
 
 
 # ------------------------------------------------------------------------------------------- strategy
@@ -454,29 +492,43 @@ class PolyaccelStrategy(DDPStrategy):
         filepath = self.broadcast(str(filepath))
         if self.polyaccel_engine is None:
             raise PolyaccelError("PolyaccelStrategy saves checkpoints while fitting (the engine holds the state)")
-        self.polyaccel_engine.save_checkpoint(filepath, tag=ENGINE_TAG)
-        if self.is_global_zero:
+        data, problem = None, None
+        if self.is_global_zero:  # refuse what a resume could not load before the engine writes anything
             state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             state["optimizer_states"] = [opt.state_dict() for opt in self.optimizers]
-            tmp = os.path.join(filepath, f".{LIGHTNING_STATE}.tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, os.path.join(filepath, LIGHTNING_STATE))
+            data, problem = _serialize_state(state, os.path.join(filepath, LIGHTNING_STATE))
+        problem = self.broadcast(problem)
+        if problem is not None:
+            raise CheckpointError(problem, os.path.join(filepath, LIGHTNING_STATE))
+        self.polyaccel_engine.save_checkpoint(filepath, tag=ENGINE_TAG)
+        if self.is_global_zero:
+            write_atomic(os.path.join(filepath, LIGHTNING_STATE), data)
+            # last: the trainer's commit point; the engine's ``latest`` is listed too (the strategy loads its tag by
+            # name, so nothing else would notice it damaged)
+            names = [LIGHTNING_STATE] + (["latest"] if os.path.isfile(os.path.join(filepath, "latest")) else [])
+            write_manifest(filepath, names, trainer="lightning")
+        self.barrier()
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = str(checkpoint_path)
-        meta = os.path.join(path, LIGHTNING_STATE)
-        if not os.path.isfile(meta):
-            raise FileNotFoundError(f"{path} is not a PolyaccelStrategy checkpoint (no {LIGHTNING_STATE} in it)")
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path} is not a PolyaccelStrategy checkpoint (not a directory; the strategy "
+                                  "writes a folder)", path)
         if self.polyaccel_engine is None:
             raise PolyaccelError("PolyaccelStrategy loads checkpoints into the engine: resume with "
                                "trainer.fit(..., ckpt_path=...)")
+        """Check the strategy's files against the manifest written at save, load the engine's checkpoint,
+        then ``lightning.pt`` with torch's ``weights_only`` loader (nothing in it can run code); any problem
+        is a :class:`~polyaccel.errors.CheckpointError` naming the file."""
         self.polyaccel_engine.load_checkpoint(path, tag=ENGINE_TAG)
-        # our own file, written by save_checkpoint above (Lightning's loops and callbacks are plain objects)
-        return torch.load(meta, map_location="cpu", weights_only=False)
+        return _load_state(meta, fix)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # the engine loaded the weights in load_checkpoint
 
+        meta = os.path.join(path, LIGHTNING_STATE)
+        fix = "resume from another checkpoint"
+        verify(path, fix)
     def load_optimizer_state_dict(self, checkpoint) -> None:
         for opt, state in zip(self.optimizers, checkpoint.get("optimizer_states", []), strict=False):
             opt.load_state_dict(state)  # the learning rates; the engine loaded its optimizer state

@@ -20,7 +20,8 @@ Two ways in (install ``polyaccel[transformers]``; see docs/integrations-transfor
    ``TrainingArguments`` where absent or ``"auto"``) and applies the Trainer's learning-rate
    scheduler each step; Accelerate only shards the data. Checkpoints are HF checkpoints
    (``model.safetensors`` with the full weights, ``scheduler.pt``, ``trainer_state.json``, RNG
-   states) plus the engine's sharded checkpoint in ``<checkpoint>/polyaccel``.
+   states) plus the engine's sharded checkpoint in ``<checkpoint>/polyaccel`` and
+   ``polyaccel-files.json``, the checksums of the Trainer's files, checked before a resume reads any.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ import os
 import polyaccel
 import torch
 import transformers
-from polyaccel.errors import ConfigError
+from polyaccel.errors import CheckpointError, ConfigError
 
+from ._checkpoint_files import MANIFEST, verify, write_manifest
 from ._engine import EngineAdapter
 
 #: folder inside an HF checkpoint that holds the engine's sharded checkpoint
@@ -111,10 +113,19 @@ def engine_config(args: transformers.TrainingArguments, config: dict | None = No
     return cfg
 
 
+_RESUME_FIX = "resume from another checkpoint (or train from scratch)"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
 #: the Trainer methods the engine path overrides; their absence means a Trainer this path was not written for
 _TRAINER_HOOKS = ("_wrap_model", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate",
                   "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "_load_from_checkpoint",
-                  "_save_scaler", "create_optimizer", "training_step")
+                  "_save_scaler", "create_optimizer", "training_step", "_save_checkpoint", "_load_rng_state",
+                  "_get_output_dir")
 
 
 class _LRDriver(torch.optim.Optimizer):
@@ -260,6 +271,43 @@ class PolyaccelTrainer(transformers.Trainer):
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """``Trainer.train``; a checkpoint to resume from is checked first (every file against the manifest
+        written at save), so a damaged one is refused naming the file before the Trainer reads any of it."""
+        ckpt = resume_from_checkpoint
+        if isinstance(ckpt, bool) and ckpt:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            ckpt = get_last_checkpoint(self.args.output_dir)  # None: the Trainer reports it
+        if isinstance(ckpt, (str, os.PathLike)):
+            if not os.path.isdir(ckpt):
+                raise CheckpointError(f"resume_from_checkpoint {ckpt}: no such checkpoint folder", ckpt)
+            verify(ckpt, _RESUME_FIX)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.polyaccel_engine is None:
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self.accelerator.wait_for_everyone()  # every rank's files (rng_state_<rank>.pth) are written
+        if self.args.should_save and os.path.isdir(folder):
+            names = [n for n in os.listdir(folder) if not n.startswith(".") and n != MANIFEST
+                     and os.path.isfile(os.path.join(folder, n))]
+            write_manifest(folder, names, trainer="transformers")  # last: the trainer's commit point
+        self.accelerator.wait_for_everyone()
+
+    def _load_rng_state(self, checkpoint) -> None:
+        try:
+            return super()._load_rng_state(checkpoint)
+        except Exception as exc:  # noqa: BLE001 - HF loads with weights_only=True: a refusal is a bad file
+            name = f"rng_state_{self.args.process_index}.pth" if self.args.world_size > 1 else "rng_state.pth"
+            path = os.path.join(checkpoint, name)
+            raise CheckpointError(f"{path}: cannot be loaded safely ({type(exc).__name__}: {_first_line(exc)}); "
+                                  f"{_RESUME_FIX}", path) from None
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.polyaccel_engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
@@ -286,10 +334,16 @@ class PolyaccelTrainer(transformers.Trainer):
                                     "it was not written by PolyaccelTrainer")
         self.polyaccel_engine.load_checkpoint(engine_dir)
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
-        if os.path.isfile(sched):
-            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
-            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr(), strict=False):
-                group["lr"] = lr
+        if not os.path.isfile(sched):
+            raise CheckpointError(f"{sched}: missing; {_RESUME_FIX}", sched)
+        try:
+            state = torch.load(sched, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - unreadable or refused: never unpickled beyond weights_only
+            raise CheckpointError(f"{sched}: cannot be loaded safely ({type(exc).__name__}: {_first_line(exc)}); "
+                                  f"{_RESUME_FIX}", sched) from None
+        self.lr_scheduler.load_state_dict(state)
+        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr(), strict=False):
+            group["lr"] = lr
 
 
 __all__ = ["ENGINE_CHECKPOINT_DIR", "EngineAdapter", "PolyaccelTrainer", "engine_config", "fused_optimizer"]
