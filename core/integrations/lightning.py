@@ -510,6 +510,9 @@ class PolyaccelStrategy(DDPStrategy):
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Check the strategy's files against the manifest written at save, load the engine's checkpoint,
+        then ``lightning.pt`` with torch's ``weights_only`` loader (nothing in it can run code); any problem
+        is a :class:`~polyaccel.errors.CheckpointError` naming the file."""
         path = str(checkpoint_path)
         if not os.path.isdir(path):
             raise CheckpointError(f"{path} is not a PolyaccelStrategy checkpoint (not a directory; the strategy "
@@ -517,18 +520,15 @@ class PolyaccelStrategy(DDPStrategy):
         if self.polyaccel_engine is None:
             raise PolyaccelError("PolyaccelStrategy loads checkpoints into the engine: resume with "
                                "trainer.fit(..., ckpt_path=...)")
-        """Check the strategy's files against the manifest written at save, load the engine's checkpoint,
-        then ``lightning.pt`` with torch's ``weights_only`` loader (nothing in it can run code); any problem
-        is a :class:`~polyaccel.errors.CheckpointError` naming the file."""
+        meta = os.path.join(path, LIGHTNING_STATE)
+        fix = "resume from another checkpoint"
+        verify(path, fix)
         self.polyaccel_engine.load_checkpoint(path, tag=ENGINE_TAG)
         return _load_state(meta, fix)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # the engine loaded the weights in load_checkpoint
 
-        meta = os.path.join(path, LIGHTNING_STATE)
-        fix = "resume from another checkpoint"
-        verify(path, fix)
     def load_optimizer_state_dict(self, checkpoint) -> None:
         for opt, state in zip(self.optimizers, checkpoint.get("optimizer_states", []), strict=False):
             opt.load_state_dict(state)  # the learning rates; the engine loaded its optimizer state
