@@ -79,9 +79,11 @@ def _write_atomic(path: Path, write):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(exc, OSError) and not exc.filename:  # a failed write() names no file: name the one saved
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     return out
 

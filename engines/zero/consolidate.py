@@ -82,9 +82,10 @@ def resolve_tag(ckpt_dir, tag: str | None = None) -> Path:
         old = root / f".{tag}.old"
         if (old / META).is_file():  # a re-save of this tag was interrupted between its two renames
             return old
-        state = "is incomplete" if folder.is_dir() else "does not exist"
-        raise CheckpointError(f"checkpoint {str(folder)!r}{named_by} {state} ({META} not found); "
-                              f"{_tags_hint(root)}", folder)
+        if folder.is_dir():
+            raise CheckpointError(f"{folder / META} is missing, so checkpoint {tag!r}{named_by} is incomplete; "
+                                  f"{FIX} ({_tags_hint(root)})", folder / META)
+        raise CheckpointError(f"checkpoint {str(folder)!r}{named_by} does not exist; {_tags_hint(root)}", folder)
     return folder
 
 
@@ -104,9 +105,8 @@ def read_meta(folder: Path, verify: bool = True) -> dict:
 
 def saved_files(meta: dict) -> list[str]:
     """Every file the checkpoint's ``meta.json`` says was written besides itself."""
-    if "files" in meta:
-        return sorted(meta["files"])
-    return [*(rank_file(r) for r in range(meta["world_size"])), MODEL_STATES]
+    ranks = {rank_file(r) for r in range(meta["world_size"])}
+    return sorted(set(meta.get("files", ())) | ranks | {MODEL_STATES})
 
 
 def check_files(folder: Path, meta: dict) -> None:
@@ -116,10 +116,11 @@ def check_files(folder: Path, meta: dict) -> None:
     if missing:
         present = sorted(p.name for p in folder.iterdir() if p.is_file())
         ranks = [n for n in names if n.startswith("zero_rank_")]
+        others = f" (and {', '.join(missing[1:])})" if len(missing) > 1 else ""
         raise CheckpointError(
-            f"checkpoint {folder} was saved by {meta['world_size']} rank(s) ({len(ranks)} rank files "
-            f"{_span(ranks)}, plus {MODEL_STATES}) but lacks {', '.join(missing)}; the folder holds "
-            f"{', '.join(present) or 'no file'}; {FIX}", folder / missing[0])
+            f"{folder / missing[0]} is missing{others}: checkpoint {folder.name!r} was saved by "
+            f"{meta['world_size']} rank(s) ({len(ranks)} rank files {_span(ranks)}, plus {MODEL_STATES}); the folder "
+            f"holds {', '.join(present) or 'no file'}; {FIX}", folder / missing[0])
     for name, rec in meta.get("files", {}).items():
         path = folder / name
         size = path.stat().st_size
