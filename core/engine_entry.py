@@ -19,12 +19,21 @@ turns it on (``tensor_parallel``, ``expert_parallel``); the object it loads has
 When a config names any layer, ``initialize`` builds one mesh for all of them, applies them,
 and passes the mesh to the engine as ``mesh=``; the engine receives the config without the
 layers' sections. The caller's dict is never modified.
+
+Before anything changes, ``initialize`` checks two things that only the whole picture can: a config
+key that neither the engine (its ``CONFIG_KEYS``, when the engine object has them) nor any layer
+knows is refused with every allowed key listed, layers' included; and a layout that needs more
+than one process (tensor x expert > 1), asked for in a process started without a launcher, is
+refused with the number of processes it needs and the ``torchrun`` command that starts them.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.metadata as md
+import os
+import socket
+import sys
 
 from .errors import ConfigError, PolyaccelError
 
@@ -48,32 +57,96 @@ def model_layers() -> dict[str, object]:
     return {ep.name: ep for ep in md.entry_points(group=LAYER_GROUP)}
 
 
+def _chosen_layers(config) -> dict[str, object]:
+    """Config key -> loaded layer, for the layer keys ``config`` names."""
+    if not isinstance(config, dict):
+        return {}
+    known = model_layers()
+    return {key: known[key].load() for key in list(config) if key in known}
+
+
+def _layer_sizes(config: dict, chosen: dict) -> tuple[dict[str, int], dict[str, str]]:
+    """(mesh dimension -> size, mesh dimension -> the config key that set it, e.g. 'tensor_parallel.autotp_size')."""
+    sizes: dict[str, int] = {}
+    keys: dict[str, str] = {}
+    for key, layer in chosen.items():
+        section = config[key]
+        if not isinstance(section, dict):
+            raise ConfigError(f"config key {key!r} must be a dict, got {type(section).__name__}")
+        for dim, n in layer.mesh_sizes(section).items():
+            if dim in sizes and sizes[dim] != n:
+                raise ConfigError(f"two layers ask for different {dim} sizes: {sizes[dim]} and {n}")
+            sizes[dim] = n
+            keys[dim] = f"{key}.{getattr(layer, 'SIZE_KEYS', {}).get(dim, dim)}"
+    return sizes, keys
+
+
+def layer_mesh_sizes(config) -> dict[str, int]:
+    """The mesh sizes the layers ``config`` names ask for, e.g. ``{"tensor": 2, "expert": 2}`` (each layer
+    validates its section); ``{}`` when it names none. ``config`` is only read."""
+    return _layer_sizes(config, _chosen_layers(config))[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(processes: int) -> str:
+    """The ``torchrun`` command that starts this script on ``processes`` processes."""
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "your_script.py"
+    return f"torchrun --nproc-per-node {processes} {script}"
+
+
+def _ensure_world(sizes: dict[str, int], keys: dict[str, str]) -> None:
+    """Initialise ``polyaccel.comm`` for the layers: from a launcher's environment, else as a world of one when
+    the layout fits in one process; a layout that needs more is refused with the command that starts it."""
+    from .comm import init_distributed, is_initialized
+
+    if is_initialized():
+        return
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        init_distributed()
+        return
+    needed = 1
+    for n in sizes.values():
+        needed *= n
+    if needed > 1:
+        asked = ", ".join(f"'{keys[d]}'={sizes[d]}" for d in sorted(keys) if sizes[d] != 1)
+        raise ConfigError(
+            f"{asked}: this layout needs {needed} processes (or a multiple of {needed}), one per device, but this "
+            "process was started alone, without a launcher (RANK, WORLD_SIZE and MASTER_ADDR are not set); start "
+            f"it with `{launch_command(needed)}`")
+    init_distributed(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+
+
+def check_config_keys(config, engine_keys) -> None:
+    """Refuse a top-level config key that neither the engine (``engine_keys``; None: the engine checks its own)
+    nor a model layer knows, listing every key allowed at that level."""
+    if engine_keys is None or not isinstance(config, dict):
+        return
+    allowed = {str(k) for k in engine_keys} | set(model_layers())
+    unknown = sorted(str(k) for k in config if str(k) not in allowed)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join(repr(k) for k in unknown)}; allowed keys: "
+                          f"{', '.join(sorted(allowed))}")
+
+
 def apply_layers(model, config: dict, mesh=None):
     """Apply the layers ``config`` names; returns ``(model, engine_config, mesh_or_None)``."""
     cfg = copy.deepcopy(config) if config else {}
     if not isinstance(cfg, dict):
         return model, cfg, mesh
-    known = model_layers()
-    chosen = {key: known[key].load() for key in list(cfg) if key in known}
-    sections = {key: cfg.pop(key) for key in chosen}
+    chosen = _chosen_layers(cfg)
     if not chosen:
         return model, cfg, mesh
-    sizes: dict[str, int] = {}
-    keys: dict[str, str] = {}  # mesh dimension -> the config key that set it
-    for key, layer in chosen.items():
-        if not isinstance(sections[key], dict):
-            raise ConfigError(f"config key {key!r} must be a dict, got {type(sections[key]).__name__}")
-        for dim, n in layer.mesh_sizes(sections[key]).items():
-            if dim in sizes and sizes[dim] != n:
-                raise ConfigError(f"two layers ask for different {dim} sizes: {sizes[dim]} and {n}")
-            sizes[dim] = n
-            keys[dim] = f"{key}.{getattr(layer, 'SIZE_KEYS', {}).get(dim, dim)}"
+    sizes, keys = _layer_sizes(cfg, chosen)
+    sections = {key: cfg.pop(key) for key in chosen}
     if mesh is None:
-        from .comm import init_distributed, is_initialized
         from .comm.mesh import init_parallel_mesh
 
-        if not is_initialized():
-            init_distributed()
+        _ensure_world(sizes, keys)
         try:
             mesh = init_parallel_mesh(tensor=sizes.get("tensor", 1), expert=sizes.get("expert", 1))
         except ConfigError as exc:  # the mesh speaks of dimensions; the caller wrote config keys
@@ -90,7 +163,9 @@ def apply_layers(model, config: dict, mesh=None):
 
 def initialize(model, config=None, *, engine: str = "zero", **kwargs):
     """Wrap ``model`` in a training engine (default: ZeRO) configured by ``config``."""
+    factory = load_engine(engine)
+    check_config_keys(config, getattr(factory, "CONFIG_KEYS", None))
     model, cfg, mesh = apply_layers(model, config, kwargs.pop("mesh", None))
     if mesh is not None:
         kwargs["mesh"] = mesh
-    return load_engine(engine)(model, config=cfg if config is not None else None, **kwargs)
+    return factory(model, config=cfg if config is not None else None, **kwargs)

@@ -9,7 +9,37 @@ accumulation window. The polyaccel engine counts micro-steps itself and exposes 
 
 from __future__ import annotations
 
-from ..errors import PolyaccelError
+from ..errors import ConfigError, PolyaccelError
+
+
+def data_axis(config, rank: int, world: int) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size) of global ``rank`` in a world of ``world`` processes for the
+    model layers ``config`` names, known before the engine (and its mesh) exists.
+
+    A trainer shards its data over these, never over every rank: the ranks of one tensor group hold pieces of
+    one model replica and must see the same batch. The mesh is ``(expert_data, expert, tensor)``, row-major, and
+    ``data`` is the flattened ``(expert_data, expert)`` (docs/engine-layers.md): expert parallelism is carved out
+    of data parallelism, so expert ranks see different batches, and the data rank is ``rank // tensor``.
+    """
+    from ..engine_entry import launch_command, layer_mesh_sizes
+
+    sizes = layer_mesh_sizes(config)
+    tensor, expert = sizes.get("tensor", 1), sizes.get("expert", 1)
+    if world % tensor or (world // tensor) % expert:
+        n = tensor * expert
+        raise ConfigError(f"tensor {tensor} x expert {expert} (the config's tensor_parallel and expert_parallel) needs "
+                          f"a multiple of {n} processes, one per device, but this run has {world}: start it with "
+                          f"`{launch_command(n)}`")
+    return rank // tensor, world // tensor
+
+
+def check_data_axis(engine, rank: int, size: int) -> None:
+    """The engine's mesh must put this rank where the trainer's data sharding did."""
+    mesh = getattr(engine, "mesh", None)
+    got = (mesh.rank("data"), mesh.size("data")) if mesh is not None else (engine.rank, engine.world_size)
+    if got != (rank, size):
+        raise PolyaccelError(f"the trainer sharded its data as data rank {rank} of {size}, but the engine's mesh puts "
+                             f"this rank at data rank {got[0]} of {got[1]}")
 
 
 class EngineAdapter:

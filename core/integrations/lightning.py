@@ -44,7 +44,7 @@ from polyaccel import selection
 from polyaccel.errors import CheckpointError, ConfigError, PolyaccelError
 
 from ._checkpoint_files import verify, write_atomic, write_manifest
-from ._engine import EngineAdapter
+from ._engine import EngineAdapter, check_data_axis, data_axis
 
 #: file in a checkpoint directory holding Lightning's own state (loops, callbacks, schedulers)
 LIGHTNING_STATE = "lightning.pt"
@@ -389,6 +389,12 @@ class PolyaccelStrategy(DDPStrategy):
         self._precision_plugin = plugin
 
     # ---------------------------------------------------------------- distributed set-up
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Shard the data over the data axis only: the tensor ranks of one replica see the same batches."""
+        rank, size = data_axis(self.config, self.global_rank, self.world_size)
+        return {"num_replicas": size, "rank": rank}
+
     def setup_distributed(self) -> None:
         from lightning.fabric.utilities.seed import reset_seed
 
@@ -450,6 +456,7 @@ class PolyaccelStrategy(DDPStrategy):
         cfg.pop("train_batch_size", None)
         self.polyaccel_config = cfg
         engine = polyaccel.initialize(module, config=cfg, engine=self.engine_name)
+        check_data_axis(engine, *data_axis(cfg, self.global_rank, self.world_size))
         adapter = EngineAdapter(engine)
         self.polyaccel_engine = adapter
         self.model = _EngineModule(module, adapter)

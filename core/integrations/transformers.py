@@ -35,7 +35,7 @@ import transformers
 from polyaccel.errors import CheckpointError, ConfigError
 
 from ._checkpoint_files import MANIFEST, verify, write_manifest
-from ._engine import EngineAdapter
+from ._engine import EngineAdapter, check_data_axis, data_axis
 
 #: folder inside an HF checkpoint that holds the engine's sharded checkpoint
 ENGINE_CHECKPOINT_DIR = "polyaccel"
@@ -164,6 +164,38 @@ class _EngineModel(torch.nn.Module):
         self.adapter.engine.zero_grad()
 
 
+def shard_over_data_axis(accelerator, rank: int, size: int) -> None:
+    """Make ``accelerator.prepare`` shard data loaders over the ``size`` data-parallel ranks (this process is data
+    rank ``rank``) instead of over every process: the tensor ranks of one model replica get the same batches.
+
+    Everything else is the accelerator's own preparation (seedable sampler, RNG synchronisation, even batches,
+    device placement). Dispatching batches from the main process is refused: it splits one batch over every process.
+    """
+    from accelerate.data_loader import prepare_data_loader
+
+    def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            if data_loader not in accelerator._dataloaders:
+                accelerator._dataloaders.append(data_loader)
+            return data_loader
+        if accelerator.dispatch_batches:
+            raise ConfigError("accelerator_config dispatch_batches=True splits the main process's batches over every "
+                              "process, but the tensor ranks of one replica need the same batch: set "
+                              "TrainingArguments(accelerator_config={'dispatch_batches': False})")
+        prepared = prepare_data_loader(
+            data_loader, accelerator.device, num_processes=size, process_index=rank,
+            split_batches=accelerator.split_batches,
+            put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+            rng_types=accelerator.rng_types.copy(), dispatch_batches=False, even_batches=accelerator.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=accelerator.use_seedable_sampler,
+            data_seed=accelerator.dataloader_config.data_seed, non_blocking=accelerator.non_blocking,
+            use_stateful_dataloader=accelerator.use_stateful_dataloader)
+        accelerator._dataloaders.append(prepared)
+        return prepared
+
+    accelerator.prepare_data_loader = prepare
+
+
 class PolyaccelTrainer(transformers.Trainer):
     """``transformers.Trainer`` that trains through the polyaccel engine (default: ZeRO).
 
@@ -195,15 +227,27 @@ class PolyaccelTrainer(transformers.Trainer):
         self._polyaccel_engine_name = engine
         self.polyaccel_engine: EngineAdapter | None = None
         self._engine_model: _EngineModel | None = None
+        # with tensor parallelism the data is sharded over the data axis only (the engine's mesh is built later,
+        # in create_optimizer, from the same config and world)
+        world = self.args.world_size
+        self._data_rank, self._data_size = data_axis(self.polyaccel_config, self.args.process_index, world)
+        if self._data_size != world:
+            shard_over_data_axis(self.accelerator, self._data_rank, self._data_size)
 
     # ------------------------------------------------------------------ set-up
     def create_optimizer(self, model=None):
         if self.optimizer is None:
             engine = polyaccel.initialize(self.model, config=self.polyaccel_config, engine=self._polyaccel_engine_name)
+            check_data_axis(engine, self._data_rank, self._data_size)
             self.polyaccel_engine = EngineAdapter(engine)
             self._engine_model = _EngineModel(self.model, self.polyaccel_engine)
             self.optimizer = _LRDriver(self.polyaccel_engine)
         return self.optimizer
+
+    def get_tp_size(self) -> int:
+        """The processes that share one batch (the engine's tensor ranks): the Trainer divides its token counts
+        and batch sizes by it."""
+        return self.args.world_size // self._data_size
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if self._engine_model is not None:
@@ -346,4 +390,5 @@ class PolyaccelTrainer(transformers.Trainer):
             group["lr"] = lr
 
 
-__all__ = ["ENGINE_CHECKPOINT_DIR", "EngineAdapter", "PolyaccelTrainer", "engine_config", "fused_optimizer"]
+__all__ = ["ENGINE_CHECKPOINT_DIR", "EngineAdapter", "PolyaccelTrainer", "engine_config", "fused_optimizer",
+           "shard_over_data_axis"]

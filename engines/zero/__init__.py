@@ -105,4 +105,7 @@ def initialize(model, config=None, **kwargs) -> ZeroEngine:
     return ZeroEngine(model, config, **kwargs)
 
 
+initialize.CONFIG_KEYS = ZeroEngine.CONFIG_KEYS  # what polyaccel.initialize checks a config's top level against
+
+
 __all__ = ["ScheduleMismatch", "ZeroConfig", "ZeroEngine", "initialize", "parse_config", "set_leaf_modules"]

@@ -14,7 +14,7 @@ from polyaccel.parallel import get_layout, get_plan
 
 from .activation_checkpoint import ActivationCheckpointer
 from .collectives import Collectives, comm
-from .config import ZeroConfig, parse_config
+from .config import _TOP_KEYS, ZeroConfig, parse_config
 from .host_step import HostStepper
 from .loss_scaler import LossScaler
 from .offload import HostBuffers, HostTransfer
@@ -75,6 +75,10 @@ def _ensure_comm() -> bool:
 
 class ZeroEngine:
     """See :mod:`polyaccel.engines.zero` for the contract."""
+
+    #: the top-level config keys the engine reads (``polyaccel.initialize`` adds the model layers' keys to these
+    #: when it refuses an unknown one)
+    CONFIG_KEYS = frozenset(_TOP_KEYS)
 
     def __init__(self, model: torch.nn.Module, config: dict | None = None, *, group=None, mesh=None):
         import polyaccel
