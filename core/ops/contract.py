@@ -30,6 +30,7 @@ ranges) take an exact check that runs only for them.
 from __future__ import annotations
 
 import math
+import operator
 from numbers import Real
 
 import torch
@@ -44,6 +45,8 @@ WRITTEN = frozenset((0, 2, 3))
 
 # ----------------------------------------------------------------------------- hyperparameters
 def _number(op: str, name: str, value) -> float:
+    if type(value) is float or type(value) is int:  # the common case, without the ABC check
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, Real):
         kind = "a tensor (reading a device tensor would synchronise; pass float(...))" if isinstance(
             value, torch.Tensor) else type(value).__name__
@@ -112,8 +115,20 @@ def check_step(op: str, step, device: torch.device | None) -> None:
 
 
 # ----------------------------------------------------------------------------- tensor lists
+_device = operator.attrgetter("device")
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_layout = operator.attrgetter("layout")
+_nbytes = operator.attrgetter("nbytes")
+_ptr, _is_contiguous = torch.Tensor.data_ptr, torch.Tensor.is_contiguous
+
+
 def check_optimizer_tensors(op: str, names: tuple[str, ...], lists, written=WRITTEN) -> torch.device | None:
-    """Lengths, shapes, dtypes, one device, and no memory a written tensor shares; returns the device."""
+    """Lengths, shapes, dtypes, one device, and no memory a written tensor shares; returns the device.
+
+    Per list, the common case is a handful of C-level passes (``map`` over attribute reads);
+    a per-tensor Python loop runs only to name a bad tensor or for non-contiguous written ones.
+    """
     for name, lst in zip(names, lists, strict=True):
         if not isinstance(lst, (list, tuple)):
             raise OpArgumentError(f"{op}: {name} must be a list of tensors, got {type(lst).__name__}")
@@ -123,41 +138,70 @@ def check_optimizer_tensors(op: str, names: tuple[str, ...], lists, written=WRIT
         raise OpArgumentError(f"{op}: the tensor lists differ in length ({counts}); pass one entry per parameter")
     if n == 0:
         return None
-    first = lists[0][0]
-    if not isinstance(first, torch.Tensor):
-        raise OpArgumentError(f"{op}: {names[0]}[0] is a {type(first).__name__}, not a tensor")
-    device = first.device
-    ranges = []  # (start, end, list index, entry index) of every non-empty tensor's address range
     for li, lst in enumerate(lists):
-        is_written = li in written
-        for i, t in enumerate(lst):
-            if not isinstance(t, torch.Tensor):
-                raise OpArgumentError(f"{op}: {names[li]}[{i}] is a {type(t).__name__}, not a tensor")
-            if t.device != device:
-                raise OpArgumentError(f"{op}: {names[li]}[{i}] is on {t.device} but {names[0]}[0] is on {device}; "
-                                      "one call takes tensors of one device")
-            if li and t.shape != lists[0][i].shape:
-                raise OpArgumentError(f"{op}: {names[li]}[{i}] has shape {tuple(t.shape)} but {names[0]}[{i}] has "
-                                      f"{tuple(lists[0][i].shape)}; entry i of every list has one shape")
-            if not t.dtype.is_floating_point or t.layout != torch.strided:
-                raise OpArgumentError(f"{op}: {names[li]}[{i}] is a {t.layout} tensor of dtype {t.dtype}; "
-                                      "the optimizer ops take dense (strided) floating-point tensors")
-            if t.numel() == 0:
-                continue
-            if is_written and not t.is_contiguous() and _internally_overlaps(t):
-                raise OpArgumentError(f"{op}: {names[li]}[{i}] (shape {tuple(t.shape)}, strides {t.stride()}) has "
-                                      "elements sharing one memory location (an expanded or stride-0 view); the op "
-                                      "writes it in place: pass a tensor that owns its memory (.clone())")
-            start = t.data_ptr()
-            ranges.append((start, start + _extent_bytes(t), li, i))
-    _check_no_aliasing(op, names, lists, ranges, written)
+        if not all(issubclass(k, torch.Tensor) for k in set(map(type, lst))):
+            i = next(i for i, t in enumerate(lst) if not isinstance(t, torch.Tensor))
+            raise OpArgumentError(f"{op}: {names[li]}[{i}] is a {type(lst[i]).__name__}, not a tensor")
+    device = lists[0][0].device
+    shapes = list(map(_shape, lists[0]))
+    starts: list[int] = []
+    ends: list[int] = []
+    for li, lst in enumerate(lists):
+        if any(d != device for d in set(map(_device, lst))):
+            i = next(i for i, t in enumerate(lst) if t.device != device)
+            raise OpArgumentError(f"{op}: {names[li]}[{i}] is on {lst[i].device} but {names[0]}[0] is on {device}; "
+                                  "one call takes tensors of one device")
+        if li and list(map(_shape, lst)) != shapes:
+            i = next(i for i, t in enumerate(lst) if t.shape != shapes[i])
+            raise OpArgumentError(f"{op}: {names[li]}[{i}] has shape {tuple(lst[i].shape)} but {names[0]}[{i}] has "
+                                  f"{tuple(shapes[i])}; entry i of every list has one shape")
+        if not (all(d.is_floating_point for d in set(map(_dtype, lst)))
+                and set(map(_layout, lst)) == {torch.strided}):
+            i = next(i for i, t in enumerate(lst) if not t.dtype.is_floating_point or t.layout != torch.strided)
+            raise OpArgumentError(f"{op}: {names[li]}[{i}] is a {lst[i].layout} tensor of dtype {lst[i].dtype}; "
+                                  "the optimizer ops take dense (strided) floating-point tensors")
+        ptrs = list(map(_ptr, lst))
+        if all(map(_is_contiguous, lst)):
+            sizes = list(map(_nbytes, lst))
+        else:
+            sizes = [_extent_bytes(t) for t in lst]
+            if li in written:
+                _check_internal_overlap(op, names[li], lst)
+        starts += ptrs
+        ends += map(operator.add, ptrs, sizes)
+    if _ranges_overlap(starts, ends):
+        _check_no_aliasing(op, names, lists, written)
     return device
 
 
+def _ranges_overlap(starts: list[int], ends: list[int]) -> bool:
+    """Whether any two non-empty address ranges ``[start, end)`` overlap.
+
+    Sorted by start, ranges are disjoint exactly when each ends at or before the next one
+    starts: one sort and one C-level pass, no per-tensor Python.
+    """
+    pairs = sorted(zip(starts, ends, strict=True))
+    if any(map(operator.eq, starts, ends)):
+        pairs = [pr for pr in pairs if pr[1] > pr[0]]  # empty tensors hold no memory
+    if len(pairs) < 2:
+        return False
+    ss = [pr[0] for pr in pairs]
+    es = [pr[1] for pr in pairs]
+    return any(map(operator.lt, ss[1:], es[:-1]))
+
+
+def _check_internal_overlap(op: str, name: str, lst) -> None:
+    for i, t in enumerate(lst):
+        if t.numel() and not t.is_contiguous() and _internally_overlaps(t):
+            raise OpArgumentError(f"{op}: {name}[{i}] (shape {tuple(t.shape)}, strides {t.stride()}) has "
+                                  "elements sharing one memory location (an expanded or stride-0 view); the op "
+                                  "writes it in place: pass a tensor that owns its memory (.clone())")
+
+
 def _extent_bytes(t: torch.Tensor) -> int:
-    """Bytes from ``t.data_ptr()`` to the end of its last element (non-empty ``t``; strides are >= 0)."""
-    if t.is_contiguous():
-        return t.numel() * t.element_size()
+    """Bytes from ``t.data_ptr()`` to the end of its last element (0 when empty; strides are >= 0)."""
+    if t.is_contiguous() or t.numel() == 0:
+        return t.nbytes
     return (sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
 
@@ -195,7 +239,14 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.isin(_element_offsets(a), _element_offsets(b)).any())
 
 
-def _check_no_aliasing(op, names, lists, ranges, written) -> None:
+def _check_no_aliasing(op, names, lists, written) -> None:
+    """Name the first pair of tensors that share memory where the op writes one of them (exact per pair)."""
+    ranges = []
+    for li, lst in enumerate(lists):
+        for i, t in enumerate(lst):
+            if t.numel():
+                start = t.data_ptr()
+                ranges.append((start, start + _extent_bytes(t), li, i))
     ranges.sort()
     active: list[tuple] = []  # ranges that may still overlap the next one
     for r in ranges:

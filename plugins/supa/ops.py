@@ -64,12 +64,17 @@ def _step_int(step) -> int:
 
 
 def _split_uniform(*lists):
-    """Indices whose tensors share one dtype across all lists (kernel-able), and the rest."""
+    """Indices whose tensors share one 32/16-bit dtype across all lists (kernel-able), and the rest.
+
+    float64 entries go to the reference: DeepSpeed's kernels do their math in fp32, the op's
+    contract keeps float64 math for float64 tensors.
+    """
     uniform, mixed = [], []
     for i, group in enumerate(zip(*lists, strict=True)):
         if group[0].numel() == 0:
             continue
-        (uniform if all(t.dtype == group[0].dtype for t in group) else mixed).append(i)
+        dtype = group[0].dtype
+        (uniform if dtype != torch.float64 and all(t.dtype == dtype for t in group) else mixed).append(i)
     return uniform, mixed
 
 
