@@ -83,6 +83,23 @@ def _read_manifest(folder: Path, fix: str) -> dict:
     return meta
 
 
+def load_refusal(exc: BaseException) -> str:
+    """One line saying why ``torch.load(weights_only=True)`` refused a file (torch's own text spans many lines
+    and suggests ``weights_only=False``, which is what must not happen to a file nobody vouches for)."""
+    import pickle
+    import re
+
+    text = str(exc)
+    if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in text:
+        found = re.search(r"Unsupported (global|operand):? (?:GLOBAL )?(\S+)", re.sub(r"\x1b\[[0-9;]*m", "", text))
+        if found and found.group(1) == "global":
+            return (f"torch's weights_only loader refused it: unsupported global {found.group(2)}; it may be crafted "
+                    "to run code when loaded")
+        return "torch's weights_only loader refused it: not a torch file of plain values, or damaged"
+    first = text.strip().splitlines()[0] if text.strip() else "no message"
+    return f"{type(exc).__name__}: {first}"
+
+
 def verify(folder, fix: str) -> dict[str, dict]:
     """Check every file the manifest in ``folder`` lists (present, same size, same SHA-256); returns the list.
     The first problem raises :class:`CheckpointError` naming the file, ending with ``fix``."""
@@ -100,4 +117,4 @@ def verify(folder, fix: str) -> dict[str, dict]:
     return files
 
 
-__all__ = ["FORMAT", "MANIFEST", "file_sha256", "verify", "write_atomic", "write_manifest"]
+__all__ = ["FORMAT", "MANIFEST", "file_sha256", "load_refusal", "verify", "write_atomic", "write_manifest"]

@@ -43,7 +43,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from polyaccel import selection
 from polyaccel.errors import CheckpointError, ConfigError, PolyaccelError
 
-from ._checkpoint_files import verify, write_atomic, write_manifest
+from ._checkpoint_files import load_refusal, verify, write_atomic, write_manifest
 from ._engine import EngineAdapter, check_data_axis, data_axis
 
 #: file in a checkpoint directory holding Lightning's own state (loops, callbacks, schedulers)
@@ -251,9 +251,8 @@ def _serialize_state(state: dict, path: str) -> tuple[bytes | None, str | None]:
         with torch.serialization.safe_globals(_state_globals()):
             torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal: the state must be plain to be saved
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return None, (f"{path}: Lightning's state (loops, callbacks, schedulers, hparams) holds a value torch's "
-                      f"weights_only loader refuses ({why}); keep plain values (numbers, strings, lists, dicts, "
+        return None, (f"{path}: Lightning's state (loops, callbacks, schedulers, hparams) holds a value a resume "
+                      f"could not load ({load_refusal(exc)}); keep plain values (numbers, strings, lists, dicts, "
                       "tensors) in hparams and callback states")
     return data, None
 
@@ -263,8 +262,7 @@ def _load_state(path: str, fix: str) -> dict:
         with torch.serialization.safe_globals(_state_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - unreadable or refused: never unpickled beyond weights_only
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: cannot be loaded safely ({type(exc).__name__}: {why}); {fix}", path) from None
+        raise CheckpointError(f"{path}: cannot be loaded safely ({load_refusal(exc)}); {fix}", path) from None
 
 
 # ------------------------------------------------------------------------------------------- strategy

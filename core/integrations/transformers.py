@@ -34,7 +34,7 @@ import torch
 import transformers
 from polyaccel.errors import CheckpointError, ConfigError
 
-from ._checkpoint_files import MANIFEST, verify, write_manifest
+from ._checkpoint_files import MANIFEST, load_refusal, verify, write_manifest
 from ._engine import EngineAdapter, check_data_axis, data_axis
 
 #: folder inside an HF checkpoint that holds the engine's sharded checkpoint
@@ -114,11 +114,6 @@ def engine_config(args: transformers.TrainingArguments, config: dict | None = No
 
 
 _RESUME_FIX = "resume from another checkpoint (or train from scratch)"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "no message"
 
 
 #: the Trainer methods the engine path overrides; their absence means a Trainer this path was not written for
@@ -349,8 +344,8 @@ class PolyaccelTrainer(transformers.Trainer):
         except Exception as exc:  # noqa: BLE001 - HF loads with weights_only=True: a refusal is a bad file
             name = f"rng_state_{self.args.process_index}.pth" if self.args.world_size > 1 else "rng_state.pth"
             path = os.path.join(checkpoint, name)
-            raise CheckpointError(f"{path}: cannot be loaded safely ({type(exc).__name__}: {_first_line(exc)}); "
-                                  f"{_RESUME_FIX}", path) from None
+            raise CheckpointError(f"{path}: cannot be loaded safely ({load_refusal(exc)}); {_RESUME_FIX}",
+                                  path) from None
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.polyaccel_engine is None:
@@ -383,8 +378,8 @@ class PolyaccelTrainer(transformers.Trainer):
         try:
             state = torch.load(sched, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - unreadable or refused: never unpickled beyond weights_only
-            raise CheckpointError(f"{sched}: cannot be loaded safely ({type(exc).__name__}: {_first_line(exc)}); "
-                                  f"{_RESUME_FIX}", sched) from None
+            raise CheckpointError(f"{sched}: cannot be loaded safely ({load_refusal(exc)}); {_RESUME_FIX}",
+                                  sched) from None
         self.lr_scheduler.load_state_dict(state)
         for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr(), strict=False):
             group["lr"] = lr

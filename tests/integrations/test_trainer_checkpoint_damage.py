@@ -143,13 +143,17 @@ def hf_matrix(rank, world, out):
     first.polyaccel_engine.destroy()
     saved = out / "run" / "checkpoint-2"
 
+    kept = []  # a trainer whose train() was refused before it started is reused (they are slow to build)
+
     def resume(path):
-        t = trainer(3)
+        t = kept.pop() if kept else trainer(3)
         try:
             t.train(resume_from_checkpoint=path)
         finally:
             if t.polyaccel_engine is not None:
                 t.polyaccel_engine.destroy()
+            else:
+                kept.append(t)
 
     clean = outcome(resume, saved, "")
     files, results = matrix(saved, out / "damaged", resume)
