@@ -288,12 +288,18 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self.param_groups = source.param_groups
             self.defaults = source.defaults
         self._adapter = adapter
+        self._source = source
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         self._adapter.engine.set_lr(self.param_groups[0]["lr"])
         self._adapter.step(boundary=True)
+        if self._source is not None:
+            # torch's LR schedulers wrap their optimizer's ``step`` so that it sets ``_opt_called``, and warn
+            # "Detected call of `lr_scheduler.step()` before `optimizer.step()`" at their first step when it is
+            # unset. The schedulers hold the source optimizer, whose step the engine's replaces: record the call.
+            self._source._opt_called = True
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
