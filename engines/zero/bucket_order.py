@@ -11,7 +11,10 @@ The rule, for buckets numbered 0..K-1 in a layout every rank shares:
 
 - during backward, bucket k is reduced only when it is complete *and* every bucket before
   it has been reduced, so the early reductions are a prefix 0..j of the bucket order on
-  every rank (j may differ; nothing after a gap is reduced early);
+  every rank (j may differ; nothing after a gap is reduced early). Where other collectives
+  run during backward (stage 3's gathers), the ranks exchange their j at each gather and
+  reduce the prefix complete everywhere (:meth:`ready`, :meth:`take`), so every rank's
+  reductions fall between the same gathers;
 - at the end of backward the rest, j+1..K-1, are reduced in order: parameters that got no
   gradient contribute zeros;
 - a gradient that arrives after its bucket was reduced (a parameter whose gradient hook
@@ -59,16 +62,30 @@ class BucketOrder:
 
     def arrive(self, i: int) -> list[int]:
         """Parameter ``i`` got its gradient; returns the buckets that may be reduced now, in order."""
+        self.record(i)
+        return self.take(self.ready())
+
+    def record(self, i: int) -> None:
+        """Parameter ``i`` got its gradient; reduce nothing yet (see :meth:`ready` and :meth:`take`)."""
         for k in self._buckets_of.get(i, ()):
             if k < self._next:
                 self._reopened.add(k)
             else:
                 self._missing[k].discard(i)
-        ready = []
-        while self._next < len(self._members) and not self._missing[self._next]:
-            ready.append(self._next)
-            self._next += 1
-        return ready
+
+    def ready(self) -> int:
+        """One past the last bucket of the complete prefix here: buckets ``next..ready()-1`` may be reduced.
+        Stage 3 exchanges this count and reduces the prefix complete on every rank (see ``schedule``)."""
+        j = self._next
+        while j < len(self._members) and not self._missing[j]:
+            j += 1
+        return j
+
+    def take(self, upto: int) -> list[int]:
+        """The buckets not reduced yet below ``upto``, in order; they count as reduced from now on."""
+        ks = list(range(self._next, upto))
+        self._next = max(self._next, upto)
+        return ks
 
     def finish(self, reduce: Callable[[int], None], agree: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """End of backward: ``reduce`` the buckets not reduced yet, in order; then agree on the reopened buckets

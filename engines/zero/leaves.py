@@ -10,14 +10,19 @@ Leaves are, outermost first:
 - modules named in ``zero_optimization.stage3_leaf_modules`` (a class name such as
   ``"MixtralSparseMoeBlock"`` or a module path such as ``"model.layers.0.mlp"``);
 - modules marked with :func:`set_leaf_modules`;
-- automatically, any module with a ``torch.nn.ModuleList`` child named ``experts`` (the
-  per-expert layout of MoE blocks);
+- automatically, the outermost module that keeps per-expert modules (see :func:`is_expert_container`):
+  a ``ModuleList``/``ModuleDict`` of experts on the MoE block, a wrapper inside the block that
+  holds one (Hugging Face's ``mlp.experts`` replaced by a loop over per-expert modules), or
+  numbered expert attributes (``expert_0``, ``expert_1``, ... reached with ``getattr``). The
+  module that holds the experts is called on every rank, whichever experts it runs inside;
 - with ``zero_optimization.stage3_module_granularity_threshold`` > 0, the largest modules whose
   subtree holds at most that many parameter elements (a decoder layer, say): one gather and one
   set of hooks per such module instead of one per linear layer and norm.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from polyaccel.errors import ConfigError, PolyaccelError
@@ -59,9 +64,36 @@ def _match(model: torch.nn.Module, targets: list) -> dict[str, torch.nn.Module]:
     return found
 
 
-def _is_expert_block(module: torch.nn.Module) -> bool:
-    experts = getattr(module, "experts", None)
-    return isinstance(experts, torch.nn.ModuleList) and any(True for _ in experts.parameters())
+_EXPERT_WORD = re.compile("expert", re.IGNORECASE)
+#: one expert kept as an attribute of its own: ``expert_3``, ``experts3``, ``local_expert_0``
+_NUMBERED_EXPERT = re.compile(r"^(?:\w+_)?experts?_?\d+$", re.IGNORECASE)
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def _has_parameters(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def is_expert_container(name: str, module: torch.nn.Module) -> bool:
+    """Whether ``module`` (called ``name`` in its parent) keeps per-expert modules, any of which may not run:
+
+    - it holds a ``ModuleList``/``ModuleDict`` (with parameters) whose name says "expert" (``experts``,
+      ``local_experts``, ``expert_list``): an MoE block in the per-expert layout;
+    - it holds such a container under any name and its own name or class name says "expert" (a wrapper
+      at ``mlp.experts`` holding ``mlps``, a class ``ExpertBank`` holding ``table``);
+    - it has two or more numbered expert children (``expert_0``, ``expert_1``, ...), reached with
+      ``getattr``.
+
+    A module with fused expert weights (Hugging Face's ``Qwen3MoeExperts``: 3-D parameters, no
+    submodules) is not one: its parameters are gathered with it whichever experts it computes.
+    """
+    containers = [n for n, c in module.named_children() if isinstance(c, _CONTAINERS) and _has_parameters(c)]
+    if any(_EXPERT_WORD.search(n) for n in containers):
+        return True
+    if containers and (_EXPERT_WORD.search(name) or _EXPERT_WORD.search(type(module).__name__)):
+        return True
+    numbered = [n for n, c in module.named_children() if _NUMBERED_EXPERT.match(n) and _has_parameters(c)]
+    return len(numbered) >= 2
 
 
 def find_leaf_modules(model: torch.nn.Module, names=(), granularity: int = 0) -> dict[str, torch.nn.Module]:
@@ -72,8 +104,8 @@ def find_leaf_modules(model: torch.nn.Module, names=(), granularity: int = 0) ->
     for path, module in model.named_modules():
         if id(module) in covered:
             continue
-        if (id(module) in chosen or getattr(module, _MARK, False) or _is_expert_block(module)
-                or _small_enough(module, granularity)):
+        if (id(module) in chosen or getattr(module, _MARK, False)
+                or is_expert_container(path.rsplit(".", 1)[-1], module) or _small_enough(module, granularity)):
             leaves[path] = module
             covered.update(id(m) for m in module.modules())
     return leaves

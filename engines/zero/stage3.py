@@ -31,9 +31,10 @@ import torch.nn.functional as F
 
 from .bucket_order import BucketOrder
 from .host_step import OverlapError, overlap_message
-from .leaves import ScheduleMismatch, find_leaf_modules
+from .leaves import find_leaf_modules
 from .offload import HostBuffers, HostTransfer
 from .partition import GradientPartition, ShardLayout
+from .schedule import END_BACKWARD, END_FORWARD, GatherSchedule
 
 
 class _Info:
@@ -243,6 +244,15 @@ class ShardedParameters:
         self._outstanding: list[_Gather] = []
         self._modules: dict[int, torch.nn.Module] = {id(m): m for m in model.modules()}
         self._in_forward: dict[int, _Info] = {}  # parameters gathered for a forward that has not returned
+        # With peers, a bucket's reduction waits for the next point where every rank is (a gather's agreement,
+        # or a backward fetch without the check): reducing as soon as a bucket is complete here would put the
+        # reduce-scatter between other gathers on each rank, wherever its local gradients happened to arrive.
+        self._sync_reductions = self.world > 1 and self.eager
+        ordered = sorted(self.infos.values(), key=lambda i: i.order)
+        self.schedule = GatherSchedule(coll, device, model, owner=lambda order: self._owner.get(order, "?"),
+                                       param_name=lambda order: ordered[order].name) if self.world > 1 else None
+        if self.check_schedule:  # registered last: runs after the root's own hooks, when forward is over
+            self._hooks.append(model.register_forward_hook(self._end_forward))
 
     # ------------------------------------------------------------------ gather
     @property
@@ -271,7 +281,7 @@ class ShardedParameters:
             return None
         total = sum(i.shard_size for i in infos)
         if self.check_schedule:
-            self._agree_on_gather(infos, total)
+            self._agree((infos[0].order, len(infos), total))
         shards = [self._shard(i).to(self.device, non_blocking=True) for i in infos]
         inp = shards[0] if len(shards) == 1 else torch.cat(shards)
         if self.world == 1:  # the shard is the parameter: nothing to gather
@@ -284,33 +294,25 @@ class ShardedParameters:
             i.inflight = g
         return g
 
-    def _agree_on_gather(self, infos: list[_Info], total: int) -> None:
-        """Compare what every rank is about to gather (one small all-gather); a difference means a module
-        ran on some ranks and not on others, and would mismatch the gather itself."""
-        key = torch.tensor([infos[0].order, len(infos), total], dtype=torch.int64, device=self.device)
-        out = torch.empty(3 * self.world, dtype=torch.int64, device=self.device)
-        self.coll.all_gather(out, key)
-        rows = [tuple(r) for r in out.view(self.world, 3).tolist()]
-        if all(r == rows[0] for r in rows):
-            return
-        ordered = sorted(self.infos.values(), key=lambda i: i.order)
-        seen = {}
-        for r, row in enumerate(rows):
-            seen.setdefault(row, []).append(r)
-        what = "; ".join(f"rank(s) {ranks} gather {self._describe(ordered[row[0]])}" for row, ranks in seen.items())
-        mine = self._owner.get(infos[0].order, "")
-        parent = mine.rsplit(".", 1)[0] if "." in mine else mine
-        raise ScheduleMismatch(
-            f"ZeRO stage 3: the ranks disagree about which parameters to gather next ({what}). A module ran on some "
-            "ranks and not on others (data-dependent control flow, such as MoE experts that run only when tokens are "
-            "routed to them), so the parameter gathers no longer line up. Fix: mark the module that always runs "
-            "around the conditional part as a leaf, whose whole subtree is gathered at once: "
-            f"zero_optimization.stage3_leaf_modules=[{parent or '<module path or class name>'!r}] or "
-            "polyaccel.engines.zero.set_leaf_modules(model, [...]).")
+    def _agree(self, row: tuple[int, int, int]) -> None:
+        """Agree with every rank on the next gather (or end of forward or backward): see :mod:`.schedule`;
+        then reduce the gradient buckets complete on every rank."""
+        ready = self.order.ready() if self._sync_reductions else 0
+        common = self.schedule.agree(row, ready)
+        if self._sync_reductions:
+            for k in self.order.take(common):
+                self._reduce_bucket(k)
 
-    def _describe(self, info: _Info) -> str:
-        path = self._owner.get(info.order, "?")
-        return f"module {path!r} ({info.name})"
+    def _reduce_complete_everywhere(self) -> None:
+        """Without the schedule check: at a backward fetch (the same on every rank when the schedule is), reduce
+        the buckets complete on every rank (one all-reduce of the ready count)."""
+        ready = torch.tensor([-self.order.ready()], dtype=torch.int64)
+        common = -int(self.coll.all_reduce(ready, op="max").item())
+        for k in self.order.take(common):
+            self._reduce_bucket(k)
+
+    def _end_forward(self, module, args, output) -> None:
+        self._agree((END_FORWARD, 0, 0))
 
     def _materialise(self, infos: list[_Info]) -> None:
         self._launch_gather(infos, async_op=False)
@@ -326,6 +328,8 @@ class ShardedParameters:
 
     def _fetch(self, module, backward: bool = False) -> list[_Info]:
         infos = self._module_params[id(module)]
+        if backward and self._sync_reductions and not self.check_schedule:
+            self._reduce_complete_everywhere()
         self._record(module)
         self._materialise(infos)
         self._prefetch()
@@ -438,7 +442,9 @@ class ShardedParameters:
         self._grads[info.index] = g if held is None else held + g
         p.grad = None
         self._release(info)
-        if self.eager:
+        if self._sync_reductions:
+            self.order.record(info.index)
+        elif self.eager:
             for k in self.order.arrive(info.index):
                 self._reduce_bucket(k)
 
@@ -511,6 +517,8 @@ class ShardedParameters:
         self.transfer.flush()
 
     def end_backward(self) -> None:
+        if self.check_schedule:  # a rank with gathers left meets this and fails with the others, at once
+            self._agree((END_BACKWARD, 0, 0))
         self.order.finish(self._reduce_bucket, lambda flags: self.coll.all_reduce(flags, op="max"))
         self._finish_reductions()
         for info in self.infos.values():  # frozen params, unused params and stale prefetches
