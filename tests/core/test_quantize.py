@@ -80,3 +80,38 @@ def test_bad_inputs_give_clear_errors():
         polyaccel.ops.quantize(torch.randn(64), mode="fp8", group_size=32, symmetric=False)
     with pytest.raises(TypeError, match="QuantizedTensor"):
         polyaccel.ops.dequantize(torch.randn(4))
+
+
+QUANT_MODES = [*MODES, ("fp8", True)]
+
+
+@pytest.mark.parametrize("mode,symmetric", QUANT_MODES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_group_holding_nan_or_inf_dequantizes_to_nan_and_others_are_unaffected(mode, symmetric, bad):
+    x = torch.randn(4, 64) * 3
+    x[1, 17] = bad
+    x[3, 0] = float("nan")
+    qt = polyaccel.ops.quantize(x, mode=mode, group_size=64, symmetric=symmetric)
+    assert qt.scales.isnan().tolist() == [False, True, False, True]
+    if not symmetric:
+        assert qt.zero_points[1] == 0 and qt.zero_points[3] == 0
+    back = polyaccel.ops.dequantize(qt, dtype=torch.float64)
+    assert bool(back[[1, 3]].isnan().all())
+    finite = polyaccel.ops.quantize(x[[0, 2]].contiguous(), mode=mode, group_size=64, symmetric=symmetric)
+    assert torch.equal(back[[0, 2]], polyaccel.ops.dequantize(finite, dtype=torch.float64))
+    assert torch.equal(qt.scales[[0, 2]], finite.scales)
+
+
+@pytest.mark.parametrize("mode,symmetric", QUANT_MODES)
+def test_dequantize_refuses_a_scale_or_zero_point_count_that_is_not_the_group_count(mode, symmetric):
+    x = torch.randn(256)
+    for fn in (polyaccel.ops.dequantize, ref.dequantize):
+        qt = polyaccel.ops.quantize(x, mode=mode, group_size=64, symmetric=symmetric)
+        qt.scales = qt.scales[:1]  # one scale would broadcast over all four groups
+        with pytest.raises(polyaccel.errors.OpArgumentError, match="scales has 1 entries.*4 groups"):
+            fn(qt)
+        if not symmetric:
+            qt = polyaccel.ops.quantize(x, mode=mode, group_size=64, symmetric=symmetric)
+            qt.zero_points = qt.zero_points[:1]
+            with pytest.raises(polyaccel.errors.OpArgumentError, match="zero_points has 1 entries"):
+                fn(qt)

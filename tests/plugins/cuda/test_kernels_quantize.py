@@ -197,3 +197,29 @@ def test_fma_division_gives_the_ieee_quotient():
             r_exact = xi - qi * si
             assert Fraction(_round_fp32(r_exact)) == r_exact, "the remainder must be exact"
             assert _round_fp32(Fraction(_round_fp32(r_exact)) * yi + qi) == want[i].item()
+
+
+@pytest.mark.parametrize("mode,symmetric", MODES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_group_holding_nan_or_inf_gets_a_nan_scale_like_the_reference(mode, symmetric, bad):
+    x = _input(5, 96, torch.float32, seed=3)
+    x[2, 40] = bad
+    x[4, 95] = float("nan")
+    got = kq.quantize(x, mode, 96, symmetric)
+    want = ref.quantize(x, mode, 96, symmetric)
+    assert got.scales.isnan().tolist() == [False, False, True, False, True]
+    assert torch.equal(got.scales.isnan(), want.scales.isnan())
+    assert torch.equal(got.scales.nan_to_num(), want.scales.nan_to_num())
+    assert _same_bytes(got.data, want.data)
+    if not symmetric:
+        assert torch.equal(got.zero_points, want.zero_points) and int(got.zero_points[2]) == 0
+    back = kq.dequantize(got, torch.float32)
+    assert bool(back[[2, 4]].isnan().all()) and bool(back[[0, 1, 3]].isfinite().all())
+    assert torch.equal(back[[0, 1, 3]], ref.dequantize(want, torch.float32)[[0, 1, 3]])
+
+
+def test_dequantize_refuses_a_scale_count_that_is_not_the_group_count():
+    qt = kq.quantize(torch.randn(256), "int8", 64, False)
+    qt.zero_points = qt.zero_points[:1]
+    with pytest.raises(ValueError, match="zero_points has 1 entries"):
+        kq.dequantize(qt)

@@ -268,3 +268,71 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         K.fused_adam([torch.randn(3)], [torch.randn(3)], [torch.randn(3)], [torch.rand(3)], step=1,
                      weight_decay=0.0, **ADAM_HP)
+
+
+def _transposed(t):
+    return t.t().contiguous().t()
+
+
+def _strided_with_offset(t):
+    """Same values in every other column of a bigger buffer, one row in."""
+    big = torch.zeros(t.shape[0] + 1, 2 * t.shape[1])
+    big[1:, ::2] = t
+    return big[1:, ::2]
+
+
+def _layout_lists(n_lists, seed):
+    """Three entries: contiguous, then each operand in another layout (transposed, strided with an
+    offset, an expanded read-only grad), then contiguous; with contiguous float64 oracle copies."""
+    gen = torch.Generator().manual_seed(seed)
+    lays = [_transposed, lambda t: t[:1].expand_as(t), _strided_with_offset, _transposed]
+    got, want = [[] for _ in range(n_lists)], [[] for _ in range(n_lists)]
+    for k, shape in enumerate([(3, 40), (33, 5), (70,)]):
+        for li in range(n_lists):
+            t = torch.randn(shape, generator=gen) * (1.0, 0.5, 0.1, 0.01)[li]
+            t = t.abs() if li == 3 else t
+            t = lays[li](t) if k == 1 else t
+            got[li].append(t)
+            want[li].append(t.to(torch.float64, copy=True).contiguous())
+    return got, want
+
+
+@pytest.mark.parametrize("op", ["fused_adam", "fused_lion", "fused_lamb"])
+def test_non_contiguous_operands_are_staged_and_right(op):
+    """Transposed / strided / offset / expanded operands: the kernel works on contiguous copies."""
+    n = 3 if op == "fused_lion" else 4
+    got, want = _layout_lists(n, seed=len(op))
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.05)
+    if op != "fused_lion":
+        hp.update(eps=1e-6, step=2)
+    if op == "fused_lamb":
+        hp.update(max_coeff=10.0, min_coeff=0.01)
+    strides = [[t.stride() for t in lst] for lst in got]
+    getattr(K, op)(*got, **hp)
+    getattr(ref, op)(*want, **hp)
+    assert [[t.stride() for t in lst] for lst in got] == strides, "results land in the caller's tensors"
+    _check([got[0], *got[2:]], [want[0], *want[2:]], ["params", "exp_avgs", "exp_avg_sqs"][: n - 1])
+
+
+def test_transposed_param_matches_torch_adamw():
+    gen = torch.Generator().manual_seed(11)
+    p0 = torch.randn(40, 9, generator=gen)
+    ours = p0.clone().t()
+    m, v = torch.zeros(9, 40), torch.zeros(9, 40)
+    theirs = torch.nn.Parameter(p0.double().t())
+    opt = torch.optim.AdamW([theirs], lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    for step in (1, 2, 3):
+        g = torch.randn(9, 40, generator=gen)
+        K.fused_adam([ours], [g], [m], [v], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=step)
+        theirs.grad = g.double()
+        opt.step()
+    _check([[ours]], [[theirs.detach()]], ["params"])
+
+
+def test_a_call_that_fails_validation_writes_no_float64_entry_first():
+    wide = [torch.randn(10, dtype=torch.float64) for _ in range(4)]
+    before = [t.clone() for t in wide]
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        K.fused_adam([wide[0], torch.randn(4)], [wide[1], torch.randn(4)], [wide[2], torch.randn(4)],
+                     [wide[3], torch.rand(4, dtype=torch.float64)], step=1, weight_decay=0.0, **ADAM_HP)
+    assert all(torch.equal(a, b) for a, b in zip(wide, before, strict=True))

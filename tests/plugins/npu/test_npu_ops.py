@@ -147,3 +147,14 @@ def test_quantize_fp8_goes_to_the_reference_and_bad_input_is_named(npu_runtime):
     assert npu_runtime.calls.count_of("npu_quantize") == 0
     with pytest.raises(ValueError, match="group_size 100 does not divide"):
         fn(x, mode="int8", group_size=100)
+
+
+@pytest.mark.parametrize("mode,symmetric", [("int8", True), ("int8", False), ("int4", True), ("int4", False)])
+def test_quantize_gives_a_group_holding_nan_or_inf_a_nan_scale(npu_runtime, mode, symmetric):
+    x = torch.randn(4, 64)
+    x[1, 5], x[3, 63] = float("nan"), float("inf")
+    got = ops.resolve("quantize", "npu")(x, mode=mode, group_size=64, symmetric=symmetric)
+    want = reference_quantize(x, mode, 64, symmetric)
+    assert got.scales.isnan().tolist() == [False, True, False, True]
+    assert torch.equal(got.scales.nan_to_num(), want.scales.nan_to_num()) and torch.equal(got.data, want.data)
+    assert bool(ops.dequantize(got)[[1, 3]].isnan().all())
