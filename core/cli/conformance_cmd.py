@@ -11,6 +11,18 @@ The accelerator is --accelerator NAME, else $POLYACCEL_ACCELERATOR, else the one
 selects by itself. --emulate runs inside the emulated runtime a plugin offers for NAME
 (hook polyaccel_emulated_runtimes).
 The --json document is stable and documented in docs/conformance-json.md.
+
+--fuzz adds the op-contract fuzz rows (check "fuzz"), one per op and builder serving the
+device type, the core reference included: hypothesis draws cases (shapes with zero-size and
+odd sides, transposed / stepped / offset layouts with different strides per tensor, every
+supported dtype, NaN and Inf in optimizer gradients and quantizer inputs, bad hyperparameters,
+overlapping written tensors) and calls polyaccel.ops.<op> with the builder forced. A case
+passes when the result equals the reference (computed on float64 copies) within the dtype's
+tolerance, NaN where it has NaN, or when the call raises OpArgumentError leaving every input
+unchanged. A failing row names the builder and the minimal (shrunk) case: shapes, strides,
+offsets, dtypes and the seed of the values. --fuzz-examples N draws N cases per row (default
+25, the CI budget); without --fuzz-seed the cases are a fixed, derandomized set, so two runs
+agree; --fuzz-seed S draws another fixed set. Needs hypothesis (`pip install polyaccel[test]`).
 """
 
 from __future__ import annotations
@@ -37,6 +49,13 @@ def add_arguments(p) -> None:
                    help="only run checks matching the pytest keyword expression EXPR")
     p.add_argument("-v", "--verbose", action="store_true", help="also print pytest's own output")
     p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="give up after S seconds (900)")
+    p.add_argument("--fuzz", action="store_true",
+                   help="also run the op-contract fuzz rows: drawn shapes, strides, offsets, dtypes, NaN/Inf "
+                        "for every builder of every op, vs the reference (needs hypothesis)")
+    p.add_argument("--fuzz-examples", type=int, default=None, metavar="N",
+                   help="with --fuzz: drawn cases per (op, builder) row (default 25)")
+    p.add_argument("--fuzz-seed", type=int, default=None, metavar="S",
+                   help="with --fuzz: draw the cases from seed S (default: a fixed, derandomized set)")
 
 
 def run(args) -> int:
@@ -49,9 +68,22 @@ def run(args) -> int:
               "install it with `pip install polyaccel[test]` (or `pip install pytest`)", file=sys.stderr)
         return 2
 
+    if not args.fuzz and (args.fuzz_examples is not None or args.fuzz_seed is not None):
+        given = "--fuzz-examples" if args.fuzz_examples is not None else "--fuzz-seed"
+        print(f"polyaccel conformance: {given} applies to the fuzz rows; add --fuzz", file=sys.stderr)
+        return 2
+    if args.fuzz_examples is not None and args.fuzz_examples < 1:
+        print(f"polyaccel conformance: --fuzz-examples must be at least 1, got {args.fuzz_examples}",
+              file=sys.stderr)
+        return 2
+    if args.fuzz and importlib.util.find_spec("hypothesis") is None:
+        print("polyaccel conformance: --fuzz draws its cases with hypothesis, which is not installed here; "
+              "install it with `pip install polyaccel[test]` (or `pip install hypothesis`)", file=sys.stderr)
+        return 2
     try:
         result = run_suite(args.accelerator, emulate=args.emulate, keyword=args.keyword, junitxml=args.junitxml,
-                           json_path=args.json, verbose=args.verbose, timeout=args.timeout)
+                           json_path=args.json, verbose=args.verbose, timeout=args.timeout, fuzz=args.fuzz,
+                           fuzz_examples=args.fuzz_examples, fuzz_seed=args.fuzz_seed)
     except TimeoutError as exc:
         print(f"polyaccel conformance: {exc}", file=sys.stderr)
         return 2

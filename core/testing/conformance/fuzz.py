@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from .fuzz_ops import op_fuzzers
@@ -69,6 +69,7 @@ def fuzz_settings(examples: int = DEFAULT_EXAMPLES, seed: int | None = None) -> 
         raise ValueError(f"the fuzz example budget must be a positive int, got {examples!r}")
     return settings(max_examples=examples, deadline=None, derandomize=seed is None, database=None,
                     report_multiple_bugs=False, print_blob=False,
+                    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
 
@@ -123,7 +124,10 @@ def check_builder(op: str, builder: str, *, device: torch.device | str, dtypes, 
     if seed is not None:
         test = hypothesis_seed(seed)(test)
     with overridden(op, builder):
-        test()
+        try:
+            test()
+        except FuzzFailure as exc:  # the shrunk case's failure, without hypothesis's notes (the message has it all)
+            raise FuzzFailure(str(exc)) from None
     return FuzzStats(compared=stats["compared"], refused=stats["refused"], refusals=dict(refusals))
 
 

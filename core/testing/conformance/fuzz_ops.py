@@ -62,8 +62,10 @@ BAD = {
 }
 _VALID = {k: st.sampled_from(v) for k, v in VALID.items()}
 _BAD = {k: st.sampled_from(v) for k, v in BAD.items()}
-#: mostly valid calls; now and then one the contract says must be refused
-_KINDS = st.sampled_from(("valid",) * 12 + ("bad hyperparameter", "overlapping param", "aliased tensors"))
+#: mostly valid calls; now and then one the contract says must be refused (in the middle: hypothesis
+#: favours the ends of a choice, and shrinks towards the first)
+_KINDS = st.sampled_from(("valid",) * 7 + ("bad hyperparameter", "overlapping param", "aliased tensors")
+                         + ("valid",) * 7)
 _SCALES = st.sampled_from(SCALES)
 HYPER = {
     "fused_adam": ("lr", "beta1", "beta2", "eps", "weight_decay", "step", "adam_w_mode", "bias_correction"),
@@ -206,9 +208,9 @@ class QuantizeCase:
 
 
 #: mostly contiguous inputs (at storage offsets); a strided one must be refused
-_QUANT_STRIDED = st.sampled_from((False, False, False, True))
+_QUANT_STRIDED = st.sampled_from((False, False, True, False, False))
 #: mostly non-empty inputs; an empty one must be refused
-_QUANT_GROUPS = st.sampled_from((1, 2, 3, 4, 5, 0))
+_QUANT_GROUPS = st.sampled_from((1, 2, 3, 0, 4, 5, 6))
 GROUP_SIZES = (8, 1, 2, 3, 4, 6, 7, 16, 32, 128)
 
 
@@ -342,7 +344,7 @@ class DequantizeCase:
     _repr_pretty_ = _pretty
 
 
-_MISCOUNT = st.sampled_from(("",) * 12 + ("scales", "zero points"))
+_MISCOUNT = st.sampled_from(("",) * 7 + ("scales", "zero points") + ("",) * 7)
 
 
 @st.composite

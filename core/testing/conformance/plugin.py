@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import time
 
 import pytest
@@ -40,6 +41,7 @@ from .results import (
 from .target import Target, TargetError, enter_emulation, requested_name, select_target
 
 MARKER = "conformance"
+_HERE = pathlib.Path(__file__).resolve().parent
 _STATE = pytest.StashKey["_SuiteState"]()
 
 
@@ -61,6 +63,30 @@ def pytest_addoption(parser) -> None:
                     help="run inside the emulated runtime a plugin offers for NAME (CPU stand-in runtime)")
     group.addoption("--polyaccel-json", default=None, metavar="FILE",
                     help="write the conformance document (docs/conformance-json.md) to FILE")
+    group.addoption("--polyaccel-fuzz", action="store_true", default=False,
+                    help="also run the op-contract fuzz rows (test_fuzz.py; needs hypothesis)")
+    group.addoption("--polyaccel-fuzz-examples", type=int, default=None, metavar="N",
+                    help="drawn cases per (op, builder) fuzz row (default: the CI budget)")
+    group.addoption("--polyaccel-fuzz-seed", type=int, default=None, metavar="S",
+                    help="draw the fuzz cases from seed S (default: a fixed, derandomized set)")
+
+
+FUZZ_MODULE = "test_fuzz.py"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The fuzz rows are collected only when asked for (--polyaccel-fuzz)."""
+    if collection_path.name == FUZZ_MODULE and collection_path.resolve().parent == _HERE:
+        return None if config.getoption("--polyaccel-fuzz") else True
+    return None
+
+
+def fuzz_budget(config) -> tuple[int, int | None]:
+    """(examples per fuzz row, seed or None) as the options ask."""
+    from .fuzz import DEFAULT_EXAMPLES
+
+    examples = config.getoption("--polyaccel-fuzz-examples")
+    return (DEFAULT_EXAMPLES if examples is None else examples), config.getoption("--polyaccel-fuzz-seed")
 
 
 def pytest_configure(config) -> None:
@@ -69,6 +95,11 @@ def pytest_configure(config) -> None:
     state = _SuiteState()
     config.stash[_STATE] = state
     state.json_path = config.getoption("--polyaccel-json")
+    examples = config.getoption("--polyaccel-fuzz-examples")
+    if examples is not None and examples < 1:
+        state.error = f"--fuzz-examples must be at least 1, got {examples}"
+        _write(config, exitstatus=4)
+        raise pytest.UsageError(f"polyaccel conformance: {state.error}")
     name = requested_name(config.getoption("--polyaccel-accelerator"))
     try:
         if config.getoption("--polyaccel-emulate"):

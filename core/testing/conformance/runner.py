@@ -47,7 +47,8 @@ class SuiteRun:
 
 def pytest_command(accelerator: str | None, *, emulate: bool = False, json_path: str | None = None,
                    keyword: str | None = None, junitxml: str | None = None, verbose: bool = False,
-                   ini_path: str | None = None, extra_args: tuple[str, ...] = ()) -> list[str]:
+                   ini_path: str | None = None, extra_args: tuple[str, ...] = (), fuzz: bool = False,
+                   fuzz_examples: int | None = None, fuzz_seed: int | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-p", PYTEST_PLUGIN, "-p", "no:cacheprovider",
            "--import-mode=importlib", "--pyargs", SUITE_PACKAGE, "-rfE", "-v" if verbose else "-q"]
     if ini_path:
@@ -60,6 +61,12 @@ def pytest_command(accelerator: str | None, *, emulate: bool = False, json_path:
         cmd += ["--polyaccel-json", json_path]
     if keyword:
         cmd += ["-k", keyword]
+    if fuzz:
+        cmd.append("--polyaccel-fuzz")
+        if fuzz_examples is not None:
+            cmd += ["--polyaccel-fuzz-examples", str(fuzz_examples)]
+        if fuzz_seed is not None:
+            cmd += ["--polyaccel-fuzz-seed", str(fuzz_seed)]
     if junitxml:
         cmd += ["--junitxml", os.path.abspath(junitxml)]
     return cmd + list(extra_args)
@@ -68,8 +75,12 @@ def pytest_command(accelerator: str | None, *, emulate: bool = False, json_path:
 def run_suite(accelerator: str | None = None, *, emulate: bool = False, keyword: str | None = None,
               junitxml: str | None = None, json_path: str | None = None, verbose: bool = False,
               env: dict[str, str] | None = None, timeout: float | None = 900.0,
-              extra_args: tuple[str, ...] = ()) -> SuiteRun:
+              extra_args: tuple[str, ...] = (), fuzz: bool = False, fuzz_examples: int | None = None,
+              fuzz_seed: int | None = None) -> SuiteRun:
     """Run the conformance suite against ``accelerator`` (None: the normally selected one).
+
+    ``fuzz`` adds the op-contract fuzz rows (``fuzz_examples`` drawn cases per op and builder,
+    from ``fuzz_seed`` or a fixed derandomized set: :mod:`polyaccel.testing.conformance.fuzz`).
 
     ``json_path`` keeps the document (else a temporary file is used); ``env`` replaces the
     child's environment (default: this process's). Raises ``TimeoutError`` after ``timeout``
@@ -83,7 +94,8 @@ def run_suite(accelerator: str | None = None, *, emulate: bool = False, keyword:
         if json_path and os.path.exists(out_json):
             os.unlink(out_json)  # never report a previous run's document
         cmd = pytest_command(accelerator, emulate=emulate, json_path=out_json, keyword=keyword, junitxml=junitxml,
-                             verbose=verbose, ini_path=ini, extra_args=extra_args)
+                             verbose=verbose, ini_path=ini, extra_args=extra_args, fuzz=fuzz,
+                             fuzz_examples=fuzz_examples, fuzz_seed=fuzz_seed)
         child_env = dict(os.environ if env is None else env)
         try:
             proc = subprocess.run(cmd, cwd=tmp, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
