@@ -269,6 +269,7 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
     except CheckpointError as exc:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
+        coll.barrier()  # every rank failed here: none returns before the staging folder is gone
         raise CheckpointError(f"{exc}; nothing was changed, {_latest_note(root)}", exc.path) from None
 
     status = {}

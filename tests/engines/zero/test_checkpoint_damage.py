@@ -203,3 +203,64 @@ def test_failed_save_leaves_previous_checkpoint_latest_and_nothing_behind(engine
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before  # nothing left behind
     assert (root / "latest").read_text() == "step2"
     assert set(consolidate(root)) == KEYS
+
+
+def two_rank_damage(rank: int, world: int, root: str) -> dict:
+    """Rank 1's shard damaged: both ranks refuse (no hang); rank 1 cannot write: both ranks fail the save alike."""
+    import os
+
+    from polyaccel import comm
+
+    torch.set_num_threads(1)
+    eng = polyaccel.initialize(build_model("gpt2", F32, seed=3), zero_config(3))
+    train_engine(eng, 1, rank)
+    eng.save_checkpoint(root, tag="step1")
+    out = {}
+    if rank == 1:
+        shard = Path(root) / "step1" / rank_file(1)
+        _flip_in_tensor(shard, "master")
+    comm.barrier()
+    try:
+        eng.load_checkpoint(root)
+    except CheckpointError as exc:
+        out["load_error"], out["load_path"] = str(exc), exc.path
+    comm.barrier()
+    if rank == 0:
+        shutil.copy(Path(root) / "step1" / rank_file(1), Path(root) / "damaged.bin")
+    comm.barrier()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+    try:
+        eng.save_checkpoint(root, tag="step2")
+    except CheckpointError as exc:
+        out["save_error"] = str(exc)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    out["left"] = sorted(os.listdir(root))
+    eng.destroy()
+    return out
+
+
+def test_two_ranks_agree_on_a_damaged_shard_and_on_a_failed_save(tmp_path):
+    from polyaccel.testing.multiprocess import run_ranks
+
+    root = tmp_path / "run"
+    results = run_ranks(two_rank_damage, 2, str(root), timeout=100)
+    shard = str(root / "step1" / rank_file(1))
+    for res in results:
+        assert res["load_path"] == shard and "checksum mismatch" in res["load_error"], res
+        assert "(on rank 1)" in res["load_error"]
+        assert "saving checkpoint 'step2'" in res["save_error"] and "File too large" in res["save_error"]
+        assert rank_file(1) in res["save_error"] and "'latest' still names 'step1'" in res["save_error"]
+        assert res["left"] == ["damaged.bin", "latest", "step1"]  # no .step2.partial, no temporary file
+    with pytest.raises(CheckpointError, match="checksum mismatch") as err:
+        consolidate(root)
+    assert err.value.path == shard
+    # rank 1's file missing: what was saved and what is there
+    (root / "step1" / rank_file(1)).unlink()
+    with pytest.raises(CheckpointError, match=r"zero_rank_00001.safetensors is missing: checkpoint 'step1' was "
+                                              r"saved by 2 rank\(s\).*the folder holds meta.json, "
+                                              r"model_states.safetensors, zero_rank_00000.safetensors"):
+        consolidate(root)
