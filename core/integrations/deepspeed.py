@@ -33,17 +33,45 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import sys
 
-import deepspeed  # noqa: F401 - binds DeepSpeed's own accelerator and builders; install() rebinds them
-import polyaccel
-import torch
-from deepspeed.accelerator import real_accelerator
-from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
-from deepspeed.ops.op_builder.builder import OpBuilder
-from deepspeed.ops.op_builder.cpu.no_impl import NotImplementedBuilder as _DSNotImplementedBuilder
-from polyaccel import ops as _ops
+#: what ``import deepspeed`` logs when it finds no GPU and falls back to its CPU accelerator
+FALLBACK_LINE = "Setting accelerator to CPU"
+
+
+class _DropFallbackLine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(FALLBACK_LINE)
+
+
+def _import_deepspeed_quietly():
+    """``import deepspeed`` without its "Setting accelerator to CPU ..." warning: DeepSpeed picks an accelerator
+    while it imports (and binds its op builders to it), and this module exists to replace that choice with
+    polyaccel's in :func:`install`, so the line would only mislead. Every other record of DeepSpeed's logger passes,
+    and a ``deepspeed`` imported earlier by the application is left as it is."""
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    ds_logger = logging.getLogger("DeepSpeed")  # the logger DeepSpeed's LoggerFactory configures on import
+    quiet = _DropFallbackLine()
+    ds_logger.addFilter(quiet)
+    try:
+        import deepspeed
+    finally:
+        ds_logger.removeFilter(quiet)
+    return deepspeed
+
+
+deepspeed = _import_deepspeed_quietly()  # binds DeepSpeed's own accelerator and builders; install() rebinds them
+
+import polyaccel  # noqa: E402
+import torch  # noqa: E402
+from deepspeed.accelerator import real_accelerator  # noqa: E402
+from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator  # noqa: E402
+from deepspeed.ops.op_builder.builder import OpBuilder  # noqa: E402
+from deepspeed.ops.op_builder.cpu.no_impl import NotImplementedBuilder as _DSNotImplementedBuilder  # noqa: E402
+from polyaccel import ops as _ops  # noqa: E402
 
 #: builders that run polyaccel ops; all others are NotImplementedBuilder
 MAPPED_BUILDERS = ("FusedAdamBuilder", "FusedLionBuilder", "CPUAdamBuilder")

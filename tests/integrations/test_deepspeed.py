@@ -1,10 +1,11 @@
-"""DeepSpeed 0.19.8 on polyaccel plugins: deepspeed.initialize (ZeRO-2, FusedAdam) on the cpu plugin and on the
-example third-party plugin, against DeepSpeed's own CPU run.
+"""DeepSpeed (the release of the ``polyaccel[deepspeed]`` extra) on polyaccel plugins: deepspeed.initialize on the
+cpu plugin and on the example third-party plugin against DeepSpeed's own CPU run (ZeRO-2 with FusedAdam; ZeRO-3
+with the optimizer offloaded, DeepSpeedCPUAdam served by polyaccel), and the integration's import.
 
 DeepSpeed lives in its own environment, never in polyaccel's: an overlay virtual environment that sees this
-environment's packages (torch, transformers, polyaccel, the example plugin) and adds ``deepspeed==0.19.8``
-(installed once with ``DS_BUILD_OPS=0`` and the project's constraints, cached per user). The test skips,
-saying why, only when that environment cannot be built (no package index reachable).
+environment's packages (torch, transformers, polyaccel, the example plugin) and adds the extra's DeepSpeed
+(installed once with ``DS_BUILD_OPS=0`` and the project's constraints, cached per user). The tests skip, saying
+why, only when that environment cannot be built (no package index reachable).
 """
 
 from __future__ import annotations
@@ -22,7 +23,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("deepspeed_worker.py")
-DEEPSPEED = "deepspeed==0.19.8"
+
+
+def _deepspeed_requirement() -> str:
+    """The requirement of the ``polyaccel[deepspeed]`` extra: the overlay installs what users install."""
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        (req,) = tomllib.load(f)["project"]["optional-dependencies"]["deepspeed"]
+    return req
+
+
+DEEPSPEED = _deepspeed_requirement()
 STEPS = 5
 
 
@@ -118,3 +130,24 @@ def test_deepspeed_initialize_on_polyaccel_plugins(ds_python, tmp_path):
         diffs = [abs(a - b) for a, b in zip(res["losses"], native["losses"], strict=True)]
         assert max(diffs) <= 1e-5 * max(abs(x) for x in native["losses"]), (res["losses"], native["losses"])
     assert runs["cpu"]["losses"] == runs["example"]["losses"]
+
+
+FALLBACK = "Setting accelerator to CPU"
+
+
+def test_import_does_not_log_deepspeeds_cpu_fallback(ds_python):
+    """``import deepspeed`` logs that it fell back to its CPU accelerator; importing the integration, whose
+    install() replaces that accelerator, does not (and install() then puts polyaccel's in force)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("DS_ACCELERATOR", None)
+
+    def run(code: str) -> str:
+        out = subprocess.run([str(ds_python), "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout + out.stderr
+
+    assert FALLBACK in run("import deepspeed")  # what the integration keeps out
+    text = run("import polyaccel.integrations.deepspeed as pds\n"
+               "print('in force:', type(pds.install('cpu')).__name__)")
+    assert FALLBACK not in text, text
+    assert "in force: PolyaccelDeepSpeedAccelerator" in text
