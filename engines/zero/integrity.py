@@ -72,7 +72,7 @@ class ChunkHasher:
             self._pending += mv[:take]
             mv = mv[take:]
             if len(self._pending) == self.chunk:
-                self._futures.append(pool().submit(_sha256, bytes(self._pending)))
+                self._futures.append(pool().submit(_sha256, self._pending))  # handed over, not copied
                 self._pending = bytearray()
         whole = len(mv) - len(mv) % self.chunk
         for off in range(0, whole, self.chunk):  # zero-copy: the caller keeps ``data`` alive until hexdigest()
@@ -82,7 +82,7 @@ class ChunkHasher:
 
     def hexdigest(self) -> str:
         if self._pending:
-            self._futures.append(pool().submit(_sha256, bytes(self._pending)))
+            self._futures.append(pool().submit(_sha256, self._pending))
             self._pending = bytearray()
         return hashlib.sha256(b"".join(f.result() for f in self._futures)).hexdigest()
 
