@@ -16,7 +16,10 @@ def tolerances(dtype: torch.dtype) -> tuple[float, float]:
 
 def assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None,
                               what: str = "result", rtol: float | None = None, atol: float | None = None):
-    """Assert ``actual`` matches ``expected`` (compared in float64) within the bounds for ``dtype``."""
+    """Assert ``actual`` matches ``expected`` (compared in float64) within the bounds for ``dtype``.
+
+    NaN and infinities must sit where the reference has them: a NaN against a finite value fails.
+    """
     dtype = dtype or actual.dtype
     r, a = tolerances(dtype)
     rtol = r if rtol is None else rtol
@@ -27,9 +30,13 @@ def assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor, dtyp
     y = expected.detach().to("cpu", torch.float64)
     if x.numel() == 0:
         return
-    err = (x - y).abs()
-    bound = atol + rtol * y.abs()
-    bad = err > bound
+    # a non-finite element must be the same non-finite value (NaN for NaN, the same infinity): NaN compares
+    # false with every bound, so without this a NaN result would pass against a finite reference
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    same_special = (torch.isnan(x) & torch.isnan(y)) | (torch.isinf(x) & (x == y))
+    err = torch.where(finite, x - y, torch.zeros_like(x)).abs()
+    bound = atol + rtol * torch.where(finite, y, torch.zeros_like(y)).abs()
+    bad = (finite & (err > bound)) | (~finite & ~same_special)
     if bool(bad.any()):
         i = int(bad.reshape(-1).nonzero()[0])
         raise AssertionError(
