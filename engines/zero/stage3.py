@@ -39,7 +39,7 @@ from .schedule import END_BACKWARD, END_FORWARD, GatherSchedule
 
 class _Info:
     __slots__ = ("name", "param", "shape", "numel", "shard_size", "shard", "persistent", "index", "active",
-                 "inflight", "order")
+                 "inflight", "order", "held")
 
     def __init__(self, name, param, shard_size, shard, persistent, index, order):
         self.name = name
@@ -51,6 +51,10 @@ class _Info:
         self.persistent = persistent
         self.index = index  # position in the optimizer partition layout, None for frozen params
         self.active = 0
+        # gathered by a backward fetch and kept until its gradient has arrived: a recomputation (activation
+        # checkpointing) that runs the module again in between must not release it under autograd, which
+        # accumulates the gradient into the parameter as it is then
+        self.held = False
         self.inflight = None
         self.order = order  # position among all parameters, the same on every rank
 
@@ -321,7 +325,7 @@ class ShardedParameters:
                 info.inflight.finish(self.world)
 
     def _release(self, info: _Info) -> None:
-        if info.persistent or info.active > 0 or info.inflight is not None:
+        if info.persistent or info.active > 0 or info.inflight is not None or info.held:
             return
         if info.param.numel():
             info.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
@@ -332,6 +336,9 @@ class ShardedParameters:
             self._reduce_complete_everywhere()
         self._record(module)
         self._materialise(infos)
+        if backward:
+            for info in infos:
+                info.held = info.index is not None and info.numel > 0
         self._prefetch()
         return infos
 
@@ -441,6 +448,7 @@ class ShardedParameters:
         held = self._grads.get(info.index)
         self._grads[info.index] = g if held is None else held + g
         p.grad = None
+        info.held = False
         self._release(info)
         if self._sync_reductions:
             self.order.record(info.index)
@@ -527,6 +535,7 @@ class ShardedParameters:
             # no forward runs now: a count left over is from a forward that never returned (non-reentrant
             # activation checkpointing stops its recomputation early by raising inside the module)
             info.active = 0
+            info.held = False
             self._release(info)
         self._in_forward.clear()
         if self._trace and not self._trace_done:
@@ -596,6 +605,7 @@ class ShardedParameters:
             if info.inflight is not None:  # a gather of pre-step values must not survive the step
                 info.inflight.finish(self.world)
             info.active = 0
+            info.held = False
             self._release(info)
         self._in_forward.clear()
         persistent = [i for i in self.infos.values() if i.persistent and i.index is not None and i.numel]
