@@ -247,8 +247,10 @@ def test_bad_client_state_and_model_are_rejected(tmp_path):
     try:
         with pytest.raises(PolyaccelError, match="JSON"):
             engine.save_checkpoint(tmp_path, client_state={"t": torch.zeros(1)})
-        with pytest.raises(PolyaccelError, match="latest"):
+        with pytest.raises(PolyaccelError, match="nothing' is not a directory; pass the directory given to save"):
             engine.load_checkpoint(tmp_path / "nothing")
+        with pytest.raises(PolyaccelError, match="the file 'latest' is missing"):
+            engine.load_checkpoint(tmp_path)
     finally:
         engine.destroy()
 
