@@ -444,13 +444,26 @@ class PolyaccelDeepSpeedAccelerator(DeepSpeedAccelerator):
         return self._tensor(torch.int64)
 
     # pinned host memory through the plugin
+    def _nothing_to_pin(self) -> bool:
+        """A host device (cpu, example, an emulated runtime) computes on host memory: there is no DMA for page-locked
+        memory to speed up. Where such a plugin does not claim ``pinned``, DeepSpeed's offload buffers (ZeRO-3's
+        gradient buffers, ``offload_optimizer``) stay ordinary host tensors, as DeepSpeed's own CPU accelerator keeps
+        them, instead of failing on the plugin's ``Unsupported``. A device plugin's pinning is always its own."""
+        return self._host and not self.polyaccel.has("pinned")
+
     def _torch_pin_memory(self, tensor):
+        if self._nothing_to_pin():
+            return tensor
         return self.polyaccel.pin_memory(tensor)
 
     def _torch_empty_pinned(self, tensor, shape):
+        if self._nothing_to_pin():
+            return tensor.new_empty(tuple(shape))
         return self.polyaccel.empty_pinned(tuple(shape), tensor.dtype)
 
     def _torch_is_pinned(self, tensor):
+        if self._nothing_to_pin():
+            return tensor.is_pinned()
         return self.polyaccel.is_pinned(tensor)
 
     def pin_memory_alignment(self):

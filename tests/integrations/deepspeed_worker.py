@@ -4,6 +4,10 @@
 ``--mode deepspeed``: DeepSpeed alone (its own CPU accelerator and its compiled CPU FusedAdam).
 Both train the same tiny Llama (fp32, same seed) on the same batches with ZeRO-2 and FusedAdam (AdamW);
 rank 0 writes the per-step losses (mean over ranks) and what ran to ``--out`` as JSON.
+
+``--zero 3 --offload``: ZeRO-3 with ``offload_optimizer: cpu``. Through polyaccel DeepSpeed steps with its
+DeepSpeedCPUAdam (the config's AdamW), served by polyaccel's host Adam; DeepSpeed alone steps with a client
+``torch.optim.AdamW`` (``zero_force_ds_cpu_optimizer: false``), so its reference needs no JIT build of its CPU Adam.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ def main() -> None:
     p.add_argument("--plugin", default="cpu")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", required=True)
+    p.add_argument("--zero", type=int, default=2, choices=(2, 3))
+    p.add_argument("--offload", action="store_true", help="offload_optimizer to the host")
     a = p.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
@@ -118,10 +124,19 @@ def main() -> None:
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
                                                   "weight_decay": 0.01}},
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": a.zero},
     }
+    if a.offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     model = build_model()
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    client = None
+    if a.offload and a.mode == "deepspeed":  # torch's AdamW on the host: DeepSpeed's CPU Adam would JIT-build
+        params = config.pop("optimizer")["params"]
+        client = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=tuple(params["betas"]),
+                                   eps=params["eps"], weight_decay=params["weight_decay"])
+        config["zero_force_ds_cpu_optimizer"] = False
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                                   optimizer=client)
     info["optimizer"] = f"{type(optimizer.optimizer).__module__}.{type(optimizer.optimizer).__name__}"
     info["zero_optimizer"] = type(optimizer).__name__
     losses = []
@@ -136,8 +151,10 @@ def main() -> None:
     info["losses"] = losses
     if a.mode == "polyaccel":
         info["polyaccel_fused_adam_calls"] = pds.FusedAdamOp.calls
+        info["polyaccel_cpu_adam_calls"] = pds.CPUAdamOp.calls - info["cpu_adam_calls"]  # in training
         info["explain"] = polyaccel.ops.explain("fused_adam", "cpu")
         info["chosen_builder"] = getattr(polyaccel.ops.resolve("fused_adam", "cpu"), "__name__", "")
+    engine.destroy()  # ZeRO-3 may abort at interpreter exit without it
     dist.barrier()
     if rank == 0:
         with open(a.out, "w") as f:

@@ -132,6 +132,25 @@ def test_deepspeed_initialize_on_polyaccel_plugins(ds_python, tmp_path):
     assert runs["cpu"]["losses"] == runs["example"]["losses"]
 
 
+def test_deepspeed_zero3_offload_on_polyaccel_equals_deepspeeds_own(ds_python, tmp_path):
+    """ZeRO-3 with the optimizer offloaded through polyaccel's DeepSpeed accelerator on the cpu plugin: DeepSpeed's
+    Stage-3 optimizer steps with its DeepSpeedCPUAdam, every step served by polyaccel's host Adam (nothing built);
+    the losses equal DeepSpeed's own ZeRO-3 offload on its CPU accelerator stepping torch's AdamW on the host."""
+    native = torchrun(ds_python, tmp_path / "ds-z3.json", "--mode", "deepspeed", "--zero", "3", "--offload")
+    assert native["ds_accelerator"] == "CPU_Accelerator"
+    assert native["zero_optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+    assert native["optimizer"] == "torch.optim.adamw.AdamW"
+    res = torchrun(ds_python, tmp_path / "pa-z3.json", "--mode", "polyaccel", "--plugin", "cpu", "--zero", "3",
+                   "--offload")
+    assert res["ds_accelerator"] == "PolyaccelDeepSpeedAccelerator" and res["polyaccel_plugin"] == "cpu"
+    assert res["zero_optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+    assert res["optimizer"] == "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam"
+    assert res["polyaccel_cpu_adam_calls"] >= STEPS and res["polyaccel_fused_adam_calls"] == 0
+    diffs = [abs(a - b) for a, b in zip(res["losses"], native["losses"], strict=True)]
+    assert max(diffs) <= 1e-5 * max(abs(x) for x in native["losses"]), (res["losses"], native["losses"])
+    assert res["losses"][0] != res["losses"][-1]  # it trained
+
+
 FALLBACK = "Setting accelerator to CPU"
 
 
