@@ -61,6 +61,16 @@ def _copy_back(dst, src) -> None:
             d.copy_(s)
 
 
+def _moment_(m, g, beta) -> None:
+    """``m = beta * m + (1 - beta) * g`` in place, as the reference writes it.
+
+    Not ``torch._foreach_lerp_``: for weights of 0.5 and more lerp computes ``g - (g - m) * (1 - w)``,
+    which turns an infinite gradient into NaN (``inf - inf * 0``) where the contract gives an infinite moment.
+    """
+    torch._foreach_mul_(m, beta)
+    torch._foreach_add_(m, g, alpha=1 - beta)
+
+
 def _step_float(step) -> float:
     return float(step.item()) if isinstance(step, torch.Tensor) else float(step)
 
@@ -107,7 +117,7 @@ def foreach_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps,
     p, g, m, v = _math(params), _math(grads), _math(exp_avgs), _math(exp_avg_sqs)
     if weight_decay and not adam_w_mode:
         g = torch._foreach_add(g, p, alpha=weight_decay)
-    torch._foreach_lerp_(m, g, 1 - beta1)
+    _moment_(m, g, beta1)
     torch._foreach_mul_(v, beta2)
     torch._foreach_addcmul_(v, g, g, value=1 - beta2)
     s = _step_float(step)
@@ -130,12 +140,13 @@ def foreach_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
     if not params:
         return
     p, g, m = _math(params), _math(grads), _math(exp_avgs)
-    direction = torch._foreach_lerp(m, g, 1 - beta1)
+    direction = torch._foreach_mul(m, beta1)
+    torch._foreach_add_(direction, g, alpha=1 - beta1)
     torch._foreach_sign_(direction)
     if weight_decay:
         torch._foreach_mul_(p, 1 - lr * weight_decay)
     torch._foreach_add_(p, direction, alpha=-lr)
-    torch._foreach_lerp_(m, g, 1 - beta2)
+    _moment_(m, g, beta2)
     _copy_back(params, p)
     _copy_back(exp_avgs, m)
 
@@ -150,7 +161,7 @@ def foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps,
     bc1 = 1 - beta1**s if bias_correction else 1.0
     bc2 = 1 - beta2**s if bias_correction else 1.0
     p, g, m, v = _math(params), _math(grads), _math(exp_avgs), _math(exp_avg_sqs)
-    torch._foreach_lerp_(m, g, 1 - beta1)
+    _moment_(m, g, beta1)
     torch._foreach_mul_(v, beta2)
     torch._foreach_addcmul_(v, g, g, value=1 - beta2)
     denom = torch._foreach_div(v, bc2)

@@ -85,13 +85,11 @@ def test_an_honest_refusal_passes_and_a_dishonest_one_fails():
 #: a real defect the fuzz suite finds in torch_optim (the cpu plugin's optimizer builders): its
 #: torch.lerp moment updates give NaN where the contract's beta * m + (1 - beta) * g gives ±Inf
 #: (an Inf gradient with beta <= 0.5). Strict: the test fails once the builders are fixed.
-LERP_INF = pytest.mark.xfail(strict=True, raises=fuzz.FuzzFailure,
-                             reason="torch_optim's lerp turns an Inf gradient's moment into NaN (beta <= 0.5)")
 CPU_ROWS = [("fused_adam", "cpu_fused_adam"), ("fused_lion", "cpu_fused_lion"), ("fused_lamb", "cpu_fused_lamb")]
 
 
 @pytest.mark.parametrize("op,builder", [
-    *[pytest.param(op, b, marks=LERP_INF) for op, b in CPU_ROWS],
+    *CPU_ROWS,
     *[(op, "reference") for op in ref.REFERENCE_OPS],
 ])
 def test_cpu_builders_pass_at_the_ci_budget(op, builder):
