@@ -1,6 +1,6 @@
 """The three integrations on one GPU with the plugin polyaccel selects there (cuda on an NVIDIA machine); run by hand.
 
-    python tests/integrations/gpu_check.py --out result.json [--skip-deepspeed-native]
+    python tests/integrations/gpu_check.py --out result.json [--skip-deepspeed-native] [--only deepspeed]
 
 Not a pytest module (CI has no GPU). One process, world size 1:
 
@@ -9,8 +9,10 @@ Not a pytest module (CI has no GPU). One process, world size 1:
 2. Lightning: ``accelerator="polyaccel"`` with Lightning's default one-device strategy (which Lightning
    creates on "cpu": the accelerator must move it to the GPU), and ``PolyaccelStrategy(stage=3)``
    against the engine driven by hand;
-3. DeepSpeed (when importable): ``install()`` then ``deepspeed.initialize`` ZeRO-2 with FusedAdam, in this
-   process, against DeepSpeed's own run (its compiled FusedAdam) in a subprocess.
+3. DeepSpeed (when importable), each run in its own process: ``install()`` then ``deepspeed.initialize`` with
+   ZeRO-2 (FusedAdam on the device) and with ZeRO-3 and ``offload_optimizer: cpu`` (DeepSpeedCPUAdam, served by
+   polyaccel's host Adam), against DeepSpeed's own runs of both (its JIT-built FusedAdam and CPU Adam): losses,
+   ``deepspeed.initialize`` time and the median step time side by side.
 
 Everything is written to ``--out`` as JSON; the script exits non-zero when a comparison fails.
 """
@@ -170,10 +172,17 @@ def check_lightning(res, tmp):
     res["lightning"] = out
 
 
-DS_CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                       "weight_decay": 0.01}},
-             "zero_optimization": {"stage": 2}}
+DS_LAYOUTS = ("zero2", "zero3_offload")
+
+
+def ds_config(layout: str) -> dict:
+    zero: dict = {"stage": 2}
+    if layout == "zero3_offload":
+        zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                      "weight_decay": 0.01}},
+            "zero_optimization": zero}
 
 
 def _free_port() -> int:
@@ -184,12 +193,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ds_train(mode: str) -> dict:
+def ds_train(mode: str, layout: str = "zero2") -> dict:
     import torch
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                        "MASTER_PORT": str(_free_port())})
-    info = {}
+    info = {"layout": layout}
     if mode == "polyaccel":
         import polyaccel
         import polyaccel.integrations.deepspeed as pds
@@ -205,22 +214,42 @@ def ds_train(mode: str) -> dict:
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
     model = tiny_llama(torch.float32)
     t0 = time.time()
-    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=DS_CONFIG)
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                             config=ds_config(layout))
     info["initialize_s"] = round(time.time() - t0, 1)
+    info["zero_optimizer"] = type(opt).__name__
     info["optimizer"] = type(opt.optimizer).__module__ + "." + type(opt.optimizer).__name__
-    losses = []
+    losses, times = [], []
     ids = token_ids()
     for step in range(STEPS):
         x = ids[step * MICRO:(step + 1) * MICRO].to(engine.device)
+        acc.synchronize()
+        t0 = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
+        acc.synchronize()
+        times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     info["losses"] = losses
+    info["step_ms_median"] = round(1000 * sorted(times[1:])[len(times[1:]) // 2], 2)  # after the first step
     if mode == "polyaccel":
         info["fused_adam_calls"] = pds.FusedAdamOp.calls
+        info["cpu_adam_calls"] = pds.CPUAdamOp.calls
         info["explain"] = polyaccel.ops.explain("fused_adam", acc.device_name())
+        info["explain_host"] = polyaccel.ops.explain("fused_adam", "cpu")
+    engine.destroy()
     return info
+
+
+def _ds_subprocess(mode: str, layout: str, path: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, __file__, "--ds-run", mode, layout, path], capture_output=True,
+                          text=True, timeout=1200, env=env)
+    if proc.returncode != 0:
+        return {"failed": proc.stdout[-2000:] + proc.stderr[-4000:]}
+    with open(path) as f:
+        return json.load(f)
 
 
 def check_deepspeed(res, tmp, native: bool):
@@ -229,19 +258,25 @@ def check_deepspeed(res, tmp, native: bool):
     except ImportError as exc:
         res["deepspeed"] = {"skipped": f"deepspeed not importable: {exc}"}
         return
-    out = {"polyaccel": ds_train("polyaccel")}
-    if native:
-        path = os.path.join(tmp, "native.json")
-        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        proc = subprocess.run([sys.executable, __file__, "--ds-native", path], capture_output=True, text=True,
-                              timeout=900, env=env)
-        if proc.returncode == 0:
-            with open(path) as f:
-                out["native"] = json.load(f)
-            a, b = out["polyaccel"]["losses"], out["native"]["losses"]
-            out["max_diff"] = max(abs(x - y) for x, y in zip(a, b, strict=True))
-        else:
-            out["native"] = {"failed": proc.stdout[-2000:] + proc.stderr[-4000:]}
+    out: dict = {}
+    for layout in DS_LAYOUTS:
+        row = {"polyaccel": _ds_subprocess("polyaccel", layout, os.path.join(tmp, f"pa-{layout}.json"))}
+        if "failed" in row["polyaccel"]:
+            out["error"] = f"polyaccel {layout} failed"
+        elif layout == "zero3_offload" and not row["polyaccel"]["cpu_adam_calls"]:
+            out["error"] = "zero3_offload: DeepSpeedCPUAdam did not step through polyaccel"
+        if native:
+            row["native"] = _ds_subprocess("deepspeed", layout, os.path.join(tmp, f"ds-{layout}.json"))
+            if "losses" in row["native"] and "losses" in row["polyaccel"]:
+                a, b = row["polyaccel"]["losses"], row["native"]["losses"]
+                row["max_diff"] = max(abs(x - y) for x, y in zip(a, b, strict=True))
+                if row["max_diff"] > 1e-4 * max(abs(x) for x in b):
+                    out["error"] = f"{layout}: losses differ from DeepSpeed's own by {row['max_diff']:.3g}"
+                row["step_ms"] = {"polyaccel": row["polyaccel"]["step_ms_median"],
+                                  "deepspeed": row["native"]["step_ms_median"]}
+                row["initialize_s"] = {"polyaccel": row["polyaccel"]["initialize_s"],
+                                       "deepspeed": row["native"]["initialize_s"]}
+        out[layout] = row
     res["deepspeed"] = out
 
 
@@ -251,13 +286,14 @@ def main() -> int:
     p.add_argument("--skip-deepspeed-native", action="store_true")
     p.add_argument("--only", choices=("transformers", "lightning", "deepspeed"), action="append",
                    help="run only these parts (default: all)")
-    p.add_argument("--ds-native", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ds-run", nargs=3, metavar=("MODE", "LAYOUT", "OUT"), default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if a.ds_native:
-        with open(a.ds_native, "w") as f:
-            json.dump(ds_train("deepspeed"), f)
+    if a.ds_run:
+        mode, layout, path = a.ds_run
+        with open(path, "w") as f:
+            json.dump(ds_train(mode, layout), f)
         return 0
     import polyaccel
     import torch
