@@ -72,12 +72,12 @@ gradients and control flow. Ranks may disagree about which parameters got a grad
 expert that got no token on this rank, a data-dependent branch): gradient buckets are
 reduced in bucket order, early only as a prefix of that order, and the rest after backward
 (:mod:`.bucket_order`). In stage 3 a module that runs on some ranks only would make the
-parameter gathers differ: mark the module around it as a leaf (gathered as a whole; MoE
-blocks with an ``experts`` ModuleList are leaves automatically, see :mod:`.leaves`), and
-before each gather the ranks check that they gather the same parameters
-(``stage3_check_schedule``, default true: one small all-gather per gather), so an unmarked
-one fails with :class:`ScheduleMismatch` naming the module and the fix instead of a
-mismatched collective.
+parameter gathers differ: mark the module around it as a leaf (gathered as a whole; modules
+holding per-expert modules are leaves automatically, see :mod:`.leaves`), and before each
+gather, and at the end of each forward and backward, the ranks check that they agree
+(``stage3_check_schedule``, default true: one small all-gather each, see :mod:`.schedule`),
+so an unmarked one makes every rank fail at once with :class:`ScheduleMismatch` naming the
+module and the fix instead of a mismatched or never-answered collective (docs/zero-stage3.md).
 As in DeepSpeed, optimizer type ``adam`` uses decoupled weight decay unless ``adam_w_mode`` is false.
 
 Without bf16/fp16 the model keeps its dtype; a float64 model trains with float64 master

@@ -31,7 +31,8 @@ _MARK = "_polyaccel_zero_leaf"
 
 
 class ScheduleMismatch(PolyaccelError, RuntimeError):
-    """Ranks were about to issue different parameter gathers; raised on every rank before the gather."""
+    """Ranks were about to issue different parameter gathers (or some had none left); raised on every rank at
+    once, before any mismatched gather (see :mod:`.schedule`)."""
 
 
 def set_leaf_modules(model: torch.nn.Module, targets) -> list[str]:

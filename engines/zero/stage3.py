@@ -18,7 +18,12 @@ owns a parameter that is not persistent (see below):
   bucket and release the parameter. Buckets are fixed groups of about ``reduce_bucket_size``
   gathered elements (at world size 1 one parameter each, unless the optimizer is offloaded),
   reduce-scattered into each rank's gradient partition in the rank-independent order of
-  :class:`~.bucket_order.BucketOrder`.
+  :class:`~.bucket_order.BucketOrder`; with peers, at the next agreement of the schedule check
+  (or backward fetch, without it), once complete on every rank (see :mod:`.schedule`).
+
+With peers and ``stage3_check_schedule``, every gather, and the end of every forward and
+backward, is agreed on first (:class:`~.schedule.GatherSchedule`): ranks whose modules ran
+differently all raise :class:`~.leaves.ScheduleMismatch` at once instead of hanging.
 
 Parameters of at most ``stage3_param_persistence_threshold`` elements stay gathered all the
 time (their optimizer state is still partitioned; they are re-gathered after each step).

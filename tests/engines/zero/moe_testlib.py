@@ -208,7 +208,7 @@ def reference(kind: str, dtype: torch.dtype, world: int):
 
 
 def config(offload: bool = False, actckpt: bool = False, **zero) -> dict:
-    z = {"stage": 3, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0,
+    z = {"stage": 3, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 16,
          "stage3_prefetch_bucket_size": 400, **zero}
     if offload:
         z["offload_optimizer"] = {"device": "cpu"}
