@@ -113,3 +113,20 @@ def test_options_pickle_for_spawned_ranks():
 
     opts = TrainOptions()
     assert pickle.loads(pickle.dumps(opts)) == opts
+
+
+def test_resume_with_empty_latest_or_damaged_metadata(no_spawn, capsys, tmp_path):
+    (tmp_path / "latest").write_text("")
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'latest'} is empty; write the tag to load into it" in err and "''" not in err
+
+    meta = _fake_checkpoint(tmp_path, step=3) / "train-meta-step3.json"
+    meta.write_bytes(meta.read_bytes()[:-9])  # truncated
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(meta) in err and "checksum mismatch" in err and len(err.strip().splitlines()) == 1
+
+    meta.write_text('{"step": 3, "model": {}}')  # written before checksums
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "has no checksum" in capsys.readouterr().err
