@@ -3,8 +3,10 @@
 Hugging Face Accelerate and Lightning drive an engine DeepSpeed-style: the trainer decides where the
 gradient-accumulation boundary is (``set_gradient_accumulation_boundary``), asks for the global
 gradient norm of the last step (``get_global_grad_norm``), and may end an epoch on a partial
-accumulation window. The polyaccel engine counts micro-steps itself and exposes ``last_grad_norm``;
-:class:`EngineAdapter` bridges the two without touching the engine.
+accumulation window. The engine has that API itself (``step(boundary=...)``, ``get_global_grad_norm()``,
+``was_step_applied()`` and ``last_step_skipped`` for an fp16 overflow; see :mod:`polyaccel.engines.zero`);
+:class:`EngineAdapter` keeps the boundary a trainer announces with ``set_gradient_accumulation_boundary`` until
+the next step, and :func:`data_axis` says how a trainer shards its data over the engine's mesh.
 """
 
 from __future__ import annotations
@@ -72,22 +74,11 @@ class EngineAdapter:
         return self.engine.is_gradient_accumulation_boundary()
 
     def get_global_grad_norm(self) -> float | None:
-        return self.engine.last_grad_norm
+        return self.engine.get_global_grad_norm()
 
     def step(self, boundary: bool | None = None) -> bool:
-        """The engine's ``step()`` at the boundary the trainer chose (``boundary`` or the last
+        """The engine's ``step(boundary=...)`` at the boundary the trainer chose (``boundary`` or the last
         ``set_gradient_accumulation_boundary``); True when the optimizer was applied."""
         want = self._boundary if boundary is None else bool(boundary)
         self._boundary = None
-        eng = self.engine
-        if want is not None and want != eng.is_gradient_accumulation_boundary():
-            gas = eng.gradient_accumulation_steps
-            if want:  # a short window: move the count to the window's last micro-step
-                eng.micro_steps += gas - 1 - eng.micro_steps % gas
-            elif gas == 1:
-                raise PolyaccelError("the engine's gradient_accumulation_steps is 1: every micro-step is an optimizer "
-                                   "boundary, so the trainer cannot defer one; configure the engine with the "
-                                   "trainer's accumulation steps")
-            else:
-                eng.micro_steps += 1
-        return eng.step()
+        return self.engine.step(boundary=want)

@@ -22,6 +22,11 @@ model to the accelerator (cast to bf16/fp16 when enabled). The engine has:
   (stage 1), unscales, checks fp16 overflow (a skipped step returns False and lowers the
   scale), clips to ``gradient_clipping``, applies the optimizer, republishes parameters and
   zeroes gradients. Returns True when the optimizer was applied.
+  ``engine.step(boundary=True|False)``: a trainer that decides where its accumulation windows end
+  (Accelerate, Lightning) says so: True steps now (a short last window), False only counts.
+- For trainers: ``engine.get_global_grad_norm()`` (the last boundary's norm before clipping,
+  ``inf`` when it was skipped, None before the first), ``engine.was_step_applied()`` and
+  ``engine.last_step_skipped`` (the last boundary overflowed in fp16: nothing applied).
 - ``engine.zero_grad()``, ``engine.train(mode=True)`` / ``engine.eval()`` (the module's mode).
 - ``engine.save_checkpoint(dir, tag=None, client_state=None) -> tag`` (collective; default tag
   ``global_step{N}``; ``client_state`` must be JSON-serialisable) and

@@ -124,6 +124,9 @@ class ZeroEngine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        #: True when the last optimizer boundary was skipped (fp16 overflow: nothing applied, the scale lowered)
+        self.last_step_skipped = False
+        self._last_step_applied = False
 
     # ------------------------------------------------------------------ set-up
     def _place_model(self, model: torch.nn.Module) -> None:
@@ -306,13 +309,46 @@ class ZeroEngine:
         g = self.groups[0]
         return g.grad_sum is None and g.optimizer.steps_in_slices and g.partitioner.eager
 
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last optimizer boundary (before clipping; ``inf`` when fp16 overflowed
+        and the step was skipped), or None before the first."""
+        return self.last_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last :meth:`step` applied the optimizer (False between boundaries and on a skipped step)."""
+        return self._last_step_applied
+
+    def _move_to_boundary(self, boundary: bool) -> None:
+        """Make the coming micro-step a boundary (``True``: a short window, e.g. an epoch's last) or not."""
+        if boundary == self.is_gradient_accumulation_boundary():
+            return
+        gas = self.gradient_accumulation_steps
+        if boundary:  # move the count to the window's last micro-step
+            self.micro_steps += gas - 1 - self.micro_steps % gas
+        elif gas == 1:
+            raise ConfigError("step(boundary=False) with gradient_accumulation_steps 1: every micro-step is an "
+                              "optimizer boundary, so the caller cannot defer one; configure the engine with the "
+                              "caller's accumulation steps")
+        else:
+            self.micro_steps += 1
+
     @torch.no_grad()
-    def step(self) -> bool:
-        """Count a micro-step; at an accumulation boundary apply the optimizer. True when it stepped."""
+    def step(self, boundary: bool | None = None) -> bool:
+        """Count a micro-step; at an accumulation boundary apply the optimizer. True when it stepped.
+
+        ``boundary`` (a trainer that decides where its accumulation windows end): True steps the optimizer now
+        whatever the engine's own count says (a short last window), False only counts a micro-step; None: the
+        count of ``gradient_accumulation_steps`` decides. A step skipped for an fp16 overflow returns False and
+        sets ``last_step_skipped``.
+        """
+        self._last_step_applied = False
+        if boundary is not None:
+            self._move_to_boundary(bool(boundary))
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return False
+        self.last_step_skipped = False
         for g in self.groups:
             g.partitioner.reduce_at_boundary()
             if g.grad_sum is not None:  # partial gradients of a replicated parameter: summed over that dimension
@@ -330,6 +366,7 @@ class ZeroEngine:
             self.scaler.update(overflow)
             if overflow:
                 self.skipped_steps += 1
+                self.last_step_skipped = True
                 self.last_grad_norm = math.inf
                 self.zero_grad()
                 return False
@@ -345,6 +382,7 @@ class ZeroEngine:
             for g in self.groups:
                 self._apply(g, scale)
         self.zero_grad()
+        self._last_step_applied = True
         return True
 
     def _squared_norm(self, g) -> float:
