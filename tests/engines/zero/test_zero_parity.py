@@ -203,10 +203,12 @@ def test_collective_schedule(results, name):
             assert ops["backward"].count("all_reduce") == 1  # the agreement on reopened buckets
             assert nbytes["backward"]["reduce_scatter_tensor"] >= sum(trainable) * size
             assert ops["backward"].count("reduce_scatter_tensor") >= 3
-            # each gather is preceded by the check that every rank gathers the same parameters
-            check = 3 * torch.tensor([], dtype=torch.int64).element_size()
+            # each gather is preceded by the check that every rank gathers the same parameters, and the end of
+            # forward and of backward is one more check (a rank with no gather left meets its peers' next one)
+            check = 4 * torch.tensor([], dtype=torch.int64).element_size()
             for phase in ("forward", "backward"):
                 gathers = [b for op, b in sched[phase] if op == "all_gather_into_tensor"]
-                assert gathers[0::2] == [check] * (len(gathers) // 2) and len(gathers) % 2 == 0, phase
+                assert gathers[-1] == check and len(gathers) % 2 == 1, phase
+                assert gathers[0:-1:2] == [check] * (len(gathers) // 2), phase
             expected_step = ["all_reduce"] + (["all_gather_into_tensor"] * 2 if persistent else [])
             assert ops["step"] == expected_step
