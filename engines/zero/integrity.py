@@ -124,7 +124,8 @@ def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str
     with spaces to 8 bytes, raw little-endian data), hashing every piece as it is written.
 
     Returns the file's record: ``{"bytes": size, "sha256": digest}`` (digest per ``ALGORITHM``).
-    The caller makes the write atomic (temporary name, fsync, rename).
+    The file is fsynced before the digest is collected, so the pool's last pieces hash under the sync;
+    the caller makes the write atomic (temporary name, rename).
     """
     if sys.byteorder != "little":
         raise CheckpointError("checkpoints are written on little-endian hosts only", path)
@@ -148,6 +149,8 @@ def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str
         for piece in (struct.pack("<Q", len(text)), text, *data):
             hasher.feed(piece)
             f.write(piece)
+        f.flush()
+        os.fsync(f.fileno())  # the pool hashes the last pieces while the disk syncs: the digest is then ready
     return {"bytes": hasher.size, "sha256": hasher.hexdigest()}
 
 
