@@ -3,9 +3,9 @@
 The per-expert layouts of :mod:`moe_testlib` (a Qwen3-MoE with a wrapper holding a ModuleList of
 experts, numbered expert attributes reached with ``getattr``, a ModuleDict of experts inside a
 wrapper) must become stage-3 leaves without configuration, and 10 steps on 2 and 4 gloo ranks, at
-stage 3 and stage 3 with the optimizer offloaded, with ``stage3_module_granularity_threshold`` and
-with activation checkpointing, and without the schedule check, must equal single-process training (float64 within 1e-10, float32
-within 1e-5), issuing the same collectives on every rank.
+stage 3 and stage 3 with the optimizer offloaded, with ``stage3_module_granularity_threshold``, with
+activation checkpointing and without the schedule check, must equal single-process training
+(float64 within 1e-10, float32 within 1e-5), issuing the same collectives on every rank.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def world_results(request):
 
 def test_matches_single_process_training_and_issues_the_same_collectives_everywhere(world_results):
     world, names, results = world_results
+    torch.set_num_threads(1)  # tiny tensors on shared cores: intra-op threads only add overhead
     refs = {}
     for name in names:
         kind, dtype, _cfg, actckpt = CASES[name]
@@ -97,3 +98,25 @@ def test_matches_single_process_training_and_issues_the_same_collectives_everywh
 ])
 def test_per_expert_layouts_are_leaves_without_configuration(kind, leaves):
     assert list(find_leaf_modules(build(kind, torch.float64))) == leaves
+
+
+def test_fused_experts_and_dense_stacks_are_not_leaves_but_a_list_of_experts_on_the_block_is():
+    from moe_testlib import Expert
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    def mixtral():
+        cfg = MixtralConfig(vocab_size=32, hidden_size=8, intermediate_size=6, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=4, num_local_experts=4,
+                            num_experts_per_tok=2)
+        return MixtralForCausalLM(cfg)
+
+    fused = mixtral()  # 3-D expert weights in one module: gathered whole with no leaf
+    assert find_leaf_modules(fused) == {}
+    assert find_leaf_modules(build("qwen3-wrapper", torch.float64).model.layers[0].self_attn) == {}
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=12, num_hidden_layers=3,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    assert find_leaf_modules(llama) == {}  # a ModuleList of layers is no list of experts
+    per_expert = mixtral()  # the older Hugging Face layout: a ModuleList named experts on the block
+    for layer in per_expert.model.layers:
+        layer.mlp.experts = torch.nn.ModuleList(Expert() for _ in range(4))
+    assert list(find_leaf_modules(per_expert)) == ["model.layers.0.mlp", "model.layers.1.mlp"]
