@@ -20,6 +20,7 @@ from .loss_scaler import LossScaler
 from .offload import HostBuffers, HostTransfer
 from .optimizer import PartitionOptimizer
 from .stage12 import FlatPartitioner
+from .weight_decay import decay_runs, resolve_param_groups
 
 DEFAULT_KEY = ("data", None, None)
 
@@ -80,7 +81,8 @@ class ZeroEngine:
     #: when it refuses an unknown one)
     CONFIG_KEYS = frozenset(_TOP_KEYS)
 
-    def __init__(self, model: torch.nn.Module, config: dict | None = None, *, group=None, mesh=None):
+    def __init__(self, model: torch.nn.Module, config: dict | None = None, *, group=None, mesh=None,
+                 param_groups=None):
         import polyaccel
 
         if not isinstance(model, torch.nn.Module):
@@ -97,8 +99,13 @@ class ZeroEngine:
         cfg = self.config
         self.stage = cfg.stage
 
+        self._index_parameters(model)  # the groups are checked before the model is moved or cast
+        #: ``{parameter name: weight decay}`` for the parameters ``param_groups`` gave a decay (the others take
+        #: the config's ``optimizer.params.weight_decay``); see :mod:`.weight_decay`
+        self.weight_decays = resolve_param_groups(
+            param_groups, self.trainable + self.frozen, self.aliases, {n for n, _ in self.trainable},
+            cfg.optimizer.weight_decay)
         self._place_model(model)
-        self._index_parameters(model)
         alloc_master = self._master_allocator()
         #: ``engine.checkpoint(fn, *args)``: activation checkpointing as the config's ``activation_checkpointing``
         #: section says (installed into Hugging Face models when the section is present)
@@ -216,10 +223,14 @@ class ZeroEngine:
                     transfer=self.transfer, grad_dtype=self._grad_dtype(key),
                     derive_shards=not (self.offload_optimizer or cfg.offload_param.enabled))
             layout = part.layout
+            runs = None
+            if self.weight_decays:
+                runs = decay_runs(layout.param_ranges(coll.rank), layout.names, self.weight_decays,
+                                  cfg.optimizer.weight_decay)
             opt = PartitionOptimizer(
                 cfg.optimizer, part.master, alloc_master,
                 segment_ids=lambda layout=layout, rank=coll.rank: layout.segment_ids(rank),
-                num_segments=len(layout.names), all_reduce=coll.all_reduce)
+                num_segments=len(layout.names), all_reduce=coll.all_reduce, decay_runs=runs)
             copies = 1
             if self.mesh is not None:
                 split = self.mesh.size(key[2]) if key[2] else 1

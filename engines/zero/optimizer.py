@@ -14,6 +14,7 @@ applies ``-lr * trust * update`` itself. The result equals single-process LAMB.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 import torch
@@ -32,8 +33,20 @@ class PartitionOptimizer:
 
     def __init__(self, cfg: OptimizerConfig, master: torch.Tensor, alloc: Callable[[int, torch.dtype], torch.Tensor],
                  segment_ids: Callable[[], torch.Tensor] | None = None, num_segments: int = 0,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 decay_runs: list[tuple[int, int, float]] | None = None):
+        """``decay_runs``: ``(lo, hi, weight decay)`` runs covering the partition in order (see
+        :mod:`.weight_decay`); None: ``cfg.weight_decay`` everywhere."""
         self.cfg = cfg
+        runs = list(decay_runs) if decay_runs else []
+        if runs and (runs[0][0] != 0 or runs[-1][1] != master.numel()
+                     or any(a[1] != b[0] for a, b in zip(runs, runs[1:], strict=False))):
+            raise ValueError(f"decay runs must cover the partition of {master.numel()} elements in order")
+        decays = {wd for _, _, wd in runs}
+        #: the weight decay of every element when they share one, else None (then :attr:`decay_runs` says)
+        self.uniform_decay = decays.pop() if len(decays) == 1 else (cfg.weight_decay if not decays else None)
+        self.decay_runs = runs if self.uniform_decay is None else [(0, master.numel(), self.uniform_decay)]
+        self._plans: dict[tuple[int, int], list[tuple[float, list[tuple[int, int]]]]] = {}
         self.lr = cfg.lr
         self.master = master
         self.op = _OP_FOR[cfg.type]
@@ -83,20 +96,46 @@ class PartitionOptimizer:
         """Start one optimizer step; :meth:`step_slice` then applies it to parts of the partition."""
         self.step_count += 1
 
+    def _plan(self, lo: int, hi: int) -> list[tuple[float, list[tuple[int, int]]]]:
+        """``[lo, hi)`` cut at the decay runs, the pieces grouped by weight decay (cached per slice: the
+        engine steps the same slices every step)."""
+        plan = self._plans.get((lo, hi))
+        if plan is None:
+            by_decay: dict[float, list[tuple[int, int]]] = {}
+            starts = [r[0] for r in self.decay_runs]
+            k = max(0, bisect.bisect_right(starts, lo) - 1)
+            while k < len(self.decay_runs) and self.decay_runs[k][0] < hi:
+                a, b, wd = self.decay_runs[k]
+                if min(b, hi) > max(a, lo):
+                    by_decay.setdefault(wd, []).append((max(a, lo), min(b, hi)))
+                k += 1
+            plan = self._plans[(lo, hi)] = list(by_decay.items())
+        return plan
+
     @torch.no_grad()
     def step_slice(self, grad: torch.Tensor, lo: int, hi: int) -> None:
-        """Apply the step begun by :meth:`begin_step` to elements ``[lo, hi)`` of the partition."""
+        """Apply the step begun by :meth:`begin_step` to elements ``[lo, hi)`` of the partition: one op call
+        per weight decay in the slice (one call without parameter groups)."""
         if not self.steps_in_slices:
             raise RuntimeError("lamb steps the whole partition at once")
+        if self.uniform_decay is not None:
+            self._step_pieces(grad, [(lo, hi)], self.uniform_decay)
+            return
+        for wd, pieces in self._plan(lo, hi):
+            self._step_pieces(grad, pieces, wd)
+
+    def _step_pieces(self, grad: torch.Tensor, pieces: list[tuple[int, int]], weight_decay: float) -> None:
         c = self.cfg
-        m, g = self.master[lo:hi], grad[lo:hi]
+        m = [self.master[a:b] for a, b in pieces]
+        g = [grad[a:b] for a, b in pieces]
+        m1 = [self.state["exp_avg"][a:b] for a, b in pieces]
         if c.type in ("adam", "adamw"):
-            ops.fused_adam([m], [g], [self.state["exp_avg"][lo:hi]], [self.state["exp_avg_sq"][lo:hi]], lr=self.lr,
-                           beta1=c.betas[0], beta2=c.betas[1], eps=c.eps, weight_decay=c.weight_decay,
-                           step=self.step_count, adam_w_mode=c.adam_w_mode, bias_correction=c.bias_correction)
+            m2 = [self.state["exp_avg_sq"][a:b] for a, b in pieces]
+            ops.fused_adam(m, g, m1, m2, lr=self.lr, beta1=c.betas[0], beta2=c.betas[1], eps=c.eps,
+                           weight_decay=weight_decay, step=self.step_count, adam_w_mode=c.adam_w_mode,
+                           bias_correction=c.bias_correction)
         else:
-            ops.fused_lion([m], [g], [self.state["exp_avg"][lo:hi]], lr=self.lr, beta1=c.betas[0], beta2=c.betas[1],
-                           weight_decay=c.weight_decay)
+            ops.fused_lion(m, g, m1, lr=self.lr, beta1=c.betas[0], beta2=c.betas[1], weight_decay=weight_decay)
 
     def _lamb_step(self, grad: torch.Tensor) -> None:
         c = self.cfg
@@ -106,8 +145,9 @@ class PartitionOptimizer:
                        beta1=c.betas[0], beta2=c.betas[1], eps=c.eps, weight_decay=0.0, step=self.step_count,
                        bias_correction=c.bias_correction, max_coeff=1.0, min_coeff=1.0)
         update = direction.neg_()
-        if c.weight_decay:
-            update.add_(m, alpha=c.weight_decay)
+        for lo, hi, wd in self.decay_runs:  # LAMB's decay joins the update before the trust ratio
+            if wd:
+                update[lo:hi].add_(m[lo:hi], alpha=wd)
         n = self._num_segments
         sq = torch.zeros(2, n + 1, dtype=torch.float64, device=m.device)
         sq[0].index_add_(0, self._segments, m.double().square())

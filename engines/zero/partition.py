@@ -20,6 +20,7 @@ is the concatenation of its shards of the trainable parameters (``sum(s_i)`` ele
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,27 @@ class FlatLayout:
             flat_ids[off:off + n] = i
         return self.partition_of(flat_ids, rank)
 
+    def param_ranges(self, rank: int) -> list[tuple[int, int, int]]:
+        """``rank``'s partition as ``(lo, hi, parameter index)`` ranges in order, covering it exactly (index
+        ``len(names)`` for padding): what :meth:`segment_ids` says, without an index per element."""
+        out = []
+        for k in range(len(self.buckets)):
+            start, c = self.owned(k, rank)
+            base = self.buckets[k].part_offset
+            pos, end = start, start + c
+            i = max(0, bisect.bisect_right(self.offsets, start) - 1)
+            while pos < end and i < len(self.names):
+                lo, hi = max(pos, self.offsets[i]), min(end, self.offsets[i] + self.numels[i])
+                if hi > lo:
+                    out.append((base + lo - start, base + hi - start, i))
+                    pos = hi
+                if self.offsets[i] + self.numels[i] >= end:
+                    break
+                i += 1
+            if pos < end:
+                out.append((base + pos - start, base + c, len(self.names)))
+        return out
+
     def partition_of(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank's partition (``P`` elements) cut out of a full padded flat vector."""
         parts = [flat[s:s + c] for s, c in (self.owned(k, rank) for k in range(len(self.buckets)))]
@@ -146,6 +168,12 @@ class ShardLayout:
             ids[off:off + valid] = i
             ids[off + valid:off + s] = len(self.names)
         return ids
+
+    def param_ranges(self, rank: int) -> list[tuple[int, int, int]]:
+        """``rank``'s partition as ``(lo, hi, parameter index)`` ranges in order: each parameter's shard (its
+        tail padding included)."""
+        return [(off, off + s, i) for i, (off, s) in enumerate(zip(self.part_offsets, self.shard_sizes, strict=True))
+                if s]
 
     def partition_of(self, tensors: dict[str, torch.Tensor], rank: int, dtype: torch.dtype) -> torch.Tensor:
         part = torch.zeros(self.partition_size, dtype=dtype)
