@@ -32,6 +32,7 @@ import os
 import polyaccel
 import torch
 import transformers
+from accelerate.optimizer import AcceleratedOptimizer
 from polyaccel.errors import CheckpointError, ConfigError
 
 from ._checkpoint_files import MANIFEST, load_refusal, verify, write_manifest
@@ -120,7 +121,7 @@ _RESUME_FIX = "resume from another checkpoint (or train from scratch)"
 _TRAINER_HOOKS = ("_wrap_model", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate",
                   "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "_load_from_checkpoint",
                   "_save_scaler", "create_optimizer", "training_step", "_save_checkpoint", "_load_rng_state",
-                  "_get_output_dir")
+                  "_get_output_dir", "get_decay_parameter_names")
 
 
 class _LRDriver(torch.optim.Optimizer):
@@ -131,16 +132,36 @@ class _LRDriver(torch.optim.Optimizer):
         self._adapter = adapter
         super().__init__([torch.zeros(0)], {"lr": adapter.engine.get_lr()})
         self.last_step_applied = False
+        #: the last step was skipped (the engine's fp16 overflow): nothing applied
+        self.last_step_skipped = False
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         self._adapter.engine.set_lr(self.param_groups[0]["lr"])
         self.last_step_applied = self._adapter.step(boundary=True)
+        self.last_step_skipped = bool(getattr(self._adapter.engine, "last_step_skipped", False))
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # the engine zeroes its gradients at each step
         pass
+
+
+class _SkipAwareOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper around the :class:`_LRDriver`, reporting the engine's skipped steps.
+
+    The Trainer advances its LR scheduler only when ``accelerator.optimizer_step_was_skipped`` is false, which asks
+    each prepared optimizer's ``step_was_skipped``: Accelerate's own wrapper knows only its GradScaler's overflow
+    (DeepSpeed's wrapper asks the engine). This one says what the engine did, so an fp16 overflow leaves the
+    scheduler where it was, as on the DeepSpeed path. Made already prepared: ``accelerator.prepare`` keeps it."""
+
+    def __init__(self, driver: _LRDriver):
+        super().__init__(driver, device_placement=False, scaler=None)
+        self._is_accelerate_prepared = True
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.optimizer.last_step_skipped
 
 
 class _EngineModel(torch.nn.Module):
@@ -201,8 +222,10 @@ class PolyaccelTrainer(transformers.Trainer):
 
     Not supported on this path: a user-supplied optimizer (the engine owns it: configure it in
     ``polyaccel_config['optimizer']``), ``TrainingArguments(fp16=True)`` (use the config's ``fp16``),
-    and Accelerate's DeepSpeed/FSDP plugins. Weight decay applies to every parameter (the engine has
-    one parameter group), unlike Trainer's default groups that exclude biases and norms.
+    and Accelerate's DeepSpeed/FSDP plugins. Weight decay is the Trainer's split: the parameters
+    :meth:`get_decay_parameter_names` leaves out (biases, norms) get none, the others the config's
+    ``optimizer.params.weight_decay`` (``TrainingArguments.weight_decay`` unless the config sets it). A step the
+    engine skips (fp16 overflow) leaves the LR scheduler where it was.
     """
 
     def __init__(self, *args, polyaccel_config: dict | None = None, engine: str = "zero", **kwargs):
@@ -232,12 +255,25 @@ class PolyaccelTrainer(transformers.Trainer):
     # ------------------------------------------------------------------ set-up
     def create_optimizer(self, model=None):
         if self.optimizer is None:
-            engine = polyaccel.initialize(self.model, config=self.polyaccel_config, engine=self._polyaccel_engine_name)
+            extra = {}
+            groups = self.weight_decay_groups()
+            if groups:
+                extra["param_groups"] = groups
+            engine = polyaccel.initialize(self.model, config=self.polyaccel_config, engine=self._polyaccel_engine_name,
+                                          **extra)
             check_data_axis(engine, self._data_rank, self._data_size)
             self.polyaccel_engine = EngineAdapter(engine)
             self._engine_model = _EngineModel(self.model, self.polyaccel_engine)
-            self.optimizer = _LRDriver(self.polyaccel_engine)
+            self.optimizer = _SkipAwareOptimizer(_LRDriver(self.polyaccel_engine))
         return self.optimizer
+
+    def weight_decay_groups(self) -> list[dict]:
+        """The engine's ``param_groups``: the trainable parameters the stock ``create_optimizer`` puts in its
+        no-decay group (not in :meth:`get_decay_parameter_names`), by name, with weight decay 0; the rest keep
+        the config's. Empty when every parameter decays."""
+        decay = set(self.get_decay_parameter_names(self.model))
+        no_decay = [n for n, p in self.model.named_parameters() if p.requires_grad and n not in decay]
+        return [{"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}] if no_decay else []
 
     def get_tp_size(self) -> int:
         """The processes that share one batch (the engine's tensor ranks): the Trainer divides its token counts
