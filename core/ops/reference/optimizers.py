@@ -63,6 +63,11 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
     `p`, `m` and `v` are written back into `params`, `exp_avgs` and `exp_avg_sqs` (rounded
     to each tensor's dtype); `grads` are only read; zero-size tensors are left alone. The
     same update as `torch.optim.AdamW` (adam_w_mode) and `torch.optim.Adam`.
+
+    Where these formulas give NaN or an infinity (a non-finite gradient), the
+    result is NaN or an infinity too, which of the two unspecified (torch's CUDA fused Adam
+    turns some infinite moments into NaN); a finite result never becomes non-finite, and a
+    non-finite one never becomes finite.
     """
     check_lists("fused_adam", params, grads, exp_avgs, exp_avg_sqs)
     s = _step_value(step)
@@ -97,7 +102,10 @@ def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
         m = beta2 * m + (1 - beta2) * grad
 
     `p` and `m` are written back in place; `grads` are only read; zero-size tensors are
-    left alone.
+    left alone. Where these formulas give NaN or an infinity (a non-finite gradient), the
+    result is NaN or an infinity too, which of the two unspecified (torch's CUDA fused Adam
+    turns some infinite moments into NaN); a finite result never becomes non-finite, and a
+    non-finite one never becomes finite.
     """
     check_lists("fused_lion", params, grads, exp_avgs)
     for p, g, m in zip(params, grads, exp_avgs, strict=True):
@@ -133,6 +141,11 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
 
     The norms are each tensor's own (not the whole list's). `p`, `m` and `v` are written
     back in place; `grads` are only read; zero-size tensors are left alone.
+
+    Where these formulas give NaN or an infinity (a non-finite gradient), the
+    result is NaN or an infinity too, which of the two unspecified (torch's CUDA fused Adam
+    turns some infinite moments into NaN); a finite result never becomes non-finite, and a
+    non-finite one never becomes finite.
     """
     check_lists("fused_lamb", params, grads, exp_avgs, exp_avg_sqs)
     s = _step_value(step)

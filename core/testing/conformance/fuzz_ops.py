@@ -183,7 +183,7 @@ def run_optimizer(case: OptimizerCase, device: torch.device) -> str:
             param_dtype = case.groups[i][0].dtype
             tol_dtype = param_dtype if role == "param" or param_dtype in (torch.float16, torch.bfloat16) else spec.dtype
             atol_scale = max(1.0, case.scale ** 2 if role == "exp_avg_sq" else case.scale)
-            close(got, want, tol_dtype, f"{role} {i}", atol_scale=atol_scale)
+            close(got, want, tol_dtype, f"{role} {i}", atol_scale=atol_scale, non_finite_alike=True)
     return COMPARED
 
 

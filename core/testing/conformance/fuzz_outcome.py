@@ -66,8 +66,12 @@ def unchanged(buffers: Buffers, roles: set[str]) -> None:
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str, *,
-          mag: torch.Tensor | None = None, atol_scale: float = 1.0) -> None:
+          mag: torch.Tensor | None = None, atol_scale: float = 1.0, non_finite_alike: bool = False) -> None:
     """``actual`` matches the float64 ``expected``: NaN for NaN, equal infinities, else within tolerance.
+
+    ``non_finite_alike`` (the optimizer ops' contract): where ``expected`` is NaN or infinite, ``actual``
+    must be NaN or infinite too, but which one is not compared; a finite value there fails, and so
+    does a non-finite value where ``expected`` is finite.
 
     The bound is ``atol * atol_scale + rtol * |expected|`` for ``dtype`` (float64 results get
     float32 bounds: ops compute in at least fp32); ``mag`` replaces ``|expected|`` where a sum
@@ -79,6 +83,13 @@ def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what
     e = expected.detach().to("cpu", torch.float64).reshape(-1)
     if not a.numel():
         return
+    if non_finite_alike:
+        fin_a, fin_e = a.isfinite(), e.isfinite()
+        if not torch.equal(fin_a, fin_e):
+            i = int((fin_a != fin_e).nonzero()[0])
+            fail(f"{what}: flat element {i} is {a[i].item()!r} where the reference has {e[i].item()!r} "
+                 f"({int((fin_a != fin_e).sum())} of {a.numel()} elements disagree on being finite)")
+        a, e = torch.where(fin_e, a, 0.0), torch.where(fin_e, e, 0.0)
     nan_a, nan_e = a.isnan(), e.isnan()
     if not torch.equal(nan_a, nan_e):
         i = int((nan_a != nan_e).nonzero()[0])

@@ -184,3 +184,20 @@ def test_fuzz_settings_are_reproducible_by_default():
     with pytest.raises(ValueError, match="positive int"):
         fuzz.fuzz_settings(0)
     assert fuzz.fuzz_dtypes("quantize", [torch.float32, torch.float64]) == (torch.float32, torch.float64)
+
+
+def test_optimizer_outputs_may_swap_nan_for_inf_but_never_lose_non_finiteness():
+    from polyaccel.testing.conformance.fuzz_outcome import CaseFailure, close
+
+    ref64 = torch.randn(8, dtype=torch.float64)
+    ref64[2] = float("inf")
+    swapped = ref64.clone()
+    swapped[2] = float("nan")  # what torch's CUDA fused Adam writes for an infinite moment
+    close(swapped, ref64, torch.float32, "exp_avg", non_finite_alike=True)
+    with pytest.raises(CaseFailure, match="disagree on NaN"):
+        close(swapped, ref64, torch.float32, "scales")  # other ops keep NaN and infinities apart
+    for bad_at, value in ((2, 1.0), (5, float("nan")), (5, float("inf"))):
+        wrong = ref64.clone()
+        wrong[bad_at] = value
+        with pytest.raises(CaseFailure, match="finite"):
+            close(wrong, ref64, torch.float32, "exp_avg", non_finite_alike=True)
