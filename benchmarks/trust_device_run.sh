@@ -9,7 +9,7 @@ set -u
 OUT=${1:?usage: trust_device_run.sh OUTDIR STEP...}
 shift
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TORCH_CUDA_ARCH_LIST=9.0
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || echo "polyaccel install failed"
 run() {  # name, limit, command...
   local name=$1 limit=$2; shift 2
@@ -39,7 +39,7 @@ for step in "$@"; do
   case $step in
     fuzzonly) run fuzz 300 polyaccel conformance --accelerator cuda --fuzz -k fuzz --json "$OUT/conformance-fuzz.json" ;;
     ds) python3 -m pip install -q --no-index --no-deps .wheels/*.whl >>"$OUT/install.log" 2>&1 || echo "wheel install failed"
-        TORCH_CUDA_ARCH_LIST=9.0 run ds 420 python3 tests/integrations/gpu_check.py --only deepspeed --out "$OUT/gpu_check.json" ;;
+        run ds 420 python3 tests/integrations/gpu_check.py --only deepspeed --out "$OUT/gpu_check.json" ;;
     fuzz) run fuzz 420 polyaccel conformance --accelerator cuda --fuzz --json "$OUT/conformance.json" ;;
     ckpt) run ckpt 300 python3 benchmarks/checkpoint_integrity.py --size 220m --rounds 5 --dir /tmp/ckbench \
             --out "$OUT/ckpt.json" ;;
