@@ -18,7 +18,8 @@ docs/integrations-lightning.md)::
   :func:`polyaccel.initialize` (ZeRO stages 1-3, offload, AutoTP/AutoEP when the config names them):
   backward, clipping and the optimizer step are the engine's; the optimizer comes from
   ``configure_optimizers`` (Adam, AdamW and polyaccel's fused optimizers are translated into the
-  engine's config, and their LR schedulers keep working) or from the config's ``optimizer`` section.
+  engine's config, their param groups' weight decays into the engine's ``param_groups``, and their LR
+  schedulers keep working) or from the config's ``optimizer`` section.
   Checkpoints are directories: the engine's sharded checkpoint plus ``lightning.pt`` (loops,
   callbacks, schedulers, loaded with torch's ``weights_only`` loader) and ``polyaccel-files.json``
   (its checksum, checked before a resume reads anything); ``polyaccel zero-to-fp32`` consolidates the weights.
@@ -313,18 +314,29 @@ class _EngineOptimizer(torch.optim.Optimizer):
             group["lr"] = saved["lr"]
 
 
+#: param-group keys that may differ between groups: the engine takes a weight decay per group (see
+#: :func:`weight_decay_groups`); every other hyperparameter is one for all parameters
+_PER_GROUP_KEYS = ("params", "weight_decay", "name")
+
+
 def optimizer_config(optimizer: torch.optim.Optimizer) -> dict:
     """The engine's ``optimizer`` config section for a torch or polyaccel optimizer with one set of
-    hyperparameters (several param groups are allowed only when they agree)."""
+    hyperparameters (several param groups are allowed when only their ``weight_decay`` differs: the engine
+    gets those from :func:`weight_decay_groups`)."""
     groups = optimizer.param_groups
-    keys = [k for k in groups[0] if k != "params"]
-    for g in groups[1:]:
-        if any(g.get(k) != groups[0].get(k) for k in keys):
-            raise ConfigError(f"{type(optimizer).__name__} has param groups with different hyperparameters; the "
-                              "polyaccel engine has one set: use one group or the config's 'optimizer' section")
+    keys = [k for k in groups[0] if k not in _PER_GROUP_KEYS]
+    for i, g in enumerate(groups[1:], 1):
+        differ = sorted(k for k in set(keys) | (set(g) - set(_PER_GROUP_KEYS)) if g.get(k) != groups[0].get(k))
+        if differ:
+            raise ConfigError(f"{type(optimizer).__name__}'s param group {i} has a different "
+                              f"{', '.join(repr(k) for k in differ)} than group 0; the polyaccel engine varies only "
+                              "weight_decay per group: give every group the same other hyperparameters, or set "
+                              "the config's 'optimizer' section")
     g = groups[0]
     name = type(optimizer).__name__
-    params: dict = {"lr": float(g["lr"]), "weight_decay": float(g.get("weight_decay", 0.0))}
+    decay = optimizer.defaults.get("weight_decay", g.get("weight_decay", 0.0)) if len(groups) > 1 \
+        else g.get("weight_decay", 0.0)
+    params: dict = {"lr": float(g["lr"]), "weight_decay": float(decay)}
     if "betas" in g:
         params["betas"] = [float(b) for b in g["betas"]]
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -347,6 +359,26 @@ def optimizer_config(optimizer: torch.optim.Optimizer) -> dict:
         return {"type": "lamb", "params": params}
     raise ConfigError(f"PolyaccelStrategy cannot translate {name} into the engine's optimizer (Adam, AdamW and "
                       "polyaccel.optim.FusedAdam/FusedLion/FusedLamb can); set the config's 'optimizer' section")
+
+
+def weight_decay_groups(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> list[dict]:
+    """The engine's ``param_groups`` for ``optimizer``'s param groups: each group's parameters by their name in
+    ``module`` with the group's weight decay (names, not tensors: a model layer such as tensor_parallel may
+    replace the tensors). Empty for one group (the config's ``weight_decay`` is its decay)."""
+    if len(optimizer.param_groups) < 2:
+        return []
+    names = {id(p): n for n, p in module.named_parameters()}
+    out = []
+    for i, g in enumerate(optimizer.param_groups):
+        members = []
+        for p in g["params"]:
+            if id(p) not in names:
+                raise ConfigError(f"{type(optimizer).__name__}'s param group {i} holds a tensor of shape "
+                                  f"{tuple(p.shape)} that is not a parameter of the LightningModule; optimize the "
+                                  "module's own parameters (self.parameters() or self.named_parameters())")
+            members.append(names[id(p)])
+        out.append({"params": members, "weight_decay": float(g.get("weight_decay", 0.0))})
+    return out
 
 
 class PolyaccelStrategy(DDPStrategy):
@@ -433,7 +465,7 @@ class PolyaccelStrategy(DDPStrategy):
 
         module = self.lightning_module
         cfg = copy.deepcopy(self.config)
-        source, schedulers = None, []
+        source, schedulers, extra = None, [], {}
         if "optimizer" not in cfg:
             optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
             if len(optimizers) != 1:
@@ -441,6 +473,9 @@ class PolyaccelStrategy(DDPStrategy):
                                   f"{len(optimizers)}")
             source = optimizers[0]
             cfg["optimizer"] = optimizer_config(source)
+            groups = weight_decay_groups(source, module)
+            if groups:
+                extra["param_groups"] = groups
         # else: the config's optimizer wins over configure_optimizers, as with Lightning's DeepSpeedStrategy
         if trainer.gradient_clip_val:
             from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -459,7 +494,7 @@ class PolyaccelStrategy(DDPStrategy):
         cfg["gradient_accumulation_steps"] = 1
         cfg.pop("train_batch_size", None)
         self.polyaccel_config = cfg
-        engine = polyaccel.initialize(module, config=cfg, engine=self.engine_name)
+        engine = polyaccel.initialize(module, config=cfg, engine=self.engine_name, **extra)
         check_data_axis(engine, *data_axis(cfg, self.global_rank, self.world_size))
         adapter = EngineAdapter(engine)
         self.polyaccel_engine = adapter
@@ -564,4 +599,4 @@ register_accelerators(AcceleratorRegistry)
 PolyaccelStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["ENGINE_TAG", "LIGHTNING_STATE", "PolyaccelAccelerator", "PolyaccelPrecision", "PolyaccelStrategy",
-           "accelerator_class", "optimizer_config", "register_accelerators"]
+           "accelerator_class", "optimizer_config", "register_accelerators", "weight_decay_groups"]

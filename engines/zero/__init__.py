@@ -9,9 +9,21 @@ unchanged on any installed plugin.
 
 Contract (entry point ``zero`` in the ``polyaccel.engines`` group)
 ------------------------------------------------------------------
-``polyaccel.initialize(model, config=dict) -> engine``. Initialises ``polyaccel.comm`` when no
-process group exists (from torchrun's environment, else as a world of one) and moves the
-model to the accelerator (cast to bf16/fp16 when enabled). The engine has:
+``polyaccel.initialize(model, config=dict, param_groups=None) -> engine``. Initialises ``polyaccel.comm``
+when no process group exists (from torchrun's environment, else as a world of one) and moves the
+model to the accelerator (cast to bf16/fp16 when enabled).
+
+``param_groups`` (optional): a weight decay per parameter group, in torch's shape,
+``[{"params": [...], "weight_decay": 0.0, "name": "no_decay"}, ...]``. ``params`` holds the model's
+parameters or their names (``model.named_parameters()``'s; names survive a model layer that replaces
+tensors). Parameters in no group, and groups without ``weight_decay``, take the config's
+``optimizer.params.weight_decay``. Only ``params``, ``weight_decay`` and ``name`` are accepted; an unknown
+parameter, one in two groups, a negative or non-finite decay or any other key is refused with a
+:class:`~polyaccel.errors.ConfigError` before the model is touched; the caller's lists are only read. All
+optimizer types apply it (LAMB adds each run's decay to its update before the trust ratio). The partitions
+and the checkpoint format do not change: the step runs one op call per distinct decay over the contiguous
+runs of the partition that share it (see :mod:`.weight_decay`), one call without groups.
+``engine.weight_decays`` is ``{name: decay}`` for the trainable parameters a group named. The engine has:
 
 - ``engine(*args, **kw)`` / ``engine.forward(*args, **kw)``: the wrapped module's forward
   (stage 3 gathers parameters around each submodule's forward and backward).

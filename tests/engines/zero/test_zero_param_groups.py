@@ -210,3 +210,31 @@ def test_groups_are_read_only():
         assert engine.weight_decays == {"norm1.weight": 0.0, "head.bias": 0.1}
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_param_ranges_agree_with_segment_ids(seed):
+    """The runs come from each layout's parameter ranges: they cover the partition in order and name the same
+    parameter as the per-element index (drawn shapes, zero-size parameters, worlds of 1-4, tiny buckets)."""
+    import random
+
+    from polyaccel.engines.zero.partition import FlatLayout, ShardLayout
+
+    rnd = random.Random(seed)
+    for _ in range(40):
+        n = rnd.randint(1, 7)
+        shapes = [(rnd.randint(0, 13),) for _ in range(n)]
+        world = rnd.randint(1, 4)
+        names = [f"p{i}" for i in range(n)]
+        for layout in (FlatLayout(names, shapes, world, rnd.randint(1, 40)), ShardLayout(names, shapes, world)):
+            for rank in range(world):
+                ids = layout.segment_ids(rank)
+                got, pos = torch.full_like(ids, -1), 0
+                for lo, hi, i in layout.param_ranges(rank):
+                    assert lo == pos < hi
+                    got[lo:hi], pos = i, hi
+                assert pos == ids.numel()
+                real = ids < n  # stage 3: a shard's tail padding counts as its parameter's
+                assert torch.equal(got[real], ids[real])
+                if isinstance(layout, FlatLayout):
+                    assert torch.equal(got, ids)
