@@ -139,11 +139,19 @@ def lightning_run(rank, world, layers, out):
 
 
 # --------------------------------------------------------------------------------------------- the reference
-def reference(shards: list[list[torch.Tensor]]):
+def reference(shards: list[list[torch.Tensor]], hf_decay_split: bool = False):
     """Single-process AdamW with clipping; ``shards[step][d]`` is data rank d's batch. Returns each step's loss of
-    every shard (the mean cross entropy a data rank sees) and the final parameters."""
+    every shard (the mean cross entropy a data rank sees) and the final parameters. ``hf_decay_split``: the stock
+    HF Trainer's groups (no weight decay on biases and norms), as PolyaccelTrainer passes them to the engine."""
     model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    params = list(model.parameters())
+    if hf_decay_split:
+        import transformers
+
+        decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+        params = [{"params": [p for n, p in model.named_parameters() if n in decay]},
+                  {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
     losses = []
     for step_shards in shards:
         ids = torch.cat(step_shards)
@@ -158,7 +166,7 @@ def reference(shards: list[list[torch.Tensor]]):
     return losses, {k: v.detach() for k, v in model.named_parameters()}
 
 
-def _check(res: list[dict]):
+def _check(res: list[dict], hf_decay_split: bool = False):
     world = len(res)
     tensor = 2
     data = world // tensor
@@ -173,7 +181,7 @@ def _check(res: list[dict]):
     shards = [[res[d * tensor]["batches"][step] for d in range(data)] for step in range(STEPS)]
     seen = torch.cat([torch.cat(s) for s in shards])
     assert len({tuple(row.tolist()) for row in seen}) == len(seen)  # no sample twice in the window
-    ref_losses, ref_params = reference(shards)
+    ref_losses, ref_params = reference(shards, hf_decay_split)
     for r, out in enumerate(res):
         want = [ref_losses[step][r // tensor] for step in range(STEPS)]
         torch.testing.assert_close(out["losses"], want, rtol=0, atol=1e-10)
@@ -187,7 +195,7 @@ def test_hf_trainer_tensor_parallel_equals_one_process(tmp_path, case):
     world, layers = CASES[case]
     res = run_ranks(hf_run, world, layers, str(tmp_path / "hf"), timeout=280, env=ENV)
     assert all(r["tp_size"] == 2 for r in res)  # the Trainer divides its token counts by the shared-batch ranks
-    _check(res)
+    _check(res, hf_decay_split=True)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
