@@ -254,7 +254,17 @@ class PolyaccelDeepSpeedAccelerator(DeepSpeedAccelerator):
 
     def set_device(self, device_index):
         if not self._host:
-            self.polyaccel.set_device(int(device_index))
+            self.polyaccel.set_device(self._index(device_index))
+
+    def _index(self, device) -> int:
+        """The device index DeepSpeed means: it passes ints, strings ("cuda:1") and ``torch.device`` objects
+        (ZeRO-3's ``Init`` passes its ``local_device``), as ``torch.cuda.set_device`` takes them all."""
+        if isinstance(device, (str, torch.device)):
+            dev = torch.device(device)
+            if dev.type != self._name:
+                raise ValueError(f"set_device({device!r}): this accelerator's devices are {self._name!r}")
+            return dev.index if dev.index is not None else self.polyaccel.current_device()
+        return int(device)
 
     def current_device(self):
         if self._host:

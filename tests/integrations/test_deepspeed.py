@@ -170,3 +170,28 @@ def test_import_does_not_log_deepspeeds_cpu_fallback(ds_python):
                "print('in force:', type(pds.install('cpu')).__name__)")
     assert FALLBACK not in text, text
     assert "in force: PolyaccelDeepSpeedAccelerator" in text
+
+
+def test_set_device_takes_every_form_deepspeed_passes(ds_python):
+    """DeepSpeed calls ``set_device`` with ints, strings and ``torch.device`` objects (ZeRO-3's ``Init`` passes
+    its ``local_device``): each reaches the polyaccel accelerator as its index (a device plugin's path; the
+    cpu plugin's set_device does nothing, so a recording stand-in takes its place after construction)."""
+    code = (
+        "import torch, polyaccel, polyaccel.integrations.deepspeed as pds\n"
+        "acc = pds.PolyaccelDeepSpeedAccelerator(polyaccel.get_accelerator())\n"
+        "calls = []\n"
+        "class Device:\n"
+        "    def set_device(self, i): calls.append(i)\n"
+        "    def current_device(self): return 3\n"
+        "acc.polyaccel, acc._host, acc._name = Device(), False, 'cuda'\n"
+        "for d in (1, 'cuda:2', torch.device('cuda', 0), torch.device('cuda')): acc.set_device(d)\n"
+        "try:\n"
+        "    acc.set_device(torch.device('cpu'))\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc)\n"
+        "print('calls:', calls)\n")
+    out = subprocess.run([str(ds_python), "-c", code], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "calls: [1, 2, 0, 3]" in out.stdout, out.stdout
+    assert "refused: set_device(device(type='cpu')): this accelerator's devices are 'cuda'" in out.stdout
