@@ -1,8 +1,9 @@
-"""Package discovery for the four source roots (core/, plugins/, engines/, apps/) under one name."""
+"""Package discovery for the five source roots (core/, plugins/, engines/, apps/, integrations/) under one name."""
 
 from setuptools import find_packages, setup
 
-ROOTS = {"polyaccel": "core", "polyaccel.plugins": "plugins", "polyaccel.engines": "engines", "polyaccel.apps": "apps"}
+ROOTS = {"polyaccel": "core", "polyaccel.plugins": "plugins", "polyaccel.engines": "engines", "polyaccel.apps": "apps",
+         "polyaccel.integrations": "integrations"}
 packages = []
 for pkg, root in ROOTS.items():
     packages.append(pkg)

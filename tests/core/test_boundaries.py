@@ -83,7 +83,7 @@ _PLUGIN_REFERENCE = re.compile(r"polyaccel\[([\w,\s]+)\]|polyaccel\.plugins\.(\w
 
 #: names another library defines, which polyaccel must spell as that library does: (path, fragment) -> why
 FOREIGN_API_NAMES = {
-    ("core/integrations/deepspeed.py", "CUDAOpBuilder"):
+    ("integrations/deepspeed.py", "CUDAOpBuilder"):
         "DeepSpeed's base class of its op builders: skipped, not named as a backend, when rebinding DeepSpeed's",
 }
 
