@@ -29,7 +29,7 @@ def imported_modules(folder: Path):
 
 
 def test_core_imports_neither_plugins_nor_engines():
-    bad = [(str(p), m) for p, m in imported_modules(ROOT / "core")
+    bad = [(str(p), m) for folder in ("core", "integrations") for p, m in imported_modules(ROOT / folder)
            if m.startswith(("polyaccel.plugins", "polyaccel.engines", "polyaccel.apps"))]
     assert not bad, bad
 
@@ -178,7 +178,7 @@ def test_core_names_no_in_tree_plugin():
     ``torch.accelerator``).
     """
     found: list[str] = []
-    for path in sorted((ROOT / "core").rglob("*.py")):
+    for path in sorted([*(ROOT / "core").rglob("*.py"), *(ROOT / "integrations").rglob("*.py")]):
         rel = path.relative_to(ROOT).as_posix()
         for line, text, names in backend_names_in_code(path.read_text()):
             if _listed(FOREIGN_API_NAMES, rel, text) is None:

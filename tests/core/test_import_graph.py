@@ -165,6 +165,7 @@ def test_a_half_initialised_module_is_found(tmp_path):
 # ------------------------------------------------------------------- the core keeps the rules
 def test_the_core_has_no_import_cycle():
     assert cycles(import_graph(ROOT / "core", "polyaccel")) == []
+    assert cycles(import_graph(ROOT / "integrations", "polyaccel.integrations")) == []
 
 
 def test_selection_ops_and_comm_meet_only_through_the_runtime():
@@ -189,7 +190,9 @@ def test_selection_ops_and_comm_meet_only_through_the_runtime():
 
 
 def test_every_core_module_imports_first_in_a_fresh_interpreter():
-    names = [n for n in module_names(ROOT / "core", "polyaccel") if not n.endswith("__main__")]
+    modules = {**module_names(ROOT / "core", "polyaccel"),
+               **module_names(ROOT / "integrations", "polyaccel.integrations")}
+    names = [n for n in modules if not n.endswith("__main__")]
     result = fresh_import_failures("polyaccel", names)
     assert result["failures"] == {}
     assert set(result["skipped"]) <= {"polyaccel.integrations.deepspeed"}, result["skipped"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE_DIRS = ("core", "engines", "plugins", "apps")
+PACKAGE_DIRS = ("core", "engines", "plugins", "apps", "integrations")
 PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib"}
 LOADERS = {"load", "loads", "Unpickler"}
 
