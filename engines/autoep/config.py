@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from polyaccel.errors import ConfigError
+
+from .presets import PRESETS
 
 SECTION = "expert_parallel"
 #: the mesh dimension this section sets, and the key that sets it (named in mesh errors)
@@ -26,13 +30,6 @@ SIZE_KEYS = {"expert": "autoep_size"}
 SCORE_FUNCS = ("auto", "softmax", "sigmoid")
 SCORE_APPLY = ("auto", "pre", "post")
 GROUP_SCORES = ("auto", "max", "top2_sum")
-
-_KEYS = {
-    "enabled", "autoep_size", "preset_model", "top_k", "score_func", "score_apply", "route_norm",
-    "routed_scaling_factor", "num_expert_groups", "num_limited_groups", "group_score", "moe_layer_pattern",
-    "router_pattern", "expert_pattern", "expert_w1", "expert_w2", "expert_w3", "num_experts_attr", "top_k_attr",
-    "shared_expert_pattern", "shared_expert_gate_pattern", "expert_tensor_parallel_size",
-}
 
 
 #: why expert weights are not split over the tensor ranks
@@ -102,12 +99,92 @@ def _name(key: str, value: Any) -> str | None:
     return value
 
 
-def parse_config(section: Any) -> AutoEPConfig:
-    """The validated section (``section`` itself is not modified)."""
-    from .presets import PRESETS
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"config key '{SECTION}.{key}' must be true or false, got {value!r}")
+    return value
 
+
+def _optional_flag(key: str, value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"config key '{SECTION}.{key}' must be true, false or null, got {value!r}")
+    return value
+
+
+def _positive_scale(key: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"config key '{SECTION}.{key}' must be a finite number > 0 or null, got {value!r}")
+    return float(value)
+
+
+def _expert_tensor_parallel_size(key: str, value: Any) -> int:
+    etp = _int(key, value, 1)
+    if etp != 1:
+        raise ConfigError(f"config key '{SECTION}.{key}' is {etp}: {ETP_REFUSED}")
+    return etp
+
+
+def _preset_name(key: str, value: Any) -> str:
+    return _choice(key, value, ("auto", *sorted(PRESETS)))
+
+
+def _regex(key: str, value: Any) -> str | None:
+    pattern = _name(key, value)
+    if pattern is not None:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"config key '{SECTION}.{key}' is not a valid regular expression ({exc}): "
+                              f"{pattern!r}") from None
+    return pattern
+
+
+def _check_expert_groups(out: dict[str, Any]) -> None:
+    """Group-limited routing needs both of its keys, and picks from no more groups than there are."""
+    groups, limited = out.get("num_expert_groups"), out.get("num_limited_groups")
+    if (groups is None) != (limited is None):
+        raise ConfigError(f"config keys '{SECTION}.num_expert_groups' and '{SECTION}.num_limited_groups' go "
+                          "together (group-limited routing): set both or neither")
+    if groups is not None and limited > groups:
+        raise ConfigError(f"config key '{SECTION}.num_limited_groups' ({limited}) must not "
+                          f"exceed '{SECTION}.num_expert_groups' ({groups})")
+
+
+def _check_expert_projections(out: dict[str, Any]) -> None:
+    """The per-expert projection names are one override: all three or none."""
+    ws = [out.get(k) for k in ("expert_w1", "expert_w2", "expert_w3")]
+    if any(w is not None for w in ws) and not all(w is not None for w in ws):
+        raise ConfigError(f"config keys '{SECTION}.expert_w1', 'expert_w2' and 'expert_w3' go together (the "
+                          "per-expert gate, down and up projections): set all three or none")
+
+
+_Validator = Callable[[str, Any], Any]
+_positive_int = partial(_int, minimum=1)
+_optional_positive_int = partial(_int, minimum=1, allow_none=True)
+
+#: the keys of the section, one table per part: each key's validator ``(key, value) -> parsed value``,
+#: then the check across that part's keys. parse_config checks the parts and their keys in this order.
+_SCHEMA: tuple[tuple[dict[str, _Validator], Callable[[dict[str, Any]], None] | None], ...] = (
+    ({"enabled": _flag, "autoep_size": _positive_int,
+      "expert_tensor_parallel_size": _expert_tensor_parallel_size}, None),
+    ({"preset_model": _preset_name, "top_k": _optional_positive_int,
+      "score_func": partial(_choice, allowed=SCORE_FUNCS), "score_apply": partial(_choice, allowed=SCORE_APPLY),
+      "group_score": partial(_choice, allowed=GROUP_SCORES), "route_norm": _optional_flag,
+      "routed_scaling_factor": _positive_scale, "num_expert_groups": _optional_positive_int,
+      "num_limited_groups": _optional_positive_int}, _check_expert_groups),
+    ({"moe_layer_pattern": _regex, **dict.fromkeys(
+        ("router_pattern", "expert_pattern", "expert_w1", "expert_w2", "expert_w3", "num_experts_attr",
+         "top_k_attr", "shared_expert_pattern", "shared_expert_gate_pattern"), _name)}, _check_expert_projections),
+)
+_KEYS = {key for validators, _ in _SCHEMA for key in validators}
+
+
+def _section_dict(section: Any) -> dict:
+    """``section`` as a dict of known keys (None is the empty section)."""
     if section is None:
-        section = {}
+        return {}
     if not isinstance(section, dict):
         raise ConfigError(f"config key {SECTION!r} must be a dict, got {type(section).__name__}")
     unknown = sorted(set(section) - _KEYS)
@@ -115,75 +192,19 @@ def parse_config(section: Any) -> AutoEPConfig:
         raise ConfigError(
             f"unknown config key(s) {', '.join(repr(f'{SECTION}.{k}') for k in unknown)}; "
             f"allowed keys in {SECTION!r}: {', '.join(sorted(_KEYS))}")
+    return section
+
+
+def parse_config(section: Any) -> AutoEPConfig:
+    """The validated section (``section`` itself is not modified)."""
+    section = _section_dict(section)
     out: dict[str, Any] = {}
-    if "enabled" in section:
-        if not isinstance(section["enabled"], bool):
-            raise ConfigError(f"config key '{SECTION}.enabled' must be true or false, got {section['enabled']!r}")
-        out["enabled"] = section["enabled"]
-    if "autoep_size" in section:
-        out["autoep_size"] = _int("autoep_size", section["autoep_size"], 1)
-    if "expert_tensor_parallel_size" in section:
-        etp = _int("expert_tensor_parallel_size", section["expert_tensor_parallel_size"], 1)
-        if etp != 1:
-            raise ConfigError(f"config key '{SECTION}.expert_tensor_parallel_size' is {etp}: {ETP_REFUSED}")
-        out["expert_tensor_parallel_size"] = etp
-    if "preset_model" in section:
-        preset = section["preset_model"]
-        allowed = ("auto", *sorted(PRESETS))
-        if preset is None:
-            preset = "auto"
-        if not isinstance(preset, str) or preset.lower() not in allowed:
-            raise ConfigError(f"config key '{SECTION}.preset_model' must be one of {', '.join(allowed)}, "
-                              f"got {preset!r}")
-        out["preset_model"] = preset.lower()
-    if "top_k" in section:
-        out["top_k"] = _int("top_k", section["top_k"], 1, allow_none=True)
-    if "score_func" in section:
-        out["score_func"] = _choice("score_func", section["score_func"], SCORE_FUNCS)
-    if "score_apply" in section:
-        out["score_apply"] = _choice("score_apply", section["score_apply"], SCORE_APPLY)
-    if "group_score" in section:
-        out["group_score"] = _choice("group_score", section["group_score"], GROUP_SCORES)
-    if "route_norm" in section:
-        v = section["route_norm"]
-        if v is not None and not isinstance(v, bool):
-            raise ConfigError(f"config key '{SECTION}.route_norm' must be true, false or null, got {v!r}")
-        out["route_norm"] = v
-    if "routed_scaling_factor" in section:
-        v = section["routed_scaling_factor"]
-        if v is not None:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-            if not ok:
-                raise ConfigError(f"config key '{SECTION}.routed_scaling_factor' must be a finite number > 0 or "
-                                  f"null, got {v!r}")
-            v = float(v)
-        out["routed_scaling_factor"] = v
-    for key in ("num_expert_groups", "num_limited_groups"):
-        if key in section:
-            out[key] = _int(key, section[key], 1, allow_none=True)
-    if (out.get("num_expert_groups") is None) != (out.get("num_limited_groups") is None):
-        raise ConfigError(f"config keys '{SECTION}.num_expert_groups' and '{SECTION}.num_limited_groups' go "
-                          "together (group-limited routing): set both or neither")
-    if out.get("num_expert_groups") is not None and out["num_limited_groups"] > out["num_expert_groups"]:
-        raise ConfigError(f"config key '{SECTION}.num_limited_groups' ({out['num_limited_groups']}) must not "
-                          f"exceed '{SECTION}.num_expert_groups' ({out['num_expert_groups']})")
-    if "moe_layer_pattern" in section:
-        pat = _name("moe_layer_pattern", section["moe_layer_pattern"])
-        if pat is not None:
-            try:
-                re.compile(pat)
-            except re.error as exc:
-                raise ConfigError(f"config key '{SECTION}.moe_layer_pattern' is not a valid regular expression "
-                                  f"({exc}): {pat!r}") from None
-        out["moe_layer_pattern"] = pat
-    for key in ("router_pattern", "expert_pattern", "expert_w1", "expert_w2", "expert_w3", "num_experts_attr",
-                "top_k_attr", "shared_expert_pattern", "shared_expert_gate_pattern"):
-        if key in section:
-            out[key] = _name(key, section[key])
-    ws = [out.get(k) for k in ("expert_w1", "expert_w2", "expert_w3")]
-    if any(w is not None for w in ws) and not all(w is not None for w in ws):
-        raise ConfigError(f"config keys '{SECTION}.expert_w1', 'expert_w2' and 'expert_w3' go together (the "
-                          "per-expert gate, down and up projections): set all three or none")
+    for validators, check_together in _SCHEMA:
+        for key, validate in validators.items():
+            if key in section:
+                out[key] = validate(key, section[key])
+        if check_together is not None:
+            check_together(out)
     return AutoEPConfig(**out)
 
 
