@@ -4,8 +4,8 @@ A :class:`Runtime` holds the plugins found by discovery, the selected accelerato
 registry and the comm session. ``selection``, ``ops``, ``comm`` and ``report`` reach that
 state through :func:`current`; none of them imports another for it. This module imports
 only the layers below it (discovery, the selection rules, the accelerator contract), and
-the op registry's modules inside the methods that need them: ``polyaccel.ops`` imports
-this module.
+the op registry's modules inside the methods that need them: the op entry points of
+``polyaccel.ops`` import this module.
 """
 
 from __future__ import annotations
@@ -53,6 +53,24 @@ class CommSession:
         self.staging_pool = None
 
 
+class _MadeOnFirstUse:
+    """An attribute made by ``make(instance)`` on first read, then stored on the instance.
+
+    A non-data descriptor, so once stored the instance's own attribute answers every read
+    without a call: the op registry is read on every op call. ``make`` guards itself (the
+    runtime's lock); this class takes no lock of its own, so it cannot order locks against it.
+    """
+
+    def __init__(self, make) -> None:
+        self._make = make
+        self.__doc__ = make.__doc__
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        return self._make(instance)
+
+
 class Runtime:
     """Plugins, the selected accelerator, the op registry and the comm session of one process.
 
@@ -66,7 +84,6 @@ class Runtime:
         self._registered: list[tuple[str, Any]] = []
         self._plugins: PluginSet | None = None
         self._selected: Accelerator | None = None
-        self._ops: OpRegistry | None = None
         self.comm = CommSession()
 
     # ------------------------------------------------------------------ plugins
@@ -93,20 +110,20 @@ class Runtime:
             return self._plugins
 
     # -------------------------------------------------------------------- ops
-    @property
-    def ops(self) -> OpRegistry:
-        """The op registry; it is filled on first use, from :meth:`plugins`."""
+    def _make_ops(self) -> OpRegistry:
+        """The op registry, made on first use and then kept (reset empties it); filled from :meth:`plugins`."""
         with self.lock:
-            if self._ops is None:
-                # importing the registry module runs polyaccel.ops first, which asks for this
-                # registry: build it only when that import did not already
+            registry = self.__dict__.get("ops")
+            if registry is None:
                 from .ops.registry import OpRegistry
 
-                if self._ops is None:
-                    registry = OpRegistry(self.accelerator_for, lock=self.lock)
-                    registry.set_populator(self._register_ops)
-                    self._ops = registry
-            return self._ops
+                registry = OpRegistry(self.accelerator_for, lock=self.lock)
+                registry.set_populator(self._register_ops)
+                self.__dict__["ops"] = registry
+            return registry
+
+    #: the op registry (:meth:`_make_ops`); every op call reads it, as a plain attribute once made
+    ops = _MadeOnFirstUse(_make_ops)
 
     def _register_ops(self, registry: OpRegistry) -> None:
         from .ops.registration import register_all
@@ -185,8 +202,9 @@ class Runtime:
             self._plugins = None
             self._selected = None
             self._registered.clear()
-            if self._ops is not None:
-                self._ops.reset()
+            registry = self.__dict__.get("ops")
+            if registry is not None:
+                registry.reset()
 
 
 _RUNTIME = Runtime()

@@ -1,0 +1,121 @@
+"""The op entry points: check a call against its op's contract, then hand it to the builder.
+
+Each call looks the process's op registry up through the runtime when it is made (nothing is
+built at import) and resolves the builder for its tensors' device type: once, then the
+registry's cache returns the loaded callable. ``explain(op)`` tells which builder was picked
+and why; ``override(op, builder)`` or ``POLYACCEL_OP_OVERRIDES`` forces one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime import current
+from . import contract
+from .reference.quantize import QuantizedTensor, check_dequantize_args, check_quantize_args
+
+#: the process's runtime (made when polyaccel.runtime is imported); its op registry is read per call
+_RUNTIME = current()
+
+
+def explain(op: str, device_type: str | None = None) -> str:
+    return _RUNTIME.ops.explain(op, device_type)
+
+
+def override(op: str, builder_name: str | None) -> None:
+    _RUNTIME.ops.override(op, builder_name)
+
+
+def resolve(op: str, device_type: str):
+    return _RUNTIME.ops.resolve(op, device_type)
+
+
+def _device_type(tensors, op: str) -> str:
+    for t in tensors:
+        return t.device.type
+    raise ValueError(f"{op}: no tensors given")
+
+
+def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
+               adam_w_mode=True, bias_correction=True):
+    """``fused_adam`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.fused_adam` (docs/plugin-authoring.md).
+    """
+    contract.check_fused_adam(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                              weight_decay=weight_decay, step=step)
+    if not params:
+        return
+    _RUNTIME.ops.resolve("fused_adam", _device_type(params, "fused_adam"))(
+        params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, step=step, adam_w_mode=adam_w_mode, bias_correction=bias_correction)
+
+
+def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
+    """``fused_lion`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.fused_lion` (docs/plugin-authoring.md).
+    """
+    contract.check_fused_lion(params, grads, exp_avgs, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    if not params:
+        return
+    _RUNTIME.ops.resolve("fused_lion", _device_type(params, "fused_lion"))(
+        params, grads, exp_avgs, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+
+
+def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
+               bias_correction=True, max_coeff=10.0, min_coeff=0.01):
+    """``fused_lamb`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.fused_lamb` (docs/plugin-authoring.md).
+    """
+    contract.check_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                              weight_decay=weight_decay, step=step, max_coeff=max_coeff, min_coeff=min_coeff)
+    if not params:
+        return
+    _RUNTIME.ops.resolve("fused_lamb", _device_type(params, "fused_lamb"))(
+        params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, step=step, bias_correction=bias_correction,
+        max_coeff=max_coeff, min_coeff=min_coeff)
+
+
+def quantize(x: torch.Tensor, mode: str = "int8", group_size: int = 128, symmetric: bool = True) -> QuantizedTensor:
+    """``quantize`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.quantize` (docs/plugin-authoring.md).
+    """
+    check_quantize_args(x, mode, group_size, symmetric)
+    return _RUNTIME.ops.resolve("quantize", x.device.type)(x, mode=mode, group_size=group_size, symmetric=symmetric)
+
+
+def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``dequantize`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.dequantize` (docs/plugin-authoring.md).
+    """
+    check_dequantize_args(qt)
+    return _RUNTIME.ops.resolve("dequantize", qt.data.device.type)(qt, dtype=dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``swiglu`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.swiglu` (docs/plugin-authoring.md).
+    """
+    return _RUNTIME.ops.resolve("swiglu", gate.device.type)(gate, up)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.grouped_mm` (docs/plugin-authoring.md).
+    """
+    return _RUNTIME.ops.resolve("grouped_mm", x.device.type)(x, weight, offsets)
+
+
+def gather_sum(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``gather_sum`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.gather_sum` (docs/plugin-authoring.md).
+    """
+    return _RUNTIME.ops.resolve("gather_sum", rows.device.type)(rows, index, weights)
