@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -19,6 +19,7 @@ from .host_step import HostStepper
 from .loss_scaler import LossScaler
 from .offload import HostBuffers, HostTransfer
 from .optimizer import PartitionOptimizer
+from .partitioner import PartitionSetup
 from .stage12 import FlatPartitioner
 from .weight_decay import decay_runs, resolve_param_groups
 
@@ -106,6 +107,7 @@ class ZeroEngine:
             param_groups, self.trainable + self.frozen, self.aliases, {n for n, _ in self.trainable},
             cfg.optimizer.weight_decay)
         self._place_model(model)
+        self.host = self._host_buffers()
         alloc_master = self._master_allocator()
         #: ``engine.checkpoint(fn, *args)``: activation checkpointing as the config's ``activation_checkpointing``
         #: section says (installed into Hugging Face models when the section is present)
@@ -159,17 +161,25 @@ class ZeroEngine:
         self.trainable = [(n, p) for n, p in entries if p.requires_grad]
         self.frozen = [(n, p) for n, p in entries if not p.requires_grad]
 
-    def _master_allocator(self):
-        """Set up the host buffers; return ``alloc_master(numel, dtype)`` for the fp32 master partitions
-        (pinned host memory under optimizer offload, else the device)."""
+    @property
+    def offload_optimizer(self) -> bool:
+        """Whether the master partitions and the optimizer step live on the host (``offload_optimizer``)."""
+        return self.config.offload_optimizer.enabled
+
+    def _host_buffers(self) -> HostBuffers:
+        """Host memory for offloaded partitions, pinned where either offload section asks for it."""
         cfg = self.config
-        self.offload_optimizer = cfg.offload_optimizer.enabled
-        self.host = HostBuffers(self.accelerator, pin=cfg.offload_optimizer.pin_memory or cfg.offload_param.pin_memory)
-        master_device = torch.device("cpu") if self.offload_optimizer else self.device
+        return HostBuffers(self.accelerator, pin=cfg.offload_optimizer.pin_memory or cfg.offload_param.pin_memory)
+
+    def _master_allocator(self):
+        """``alloc_master(numel, dtype)`` for the fp32 master partitions: pinned host memory under optimizer
+        offload, else the device."""
+        host, offload = self.host, self.offload_optimizer
+        master_device = torch.device("cpu") if offload else self.device
 
         def alloc_master(numel: int, dtype: torch.dtype) -> torch.Tensor:
-            if self.offload_optimizer:
-                return self.host.empty(numel, dtype)
+            if offload:
+                return host.empty(numel, dtype)
             return torch.empty(numel, dtype=dtype, device=master_device)
 
         return alloc_master
@@ -183,61 +193,60 @@ class ZeroEngine:
 
     def _build_groups(self, model, alloc_master, stream) -> list[ParamGroup]:
         """One partitioner and optimizer per kind of parameter layout (see :mod:`polyaccel.parallel`)."""
-        cfg = self.config
+        by_key = self._entries_by_layout()
+        keys = sorted(by_key, key=lambda k: (k != DEFAULT_KEY, tuple(x or "" for x in k))) or [DEFAULT_KEY]
+        setup = PartitionSetup(
+            config=self.config, device=self.device, compute_dtype=self.compute_dtype, master_dtype=self.master_dtype,
+            alloc_master=alloc_master, host=self.host, accelerator=self.accelerator, reduction_stream=stream,
+            transfer=self.transfer,
+            eager=len(keys) == 1,  # several process groups: reduce after backward, group by group, in one order
+            # the mean over every data-parallel rank's batch: an expert's gradient is summed over its expert_data
+            # replicas but already holds the tokens of the whole expert group (they came through the all-to-all)
+            divisor=self.mesh.size("data") if self.mesh is not None else None)
+        return [self._param_group(model, key, by_key.get(key, []), self.frozen if key == keys[0] else [], setup)
+                for key in keys]
+
+    def _entries_by_layout(self) -> dict[tuple, list]:
+        """The trainable parameters by :func:`group_key`; layouts the engine cannot serve are refused."""
         by_key: dict[tuple, list] = {}
         for name, p in self.trainable:
             by_key.setdefault(group_key(get_layout(p)), []).append((name, p))
-        keys = sorted(by_key, key=lambda k: (k != DEFAULT_KEY, tuple(x or "" for x in k)))
-        if self.mesh is None and keys != [DEFAULT_KEY] and by_key:
+        parallel = bool(by_key) and list(by_key) != [DEFAULT_KEY]
+        if self.mesh is None and parallel:
             raise ConfigError("some parameters carry a tensor- or expert-parallel layout but the engine has no mesh; "
                               "let polyaccel.initialize apply the layers from the config, or pass mesh=")
-        if self.mesh is not None and cfg.optimizer.type == "lamb" and keys != [DEFAULT_KEY]:
+        if self.mesh is not None and self.config.optimizer.type == "lamb" and list(by_key) != [DEFAULT_KEY]:
             raise ConfigError("optimizer.type 'lamb' is not supported with tensor or expert parallelism: its trust "
                               "ratio needs the norm of each whole parameter, which is split over ranks here; "
                               "use adam, adamw or lion")
-        if not keys:
-            keys = [DEFAULT_KEY]
-        eager = len(keys) == 1  # several process groups: reduce after backward, group by group, in one order
-        # the mean over every data-parallel rank's batch: an expert's gradient is summed over its expert_data
-        # replicas but already holds the tokens of the whole expert group (they came through the all-to-all)
-        divisor = self.mesh.size("data") if self.mesh is not None else None
-        groups = []
-        for key in keys:
-            entries = by_key.get(key, [])
-            coll = self.coll if self.mesh is None else Collectives(self.device, self.mesh.group(key[0]))
-            frozen = self.frozen if key == keys[0] else []
-            if self.stage in (1, 2):
-                part = FlatPartitioner(
-                    entries, stage=self.stage, coll=coll, device=self.device, compute_dtype=self.compute_dtype,
-                    master_dtype=self.master_dtype, bucket_size=cfg.reduce_bucket_size, overlap_comm=cfg.overlap_comm,
-                    alloc_master=alloc_master, reduction_stream=stream, accelerator=self.accelerator, eager=eager,
-                    divisor=divisor, transfer=self.transfer, grad_dtype=self._grad_dtype(key),
-                    reduce_in_backward=self.stage == 2 or self.gradient_accumulation_steps == 1)
-            else:
-                from .stage3 import ShardedParameters
+        return by_key
 
-                part = ShardedParameters(
-                    model, entries, frozen, coll=coll, device=self.device, compute_dtype=self.compute_dtype,
-                    master_dtype=self.master_dtype, config=cfg, alloc_master=alloc_master, host=self.host,
-                    reduction_stream=stream, accelerator=self.accelerator, eager=eager, divisor=divisor,
-                    transfer=self.transfer, grad_dtype=self._grad_dtype(key),
-                    derive_shards=not (self.offload_optimizer or cfg.offload_param.enabled))
-            layout = part.layout
-            runs = None
-            if self.weight_decays:
-                runs = decay_runs(layout.param_ranges(coll.rank), layout.names, self.weight_decays,
-                                  cfg.optimizer.weight_decay)
-            opt = PartitionOptimizer(
-                cfg.optimizer, part.master, alloc_master,
-                segment_ids=lambda layout=layout, rank=coll.rank: layout.segment_ids(rank),
-                num_segments=len(layout.names), all_reduce=coll.all_reduce, decay_runs=runs)
-            copies = 1
-            if self.mesh is not None:
-                split = self.mesh.size(key[2]) if key[2] else 1
-                copies = self.world_size // (coll.world * split)
-            grad_sum = Collectives(self.device, self.mesh.group(key[1])) if key[1] else None
-            groups.append(ParamGroup(key, entries, coll, part, opt, copies, grad_sum))
-        return groups
+    def _param_group(self, model, key: tuple, entries: list, frozen: list, setup: PartitionSetup) -> ParamGroup:
+        """The partitioner and optimizer of the parameters with layout ``key``."""
+        cfg = self.config
+        coll = self.coll if self.mesh is None else Collectives(self.device, self.mesh.group(key[0]))
+        setup = replace(setup, grad_dtype=self._grad_dtype(key))
+        if self.stage in (1, 2):
+            part = FlatPartitioner(entries, coll=coll, setup=setup)
+        else:
+            from .stage3 import ShardedParameters
+
+            part = ShardedParameters(model, entries, frozen, coll=coll, setup=setup)
+        layout = part.layout
+        runs = None
+        if self.weight_decays:
+            runs = decay_runs(layout.param_ranges(coll.rank), layout.names, self.weight_decays,
+                              cfg.optimizer.weight_decay)
+        opt = PartitionOptimizer(
+            cfg.optimizer, part.master, setup.alloc_master,
+            segment_ids=lambda layout=layout, rank=coll.rank: layout.segment_ids(rank),
+            num_segments=len(layout.names), all_reduce=coll.all_reduce, decay_runs=runs)
+        copies = 1
+        if self.mesh is not None:
+            split = self.mesh.size(key[2]) if key[2] else 1
+            copies = self.world_size // (coll.world * split)
+        grad_sum = Collectives(self.device, self.mesh.group(key[1])) if key[1] else None
+        return ParamGroup(key, entries, coll, part, opt, copies, grad_sum)
 
     def _grad_dtype(self, key: tuple) -> torch.dtype:
         """dtype of a group's gradient partition. Where nothing ever accumulates into it (one micro-step, no

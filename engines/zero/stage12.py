@@ -17,41 +17,50 @@ import torch
 
 from .bucket_order import BucketOrder
 from .host_step import OverlapError, overlap_message
-from .offload import HostBuffers, HostTransfer
 from .partition import FlatLayout, GradientPartition
+from .partitioner import Partitioner, PartitionSetup
 
 
-class FlatPartitioner:
-    def __init__(self, entries: list[tuple[str, torch.nn.Parameter]], *, stage: int, coll, device: torch.device,
-                 compute_dtype: torch.dtype, master_dtype: torch.dtype, bucket_size: int, overlap_comm: bool,
-                 alloc_master, reduction_stream=None, accelerator=None, eager: bool = True,
-                 divisor: int | None = None, transfer=None, grad_dtype: torch.dtype | None = None,
-                 reduce_in_backward: bool | None = None):
-        self.stage = stage
-        self.reduce_in_backward = stage == 2 if reduce_in_backward is None else reduce_in_backward
-        self.transfer = transfer or HostTransfer(HostBuffers(accelerator), accelerator, device)
-        self.eager = eager  # False: reduce every bucket after backward (the engine orders several groups)
-        self.divisor = divisor or coll.world  # gradients are averaged over this many data-parallel ranks
-        self.coll = coll
-        self.world, self.rank = coll.world, coll.rank
-        self.device = device
-        self.compute_dtype = compute_dtype
-        self.overlap = overlap_comm
-        self.stream = reduction_stream
-        self.accelerator = accelerator
-        ordered = list(reversed(entries))  # roughly backward order, so buckets fill one after another
+class FlatPartitioner(Partitioner):
+    """Stage 1 or 2 (``setup.config.stage``) over one process group's parameters ``entries``."""
+
+    def __init__(self, entries: list[tuple[str, torch.nn.Parameter]], *, coll, setup: PartitionSetup):
+        super().__init__(coll, setup)
+        cfg = setup.config
+        self.stage = cfg.stage
+        # stage 1 with one micro-step per boundary has nothing to accumulate: it reduces in backward like stage 2
+        self.reduce_in_backward = cfg.stage == 2 or cfg.gradient_accumulation_steps == 1
+        self._flatten(entries)
+        self._partition_master(setup)
+        self._bucket_at = {b.part_offset: b.index for b in self.layout.buckets}
+        self._uploaded: dict[int, torch.Tensor] = {}  # bucket -> its updated slice on the device, this step
+        self.on_settle = None  # called with a bucket's master ranges once its gradient is on its way to them
+        if self.reduce_in_backward:
+            for i, p in enumerate(self.params):
+                if p.numel():
+                    self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p)))
+
+    def _flatten(self, entries) -> None:
+        """Lay the parameters out in one flat buffer (reverse registration order: roughly backward's, so buckets
+        fill one after another) and make each parameter a view of its slice."""
+        ordered = list(reversed(entries))
         self.params = [p for _, p in ordered]
-        self.layout = FlatLayout([n for n, _ in ordered], [tuple(p.shape) for p in self.params], self.world,
-                                 bucket_size)
-        lay = self.layout
-        self.flat = torch.zeros(lay.padded_total, dtype=compute_dtype, device=device)
+        self.layout = lay = FlatLayout([n for n, _ in ordered], [tuple(p.shape) for p in self.params], self.world,
+                                       self.bucket_size)
+        self.flat = torch.zeros(lay.padded_total, dtype=self.compute_dtype, device=self.device)
         with torch.no_grad():
             for p, off, n in zip(self.params, lay.offsets, lay.numels, strict=True):
                 self.flat[off:off + n].copy_(p.detach().reshape(-1))
                 p.data = self.flat[off:off + n].view(p.shape)
-        self.master = alloc_master(lay.partition_size, master_dtype)
+
+    def _partition_master(self, setup: PartitionSetup) -> None:
+        """This rank's master partition (a copy of its slice of the flat buffer), the gradient partition and the
+        order in which buckets complete."""
+        lay, master_dtype = self.layout, setup.master_dtype
+        self.master = setup.alloc_master(lay.partition_size, master_dtype)
         self.master.copy_(lay.partition_of(self.flat, self.rank).to(self.master.device, master_dtype))
-        self._grad = GradientPartition(alloc_master, lay.partition_size, grad_dtype or master_dtype, device)
+        self._grad = GradientPartition(setup.alloc_master, lay.partition_size, setup.grad_dtype or master_dtype,
+                                       self.device)
         self._unwritten = set(range(len(lay.buckets)))
         self._buffers: dict[int, torch.Tensor] = {}
         members = [[] for _ in lay.buckets]
@@ -60,15 +69,6 @@ class FlatPartitioner:
                 for k in ks:
                     members[k].append(i)
         self.order = BucketOrder(members)
-        self._pending: list = []
-        self._bucket_at = {b.part_offset: b.index for b in lay.buckets}
-        self._uploaded: dict[int, torch.Tensor] = {}  # bucket -> its updated slice on the device, this step
-        self.on_settle = None  # called with a bucket's master ranges once its gradient is on its way to them
-        self._hooks = []
-        if self.reduce_in_backward:
-            for i, p in enumerate(self.params):
-                if p.numel():
-                    self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p)))
 
     # ----------------------------------------------------------- reduction
     def _buffer(self, k: int) -> torch.Tensor:
@@ -99,19 +99,7 @@ class FlatPartitioner:
             self._settle(k, buf)
             return
         out = torch.empty(b.chunk(self.world), dtype=self.compute_dtype, device=self.device)
-        if self.stream is not None:
-            cur = self.accelerator.current_stream()
-            self.stream.wait_stream(cur)
-            with self.accelerator.stream(self.stream):
-                buf.div_(self.divisor)
-                work = self.coll.reduce_scatter(out, buf, async_op=False)
-        else:
-            buf.div_(self.divisor)
-            work = self.coll.reduce_scatter(out, buf, async_op=self.overlap)
-            if work is None:  # done: settle now, so the bucket's device memory goes back while backward runs
-                self._settle(k, out)
-                return
-        self._pending.append((k, work, out, buf))
+        self._reduce_scatter(k, out, buf)
 
     def _settle(self, k: int, out: torch.Tensor) -> None:
         b = self.layout.buckets[k]
@@ -121,22 +109,12 @@ class FlatPartitioner:
         if self.on_settle is not None:
             self.on_settle([(b.part_offset, b.part_offset + out.numel())])
 
-    def _finish(self) -> None:
-        if self.stream is not None:
-            self.accelerator.current_stream().wait_stream(self.stream)
-        for k, work, out, _buf in self._pending:
-            if work is not None:
-                work.wait()
-            self._settle(k, out)
-        self._pending.clear()
-        self.transfer.flush()
-
     def end_backward(self) -> None:
         """After each backward (stage 2): reduce what the hooks left (unused params, leftovers)."""
         if not self.reduce_in_backward:
             return
         self.order.finish(self._reduce, lambda flags: self.coll.all_reduce(flags, op="max"))
-        self._finish()
+        self._finish_reductions()
 
     def reduce_at_boundary(self) -> None:
         """At the accumulation boundary (stage 1): reduce the full gradients bucket by bucket."""
@@ -150,7 +128,7 @@ class FlatPartitioner:
                 po, bo, n = self.layout.overlap(i, k)
                 buf[bo:bo + n].copy_(p.grad.detach().reshape(-1)[po:po + n])
             self._reduce(k)
-        self._finish()
+        self._finish_reductions()
         for p in self.params:
             p.grad = None
 
@@ -158,11 +136,6 @@ class FlatPartitioner:
         """Drop the master partition and the gradient partition (the engine is being destroyed)."""
         self.master = None
         self._grad.release()
-
-    @property
-    def grad(self) -> torch.Tensor:
-        """This rank's gradient partition (see :class:`~.partition.GradientPartition`)."""
-        return self._grad.get()
 
     def zero_grad(self) -> None:
         """Every bucket is reduced in each accumulation window, so its first result overwrites the partition."""
@@ -209,11 +182,6 @@ class FlatPartitioner:
 
     def full_params(self) -> dict[str, torch.Tensor]:
         return self.layout.unflatten(self.flat)
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
 
     def device_param_elements(self) -> int:
         return self.flat.numel()

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from .bucket_order import BucketOrder
 from .host_step import OverlapError, overlap_message
 from .leaves import find_leaf_modules
-from .offload import HostBuffers, HostTransfer
 from .partition import GradientPartition, ShardLayout
+from .partitioner import Partitioner, PartitionSetup
 from .schedule import END_BACKWARD, END_FORWARD, GatherSchedule
 
 
@@ -163,30 +163,32 @@ def _replace_tensors(x, wrapped: dict):
     return x
 
 
-class ShardedParameters:
-    def __init__(self, model, trainable, frozen, *, coll, device, compute_dtype, master_dtype, config,
-                 alloc_master, host, reduction_stream=None, accelerator=None, eager: bool = True,
-                 divisor: int | None = None, transfer=None, grad_dtype: torch.dtype | None = None,
-                 derive_shards: bool = False):
-        self.coll = coll
-        self.world, self.rank = coll.world, coll.rank
-        self.device = device
-        self.compute_dtype = compute_dtype
-        self.overlap = config.overlap_comm
-        self.bucket_size = config.reduce_bucket_size
-        self.prefetch_budget = config.stage3_prefetch_bucket_size
-        self.stream = reduction_stream
-        self.accelerator = accelerator
-        self.offload_param = config.offload_param.enabled
-        self.offload_optimizer = config.offload_optimizer.enabled
-        self.eager = eager  # False: reduce every bucket after backward (the engine orders several groups)
-        self.transfer = transfer or HostTransfer(HostBuffers(accelerator), accelerator, device)
-        self.divisor = divisor or coll.world  # gradients are averaged over this many data-parallel ranks
-        self.check_schedule = config.stage3_check_schedule and self.world > 1
-        threshold = config.stage3_param_persistence_threshold
-        self.layout = ShardLayout([n for n, _ in trainable], [tuple(p.shape) for _, p in trainable], self.world)
+class ShardedParameters(Partitioner):
+    """Stage 3 over one process group's parameters (``trainable`` and, for the first group, ``frozen``); every
+    setting comes from ``setup.config`` (see :mod:`.config`), the runtime resources from ``setup``."""
+
+    def __init__(self, model, trainable, frozen, *, coll, setup: PartitionSetup):
+        super().__init__(coll, setup)
+        cfg = setup.config
+        self.prefetch_budget = cfg.stage3_prefetch_bucket_size
+        self.offload_param = cfg.offload_param.enabled
+        self.offload_optimizer = cfg.offload_optimizer.enabled
+        self.check_schedule = cfg.stage3_check_schedule and self.world > 1
+        self._shard_parameters(trainable, frozen, setup.host, cfg.stage3_param_persistence_threshold)
+        # with the master partition on the device a shard is cast from it where needed (see _shard)
+        self._partition_master(setup, derive_shards=not (self.offload_optimizer or self.offload_param))
+        self._hook_modules(model, cfg)
+        self._hook_gradients()
+        self._init_reduction()
+        self._init_trace(model)
+        self._init_schedule(model)
+
+    def _shard_parameters(self, trainable, frozen, host, threshold: int) -> None:
+        """Keep this rank's shard of every parameter (trainable ones first, in the partition layout); empty
+        ``param.data`` except for persistent parameters (at most ``threshold`` elements)."""
+        world, rank, compute_dtype, device = self.world, self.rank, self.compute_dtype, self.device
+        self.layout = ShardLayout([n for n, _ in trainable], [tuple(p.shape) for _, p in trainable], world)
         self.infos: dict[int, _Info] = {}
-        world, rank = self.world, self.rank
         for idx, (name, p) in enumerate(list(trainable) + list(frozen)):
             n = p.numel()
             s = -(-n // world)
@@ -203,18 +205,25 @@ class ShardedParameters:
                 p.data = torch.empty(0, dtype=compute_dtype, device=device)
             elif world == 1 and not self.offload_param:  # one storage: the shard is the whole parameter
                 p.data = shard[:n].view(p.shape)
-        self.master = alloc_master(self.layout.partition_size, master_dtype)
+
+    def _partition_master(self, setup: PartitionSetup, derive_shards: bool) -> None:
+        """The master partition, filled from the trainable shards (dropped when ``derive_shards``), and the
+        gradient partition."""
+        self.master = setup.alloc_master(self.layout.partition_size, setup.master_dtype)
         for info in self.infos.values():
             if info.index is not None:
                 off = self.layout.part_offsets[info.index]
                 self.master[off:off + info.shard_size].copy_(info.shard)
                 if derive_shards:
                     info.shard = None
-        self._grad = GradientPartition(alloc_master, self.layout.partition_size, grad_dtype or master_dtype, device)
+        self._grad = GradientPartition(setup.alloc_master, self.layout.partition_size,
+                                       setup.grad_dtype or setup.master_dtype, self.device)
 
+    def _hook_modules(self, model, cfg) -> None:
+        """Gather and release hooks on every module (or leaf subtree) that owns a non-persistent parameter; note
+        which module gathers each parameter."""
         self._module_params: dict[int, list[_Info]] = {}
-        self._hooks = []
-        self.leaves = find_leaf_modules(model, config.stage3_leaf_modules, config.stage3_module_granularity_threshold)
+        self.leaves = find_leaf_modules(model, cfg.stage3_leaf_modules, cfg.stage3_module_granularity_threshold)
         inside = {id(m) for leaf in self.leaves.values() for m in leaf.modules() if m is not leaf}
         leaf_ids = {id(m) for m in self.leaves.values()}
         self._owner: dict[int, str] = {}  # info order -> path of the module whose hooks gather it
@@ -223,8 +232,6 @@ class ShardedParameters:
                 continue
             infos = list({id(p): self.infos[id(p)] for p in module.parameters(recurse=id(module) in leaf_ids)
                           if id(p) in self.infos}.values())
-            if not infos:
-                continue
             for info in infos:
                 self._owner.setdefault(info.order, path)
             if all(info.persistent for info in infos):  # always gathered (norms, biases): nothing for hooks to do
@@ -232,10 +239,15 @@ class ShardedParameters:
             self._module_params[id(module)] = infos
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(module.register_forward_hook(self._post_forward))
+
+    def _hook_gradients(self) -> None:
         for info in self.infos.values():
             if info.index is not None and info.numel:
                 self._hooks.append(info.param.register_post_accumulate_grad_hook(
                     lambda p, info=info: self._on_grad(info)))
+
+    def _init_reduction(self) -> None:
+        """The gradient buckets and the bookkeeping of their reduction and of the step's uploads."""
         self._by_index = {i.index: i for i in self.infos.values() if i.index is not None}
         self._by_offset = [self._by_index[k] for k in sorted(self._by_index)]  # partition order
         self._uploaded: set[int] = set()  # layout indices whose shard was uploaded this step
@@ -244,8 +256,13 @@ class ShardedParameters:
         self._buckets = self._grad_buckets()
         self.order = BucketOrder(self._buckets)
         self._grads: dict[int, torch.Tensor] = {}  # layout index -> full gradient waiting for its bucket
-        self._pending = []
-        # module order trace for prefetching
+        # With peers, a bucket's reduction waits for the next point where every rank is (a gather's agreement,
+        # or a backward fetch without the check): reducing as soon as a bucket is complete here would put the
+        # reduce-scatter between other gathers on each rank, wherever its local gradients happened to arrive.
+        self._sync_reductions = self.world > 1 and self.eager
+
+    def _init_trace(self, model) -> None:
+        """The module order trace for prefetching."""
         self._trace: list[int] = []
         self._trace_done = False
         self._cursor = 0
@@ -253,12 +270,11 @@ class ShardedParameters:
         self._outstanding: list[_Gather] = []
         self._modules: dict[int, torch.nn.Module] = {id(m): m for m in model.modules()}
         self._in_forward: dict[int, _Info] = {}  # parameters gathered for a forward that has not returned
-        # With peers, a bucket's reduction waits for the next point where every rank is (a gather's agreement,
-        # or a backward fetch without the check): reducing as soon as a bucket is complete here would put the
-        # reduce-scatter between other gathers on each rank, wherever its local gradients happened to arrive.
-        self._sync_reductions = self.world > 1 and self.eager
+
+    def _init_schedule(self, model) -> None:
+        """With peers, the agreement on every gather (:class:`~.schedule.GatherSchedule`)."""
         ordered = sorted(self.infos.values(), key=lambda i: i.order)
-        self.schedule = GatherSchedule(coll, device, model, owner=lambda order: self._owner.get(order, "?"),
+        self.schedule = GatherSchedule(self.coll, self.device, model, owner=lambda order: self._owner.get(order, "?"),
                                        param_name=lambda order: ordered[order].name) if self.world > 1 else None
         if self.check_schedule:  # registered last: runs after the root's own hooks, when forward is over
             self._hooks.append(model.register_forward_hook(self._end_forward))
@@ -482,18 +498,7 @@ class ShardedParameters:
                 inp[:, col:col + s].copy_(g.view(self.world, s))
             col += s
         out = torch.empty(total, dtype=self.compute_dtype, device=self.device)
-        if self.stream is not None:
-            self.stream.wait_stream(self.accelerator.current_stream())
-            with self.accelerator.stream(self.stream):
-                inp.div_(self.divisor)
-                work = self.coll.reduce_scatter(out, inp.view(-1), async_op=False)
-        else:
-            inp.div_(self.divisor)
-            work = self.coll.reduce_scatter(out, inp.view(-1), async_op=self.overlap)
-            if work is None:  # done: settle now, so the bucket's device memory goes back while backward runs
-                self._settle(entries, out)
-                return
-        self._pending.append((entries, work, out, inp))
+        self._reduce_scatter(entries, out, inp.view(-1))
 
     def _settle(self, entries: list[_Info], out: torch.Tensor) -> None:
         col, every_fresh = 0, True
@@ -518,16 +523,6 @@ class ShardedParameters:
                 else:
                     ranges.append((lo, lo + info.shard_size))
             self.on_settle(ranges)
-
-    def _finish_reductions(self) -> None:
-        if self.stream is not None:
-            self.accelerator.current_stream().wait_stream(self.stream)
-        for entries, work, out, _inp in self._pending:
-            if work is not None:
-                work.wait()
-            self._settle(entries, out)
-        self._pending.clear()
-        self.transfer.flush()
 
     def end_backward(self) -> None:
         if self.check_schedule:  # a rank with gathers left meets this and fails with the others, at once
@@ -561,11 +556,6 @@ class ShardedParameters:
                 info.shard = self._shard(info).clone()
         self.master = None
         self._grad.release()
-
-    @property
-    def grad(self) -> torch.Tensor:
-        """This rank's gradient partition (see :class:`~.partition.GradientPartition`)."""
-        return self._grad.get()
 
     def zero_grad(self) -> None:
         """Every bucket is reduced in each backward, so a parameter's first result overwrites its shard."""
@@ -637,11 +627,6 @@ class ShardedParameters:
         info.shard.copy_(flat[self.rank * s:(self.rank + 1) * s])
         if param.numel() == info.numel:
             param.data.copy_(full.view(info.shape))
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
 
     def device_param_elements(self) -> int:
         """Parameter elements resident on the device now: gathered tensors plus stored device shards."""

@@ -52,6 +52,44 @@ def _members(where: str, params) -> list:
     return list(params)
 
 
+def _check_group(i: int, group) -> str:
+    """Refuse a group that is not a dict of known keys with ``params``; return how errors name it."""
+    if not isinstance(group, Mapping):
+        raise ConfigError(f"param_groups[{i}] must be a dict like {{'params': [...], 'weight_decay': 0.0}}, "
+                          f"got {type(group).__name__}")
+    where = _where(i, group)
+    unknown = sorted(str(k) for k in group if k not in GROUP_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(repr(k) for k in unknown)}; a group takes "
+                          f"{', '.join(GROUP_KEYS)} (the engine has one lr, betas and eps: set them in the "
+                          "config's 'optimizer' section)")
+    if "params" not in group:
+        raise ConfigError(f"{where}: missing 'params' (the model's parameters or their names)")
+    if "name" in group and not isinstance(group["name"], str):
+        raise ConfigError(f"{where}: 'name' must be a string, got {type(group['name']).__name__}")
+    return where
+
+
+def _member_name(where: str, j: int, p, by_id: Mapping[int, str], names: set[str],
+                 aliases: Mapping[str, str]) -> str:
+    """The canonical name of a group's ``params[j]``: a parameter of the model or one of its names."""
+    if isinstance(p, str):
+        name = aliases.get(p, p)
+        if name not in names:
+            raise ConfigError(f"{where}: {p!r} is not a parameter of the model; name parameters as "
+                              "model.named_parameters() does")
+        return name
+    if isinstance(p, torch.Tensor):
+        name = by_id.get(id(p))
+        if name is None:
+            raise ConfigError(f"{where}: params[{j}] (a tensor of shape {tuple(p.shape)}) is not a parameter "
+                              "of the model the engine wraps; pass the model's own parameters, or their "
+                              "names where a layer such as tensor_parallel replaced them")
+        return name
+    raise ConfigError(f"{where}: params[{j}] must be a parameter of the model or its name, "
+                      f"got {type(p).__name__}")
+
+
 def resolve_param_groups(groups, named: list[tuple[str, torch.Tensor]], aliases: Mapping[str, str],
                          trainable: set[str], default: float) -> dict[str, float]:
     """``{name: weight decay}`` for every trainable parameter a group names (the rest keep ``default``).
@@ -68,35 +106,10 @@ def resolve_param_groups(groups, named: list[tuple[str, torch.Tensor]], aliases:
     owner: dict[str, int] = {}
     out: dict[str, float] = {}
     for i, group in enumerate(list(groups)):
-        if not isinstance(group, Mapping):
-            raise ConfigError(f"param_groups[{i}] must be a dict like {{'params': [...], 'weight_decay': 0.0}}, "
-                              f"got {type(group).__name__}")
-        where = _where(i, group)
-        unknown = sorted(str(k) for k in group if k not in GROUP_KEYS)
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(repr(k) for k in unknown)}; a group takes "
-                              f"{', '.join(GROUP_KEYS)} (the engine has one lr, betas and eps: set them in the "
-                              "config's 'optimizer' section)")
-        if "params" not in group:
-            raise ConfigError(f"{where}: missing 'params' (the model's parameters or their names)")
-        if "name" in group and not isinstance(group["name"], str):
-            raise ConfigError(f"{where}: 'name' must be a string, got {type(group['name']).__name__}")
+        where = _check_group(i, group)
         wd = _decay(where, group, default)
         for j, p in enumerate(_members(where, group["params"])):
-            if isinstance(p, str):
-                name = aliases.get(p, p)
-                if name not in names:
-                    raise ConfigError(f"{where}: {p!r} is not a parameter of the model; name parameters as "
-                                      "model.named_parameters() does")
-            elif isinstance(p, torch.Tensor):
-                name = by_id.get(id(p))
-                if name is None:
-                    raise ConfigError(f"{where}: params[{j}] (a tensor of shape {tuple(p.shape)}) is not a parameter "
-                                      "of the model the engine wraps; pass the model's own parameters, or their "
-                                      "names where a layer such as tensor_parallel replaced them")
-            else:
-                raise ConfigError(f"{where}: params[{j}] must be a parameter of the model or its name, "
-                                  f"got {type(p).__name__}")
+            name = _member_name(where, j, p, by_id, names, aliases)
             first = owner.setdefault(name, i)
             if first != i:
                 raise ConfigError(f"parameter {name!r} is in param_groups[{first}] and in {where}; put each "
