@@ -191,8 +191,8 @@ def _normalize(dist_name: str) -> str:
     return re.sub(r"[-_.]+", "-", dist_name).lower()
 
 
-def _entry_point_candidates() -> list[tuple[str, str, Any, str | None]]:
-    """Every entry point of the group as (name, source, loader, distribution name), in precedence order.
+def _entry_point_candidates(group: str = ENTRY_POINT_GROUP) -> list[tuple[str, str, Any, str | None]]:
+    """Every entry point of ``group`` as (name, source, loader, distribution name), in precedence order.
 
     The order is fixed by :data:`NAME_PRECEDENCE`, never by install or metadata order: the
     ``polyaccel`` distribution first, then the others sorted by normalized distribution name;
@@ -200,7 +200,7 @@ def _entry_point_candidates() -> list[tuple[str, str, Any, str | None]]:
     """
     found = []
     seen_eps: set[tuple[str, str]] = set()
-    for index, ep in enumerate(md.entry_points(group=ENTRY_POINT_GROUP)):
+    for index, ep in enumerate(md.entry_points(group=group)):
         if (ep.name, ep.value) in seen_eps:
             continue  # the same distribution visible twice on sys.path
         seen_eps.add((ep.name, ep.value))

@@ -5,16 +5,11 @@ plugins, so the core never imports them.
 
 Model layers (group ``polyaccel.layers``) are the parallelism layers that reshape a model
 before the engine wraps it (AutoTP, AutoEP). The entry point's name is the config key that
-turns it on (``tensor_parallel``, ``expert_parallel``); the object it loads has
-
-- ``ORDER``: an int; layers apply in ascending order;
-- ``mesh_sizes(section: dict) -> dict``: the mesh dimensions it needs, e.g. ``{"tensor": 2}``
-  (it validates its section here and raises ``ConfigError`` naming the bad key);
-- optionally ``SIZE_KEYS``: mesh dimension -> the key of its section that sets it, e.g.
-  ``{"expert": "autoep_size"}``, so that a mesh that cannot be built names the config key;
-- ``apply(model, section: dict, mesh) -> model``: shard the model over the
-  :class:`~polyaccel.comm.mesh.ParallelMesh` and describe every parameter it changed with
-  :func:`polyaccel.parallel.set_layout`.
+turns it on (``tensor_parallel``, ``expert_parallel``). What an engine and a layer provide is
+written down in :mod:`polyaccel.contracts` (:class:`~polyaccel.contracts.EngineFactory`,
+:class:`~polyaccel.contracts.TrainingEngine`, :class:`~polyaccel.contracts.ModelLayer`); both are
+found by :mod:`polyaccel.extensions`, which isolates one that fails to import or to satisfy its
+contract (``polyaccel report`` shows it with the reason) and lets the others work.
 
 When a config names any layer, ``initialize`` builds one mesh for all of them, applies them,
 and passes the mesh to the engine as ``mesh=``; the engine receives the config without the
@@ -35,21 +30,22 @@ import os
 import socket
 import sys
 
+from .contracts import TrainingEngine, contract_mismatch
 from .errors import ConfigError, PolyaccelError
-
-ENGINE_GROUP = "polyaccel.engines"
-LAYER_GROUP = "polyaccel.layers"
+from .extensions import ENGINE_GROUP, LAYER_GROUP, by_name, discover_extensions, entry_point_names
 
 
 def load_engine(name: str):
-    for ep in md.entry_points(group=ENGINE_GROUP):
-        if ep.name == name:
-            return ep.load()
-    found = sorted({ep.name for ep in md.entry_points(group=ENGINE_GROUP)})
-    raise PolyaccelError(
-        f"no engine named {name!r} in entry-point group {ENGINE_GROUP!r} (found: {found or 'none'}); "
-        "is polyaccel installed (pip install -e .)?"
-    )
+    rec = by_name(discover_extensions(ENGINE_GROUP, {name})).get(name)
+    if rec is None:
+        found = entry_point_names(ENGINE_GROUP)
+        raise PolyaccelError(
+            f"no engine named {name!r} in entry-point group {ENGINE_GROUP!r} (found: {found or 'none'}); "
+            "is polyaccel installed (pip install -e .)?"
+        )
+    if rec.obj is None:
+        raise PolyaccelError(f"engine {name!r} ({rec.source}) is isolated: {rec.reason}; see `polyaccel report`")
+    return rec.obj
 
 
 def model_layers() -> dict[str, object]:
@@ -58,11 +54,18 @@ def model_layers() -> dict[str, object]:
 
 
 def _chosen_layers(config) -> dict[str, object]:
-    """Config key -> loaded layer, for the layer keys ``config`` names."""
+    """Config key -> loaded layer, for the layer keys ``config`` names; an isolated one is refused with why."""
     if not isinstance(config, dict):
         return {}
-    known = model_layers()
-    return {key: known[key].load() for key in list(config) if key in known}
+    names = {key for key in config if isinstance(key, str)} & set(model_layers())
+    if not names:
+        return {}
+    records = by_name(discover_extensions(LAYER_GROUP, names))
+    isolated = [rec for rec in records.values() if rec.obj is None]
+    if isolated:
+        raise ConfigError("; ".join(f"config key {rec.name!r} turns on the model layer {rec.source}, which is "
+                                    f"isolated: {rec.reason}" for rec in isolated) + "; see `polyaccel report`")
+    return {key: records[key].obj for key in list(config) if key in records}
 
 
 def _layer_sizes(config: dict, chosen: dict) -> tuple[dict[str, int], dict[str, str]]:
@@ -168,4 +171,9 @@ def initialize(model, config=None, *, engine: str = "zero", **kwargs):
     model, cfg, mesh = apply_layers(model, config, kwargs.pop("mesh", None))
     if mesh is not None:
         kwargs["mesh"] = mesh
-    return factory(model, config=cfg if config is not None else None, **kwargs)
+    built = factory(model, config=cfg if config is not None else None, **kwargs)
+    problems = contract_mismatch(built, TrainingEngine)
+    if problems:
+        raise PolyaccelError(f"engine {engine!r} returned a {type(built).__name__}, which does not satisfy "
+                             f"polyaccel.contracts.TrainingEngine: {'; '.join(problems)}")
+    return built

@@ -9,6 +9,7 @@ from typing import Any
 
 from .accelerator import Accelerator
 from .discovery import LOADED_STATUSES, SELECTED, PluginSet, plugin_hook
+from .extensions import ENGINE_GROUP, LAYER_GROUP, discover_extensions
 from .ops.registry import OpRegistry
 from .runtime import current
 
@@ -53,6 +54,9 @@ def build_report() -> dict[str, Any]:
         # plugins whose op hooks failed: isolated, with their dropped builders
         "op_registration_errors": runtime.ops.plugin_failures(),
         "extra": _extra_facts(found, selected),
+        # engines and model layers: loaded, or isolated with the reason (polyaccel.extensions)
+        "engines": [r.as_dict() for r in discover_extensions(ENGINE_GROUP)],
+        "layers": [r.as_dict() for r in discover_extensions(LAYER_GROUP)],
     }
 
 

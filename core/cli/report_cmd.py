@@ -28,7 +28,24 @@ def run(args) -> int:
         print(json.dumps(rep, indent=2, sort_keys=True, default=str))
         return 0 if rep["selected"] else 1
     _print_rich(rep)
+    _print_extensions(rep)
     return 0 if rep["selected"] else 1
+
+
+def _print_extensions(rep) -> None:
+    """The engines and model layers, each loaded or isolated with the reason."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    con = Console()
+    for title, key in (("engines", "engines"), ("model layers", "layers")):
+        rows = rep.get(key) or []
+        shown = ", ".join(f"{escape(r['name'])}" + ("" if r["status"] == "loaded" else f" [red]{r['status']}[/]")
+                          for r in rows)
+        con.print(f"{title}: {shown or 'none'}")
+        for r in rows:
+            if r["status"] != "loaded":
+                con.print(f"  [red]{escape(r['name'])} {r['status']}[/]: {escape(r['reason'])} ({escape(r['source'])})")
 
 
 def _print_rich(rep) -> None:
