@@ -131,6 +131,30 @@ def _declared(protocol: type) -> tuple[list[str], list[str]]:
     return attributes, methods
 
 
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def _not_accepted(want: list[inspect.Parameter], have: dict[str, inspect.Parameter]) -> list[str]:
+    """The contract's parameters ``have`` takes neither by name nor through ``*args`` / ``**kwargs``."""
+    var_pos = any(p.kind is p.VAR_POSITIONAL for p in have.values())
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in have.values())
+    return [p.name for p in want if p.kind not in _VARIADIC and p.name not in have
+            and not (var_kw or (var_pos and p.default is p.empty))]
+
+
+def _required_beyond(want: list[inspect.Parameter], have: dict[str, inspect.Parameter]) -> list[str]:
+    """Parameters ``have`` requires that the contract never passes (what the contract's own ``*args`` /
+    ``**kwargs`` pass on, any positional / keyword, is the caller's to give)."""
+    passed_on = set()
+    if any(p.kind is p.VAR_POSITIONAL for p in want):
+        passed_on |= {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    if any(p.kind is p.VAR_KEYWORD for p in want):
+        passed_on |= {inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    named = {p.name for p in want}
+    return [p.name for p in have.values() if p.default is p.empty and p.kind not in passed_on
+            and p.kind not in _VARIADIC and p.name not in named]
+
+
 def _parameters_mismatch(expected, found, *, drop_first: bool = False) -> str | None:
     """Why ``found`` cannot be called the way the Protocol method ``expected`` is, or None.
 
@@ -142,23 +166,11 @@ def _parameters_mismatch(expected, found, *, drop_first: bool = False) -> str | 
         have = list(inspect.signature(found).parameters.values())
     except (TypeError, ValueError):
         return None  # a builtin without a signature: nothing to compare
-    params = {p.name: p for p in have[1:] if drop_first} if drop_first else {p.name: p for p in have}
+    params = {p.name: p for p in (have[1:] if drop_first else have)}
     want = list(inspect.signature(expected).parameters.values())[1:]
-    var_pos = any(p.kind is p.VAR_POSITIONAL for p in params.values())
-    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    missing = [p.name for p in want if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-               and p.name not in params and not (var_kw or (var_pos and p.default is p.empty))]
-    if missing:
+    if missing := _not_accepted(want, params):
         return f"takes no parameter {', '.join(repr(m) for m in missing)}"
-    named = {p.name for p in want}
-    open_kinds = set()  # what the contract's own *args / **kwargs pass on: any positional / keyword
-    if any(p.kind is p.VAR_POSITIONAL for p in want):
-        open_kinds |= {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD}
-    if any(p.kind is p.VAR_KEYWORD for p in want):
-        open_kinds |= {inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD}
-    required = [p.name for p in params.values() if p.default is p.empty and p.kind not in open_kinds
-                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in named]
-    if required:
+    if required := _required_beyond(want, params):
         return f"requires parameter {', '.join(repr(r) for r in required)} the contract does not pass"
     return None
 

@@ -12,6 +12,9 @@ plugin that overrides, or adds to, what concerns another plugin's accelerator.
 Each plugin's hooks are called for that plugin alone where a failure must stay its own
 (:func:`polyaccel.discovery.plugin_hook`). Nothing on a per-tensor path goes through
 pluggy: results are resolved once and then called directly.
+
+The other two contracts, what an engine and a model layer provide, are typed Protocols in
+:mod:`polyaccel.contracts`.
 """
 
 from __future__ import annotations

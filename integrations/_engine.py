@@ -1,4 +1,5 @@
-"""What trainers expect of an engine beyond polyaccel's engine contract, as an adapter.
+"""What trainers expect of an engine beyond polyaccel's engine contract
+(:class:`polyaccel.contracts.TrainingEngine`), as an adapter.
 
 Hugging Face Accelerate and Lightning drive an engine DeepSpeed-style: the trainer decides where the
 gradient-accumulation boundary is (``set_gradient_accumulation_boundary``), asks for the global
