@@ -51,22 +51,11 @@ def _print_extensions(rep) -> None:
 def _print_rich(rep) -> None:
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
     con = Console()
     v = rep["versions"]
     con.print("[bold]polyaccel report[/bold]  " + "  ".join(f"{k} {v[k] or '-'}" for k in v))
-    t = Table(title="plugins", show_lines=False)
-    for col in ("name", "status", "prio", "device", "api", "reason / source"):
-        t.add_column(col)
-    style = {"selected": "bold green", "available": "green", "unavailable": "yellow", "loaded": "green",
-             "blocked": "yellow"}
-    for p in rep["plugins"]:
-        st = p["status"] + (" (emulated)" if p["emulated"] else "")
-        t.add_row(p["name"], f"[{style.get(p['status'], 'red')}]{st}[/]",
-                  str(p["priority"] if p["priority"] is not None else "-"), str(p["device_type"] or "-"),
-                  str(p["api_version"] or "-"), escape(p["reason"] or p["source"]))
-    con.print(t)
+    con.print(_plugins_table(rep["plugins"]))
     for name, info in (rep.get("op_registration_errors") or {}).items():
         dropped = ", ".join(info["dropped_builders"]) or "none"
         con.print(f"[red]op builders of {escape(name)} ignored[/]: {escape(info['reason'])} "
@@ -75,6 +64,35 @@ def _print_rich(rep) -> None:
     if sel is None:
         con.print(f"[bold red]no accelerator selected[/]: {rep['selection_error']}")
         return
+    _print_selected(con, sel)
+    con.print(_ops_table(sel["device_type"], rep["ops"]))
+    for name, extra in rep["extra"].items():
+        con.print(f"[bold]{name}[/]: {extra}")
+
+
+#: how each plugin status is coloured in the plugins table (any other status: red)
+_STATUS_STYLE = {"selected": "bold green", "available": "green", "unavailable": "yellow", "loaded": "green",
+                 "blocked": "yellow"}
+
+
+def _plugins_table(plugins):
+    """One row per discovered plugin: status, priority, device type, contract version, reason or source."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title="plugins", show_lines=False)
+    for col in ("name", "status", "prio", "device", "api", "reason / source"):
+        t.add_column(col)
+    for p in plugins:
+        st = p["status"] + (" (emulated)" if p["emulated"] else "")
+        t.add_row(p["name"], f"[{_STATUS_STYLE.get(p['status'], 'red')}]{st}[/]",
+                  str(p["priority"] if p["priority"] is not None else "-"), str(p["device_type"] or "-"),
+                  str(p["api_version"] or "-"), escape(p["reason"] or p["source"]))
+    return t
+
+
+def _print_selected(con, sel) -> None:
+    """The selected accelerator: device type, communication backend, capabilities, comm hooks."""
     con.print(f"selected: [bold]{sel['name']}[/] (device type {sel['device_type']}, "
               f"comm {sel['communication_backend']}{', emulated' if sel['emulated'] else ''})")
     con.print("capabilities: " + (", ".join(sel["capabilities"]) or "none"))
@@ -85,10 +103,16 @@ def _print_rich(rep) -> None:
         emulated = "; ".join(f"{k} ({v})" for k, v in comm["emulated_collectives"].items()) or "none"
         tensors = "device tensors" if comm["supports_device_tensors"] else "staged through host buffers"
         con.print(f"comm: backend {comm['backend']}, {tensors}, emulated collectives: {emulated}")
-    ot = Table(title=f"ops on {sel['device_type']}")
+
+
+def _ops_table(device_type: str, ops: dict):
+    """One row per op: the builder chosen on ``device_type`` and why, and why not the others."""
+    from rich.table import Table
+
+    ot = Table(title=f"ops on {device_type}")
     for col in ("op", "builder", "plugin", "kind", "why"):
         ot.add_column(col)
-    for op, info in sorted(rep["ops"].items()):
+    for op, info in sorted(ops.items()):
         if "error" in info:
             ot.add_row(op, "-", "-", "-", f"[red]{info['error']}[/]")
             continue
@@ -97,6 +121,4 @@ def _print_rich(rep) -> None:
         if chosen:
             ot.add_row(op, chosen["builder"], chosen["plugin"], chosen["kind"],
                        chosen["reason"] + (f" (others: {others})" if others else ""))
-    con.print(ot)
-    for name, extra in rep["extra"].items():
-        con.print(f"[bold]{name}[/]: {extra}")
+    return ot
