@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -133,17 +134,47 @@ def ep_summary(engine, device_type: str) -> dict | None:
             "grouped_mm": {"builder": b.name, "plugin": b.plugin, "kind": b.kind, "device_type": device_type}}
 
 
-def train(opts: TrainOptions, acc, device) -> dict | None:
-    import polyaccel
-    import torch
-    from polyaccel import comm
+@dataclass
+class _RunLog:
+    """What the training loop records: per-step mean losses and times, the checkpoints it saved."""
 
-    from .data import ByteTokenizer, TokenSampler, load_text
-    from .model import build_model, count_parameters
-    from .progress import TrainProgress
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    saved_tags: list[str] = field(default_factory=list)
+    train_s: float = 0.0
+
+
+def train(opts: TrainOptions, acc, device) -> dict | None:
+    """Set up the model and engine, run the loop, save, and (rank 0) return the report."""
+    import polyaccel
+    from polyaccel import comm
 
     rank, world = comm.get_rank(), comm.get_world_size()
     t_begin = time.perf_counter()
+    model, n_params = _build_model(opts, acc)
+    engine = polyaccel.initialize(model.to(device), config=opts.engine_config())
+    try:
+        if opts.resume:
+            _resume(engine, opts)
+        log = _train_loop(engine, opts, device, rank, world)
+        peak = acc.max_memory_allocated() if acc.has("memory_stats") else None
+        if opts.save:
+            log.saved_tags.append(save(engine, opts, opts.steps, rank, world))
+        if rank != 0:
+            return None
+        return _report(engine, opts, acc, device, world, n_params, log, peak, t_begin)
+    finally:
+        destroy = getattr(engine, "destroy", None)
+        if destroy is not None:
+            destroy()
+
+
+def _build_model(opts: TrainOptions, acc):
+    """The seeded model (its weights from ``init_from`` when given) and its parameter count."""
+    import torch
+
+    from .model import build_model, count_parameters
+
     torch.manual_seed(opts.seed)
     acc.manual_seed(opts.seed)
     model = build_model(opts.model)
@@ -152,84 +183,94 @@ def train(opts: TrainOptions, acc, device) -> dict | None:
 
         # (names and shapes were checked before spawning; a tied weight left out of the file is its twin)
         model.load_state_dict(load_file(opts.init_from), strict=False)
-    n_params = count_parameters(model)
-    engine = polyaccel.initialize(model.to(device), config=opts.engine_config())
-    try:
-        if opts.resume:
-            client_state = engine.load_checkpoint(opts.resume, tag=opts.resume_tag) or {}
-            saved = client_state.get("train", {}).get("step")
-            if saved != opts.start_step:
-                raise polyaccel.PolyaccelError(
-                    f"checkpoint {opts.resume_tag!r} in {opts.resume} says step {saved}, "
-                    f"its metadata file says {opts.start_step}; the directory is inconsistent"
-                )
-        # the ranks of one tensor-parallel group share their batch: rows go by data rank
-        mesh = getattr(engine, "mesh", None)
-        data_rank, data_world = (mesh.rank("data"), mesh.size("data")) if mesh is not None else (rank, world)
-        sampler = TokenSampler(ByteTokenizer().encode(load_text(opts.text)), opts.seq_len, opts.batch_size, opts.seed)
-        losses: list[float] = []
-        step_times: list[float] = []
-        saved_tags: list[str] = []
-        bar = TrainProgress(opts.steps, opts.start_step, opts.log_every, enabled=rank == 0)
-        t_train = time.perf_counter()
-        with bar:
-            for step in range(opts.start_step, opts.steps):
-                t0 = time.perf_counter()
-                loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-                for micro in range(opts.grad_accum):
-                    batch = sampler.batch(step, micro, data_rank, data_world)
-                    out = engine(input_ids=batch.input_ids.to(device), labels=batch.labels.to(device))
-                    engine.backward(out.loss)
-                    engine.step()
-                    loss_sum += out.loss.detach().to(torch.float64)
-                comm.all_reduce(loss_sum)  # the loss shown is the mean over ranks and micro-batches
-                loss = loss_sum.item() / (world * opts.grad_accum)
-                dt = time.perf_counter() - t0
-                losses.append(loss)
-                step_times.append(dt)
-                bar.update(step + 1, loss, opts.tokens_per_step / dt)
-                done = step + 1
-                if opts.save and opts.save_every and done % opts.save_every == 0 and done < opts.steps:
-                    saved_tags.append(save(engine, opts, done, rank, world))
-                    bar.note(f"saved checkpoint {saved_tags[-1]} in {opts.save}")
-        train_s = time.perf_counter() - t_train
-        peak = acc.max_memory_allocated() if acc.has("memory_stats") else None
-        if opts.save:
-            saved_tags.append(save(engine, opts, opts.steps, rank, world))
-        if rank != 0:
-            return None
-        return {
-            "plugin": acc.name,
-            "device_type": acc.device_type,
-            "device": str(device),
-            "emulated": bool(acc.is_emulated()),
-            "comm_backend": str(torch.distributed.get_backend()),
-            "world_size": world,
-            "threads_per_rank": opts.threads,
-            "model": opts.model.as_dict(),
-            "parameters": n_params,
-            "stage": opts.stage,
-            "offload": opts.offload,
-            "tp": opts.tp,
-            "tp_plan": tp_plan_counts(engine) if opts.tp > 1 else None,
-            "ep": opts.ep,
-            "ep_plan": ep_summary(engine, acc.device_type),
-            "dtype": opts.dtype,
-            "grad_accum": opts.grad_accum,
-            "start_step": opts.start_step,
-            "steps": opts.steps,
-            "losses": losses,
-            "step_times_s": step_times,
-            "tokens_per_step": opts.tokens_per_step,
-            "train_s": train_s,
-            "peak_device_memory_bytes": peak,  # rank 0's; None where the plugin keeps no memory statistics
-            "wall_s": time.perf_counter() - t_begin,
-            "op_builders": optimizer_builders(engine, acc, opts),
-            "checkpoints": [str(Path(opts.save) / t) for t in saved_tags] if opts.save else [],
-            "resumed_from": f"{opts.resume}:{opts.resume_tag}" if opts.resume else None,
-            "init_from": opts.init_from,
-        }
-    finally:
-        destroy = getattr(engine, "destroy", None)
-        if destroy is not None:
-            destroy()
+    return model, count_parameters(model)
+
+
+def _resume(engine, opts: TrainOptions) -> None:
+    """Load the checkpoint to resume from; its step must be the one its metadata file gave."""
+    import polyaccel
+
+    client_state = engine.load_checkpoint(opts.resume, tag=opts.resume_tag) or {}
+    saved = client_state.get("train", {}).get("step")
+    if saved != opts.start_step:
+        raise polyaccel.PolyaccelError(
+            f"checkpoint {opts.resume_tag!r} in {opts.resume} says step {saved}, "
+            f"its metadata file says {opts.start_step}; the directory is inconsistent"
+        )
+
+
+def _train_loop(engine, opts: TrainOptions, device, rank: int, world: int) -> _RunLog:
+    """The steps from ``start_step`` to ``steps``, saving every ``save_every`` steps on the way."""
+    import torch
+    from polyaccel import comm
+
+    from .data import ByteTokenizer, TokenSampler, load_text
+    from .progress import TrainProgress
+
+    # the ranks of one tensor-parallel group share their batch: rows go by data rank
+    mesh = getattr(engine, "mesh", None)
+    data_rank, data_world = (mesh.rank("data"), mesh.size("data")) if mesh is not None else (rank, world)
+    sampler = TokenSampler(ByteTokenizer().encode(load_text(opts.text)), opts.seq_len, opts.batch_size, opts.seed)
+    log = _RunLog()
+    bar = TrainProgress(opts.steps, opts.start_step, opts.log_every, enabled=rank == 0)
+    t_train = time.perf_counter()
+    with bar:
+        for step in range(opts.start_step, opts.steps):
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            for micro in range(opts.grad_accum):
+                batch = sampler.batch(step, micro, data_rank, data_world)
+                out = engine(input_ids=batch.input_ids.to(device), labels=batch.labels.to(device))
+                engine.backward(out.loss)
+                engine.step()
+                loss_sum += out.loss.detach().to(torch.float64)
+            comm.all_reduce(loss_sum)  # the loss shown is the mean over ranks and micro-batches
+            loss = loss_sum.item() / (world * opts.grad_accum)
+            dt = time.perf_counter() - t0
+            log.losses.append(loss)
+            log.step_times.append(dt)
+            bar.update(step + 1, loss, opts.tokens_per_step / dt)
+            done = step + 1
+            if opts.save and opts.save_every and done % opts.save_every == 0 and done < opts.steps:
+                log.saved_tags.append(save(engine, opts, done, rank, world))
+                bar.note(f"saved checkpoint {log.saved_tags[-1]} in {opts.save}")
+    log.train_s = time.perf_counter() - t_train
+    return log
+
+
+def _report(engine, opts: TrainOptions, acc, device, world: int, n_params: int, log: _RunLog, peak,
+            t_begin: float) -> dict:
+    """Rank 0's result dict of the run."""
+    import torch
+
+    return {
+        "plugin": acc.name,
+        "device_type": acc.device_type,
+        "device": str(device),
+        "emulated": bool(acc.is_emulated()),
+        "comm_backend": str(torch.distributed.get_backend()),
+        "world_size": world,
+        "threads_per_rank": opts.threads,
+        "model": opts.model.as_dict(),
+        "parameters": n_params,
+        "stage": opts.stage,
+        "offload": opts.offload,
+        "tp": opts.tp,
+        "tp_plan": tp_plan_counts(engine) if opts.tp > 1 else None,
+        "ep": opts.ep,
+        "ep_plan": ep_summary(engine, acc.device_type),
+        "dtype": opts.dtype,
+        "grad_accum": opts.grad_accum,
+        "start_step": opts.start_step,
+        "steps": opts.steps,
+        "losses": log.losses,
+        "step_times_s": log.step_times,
+        "tokens_per_step": opts.tokens_per_step,
+        "train_s": log.train_s,
+        "peak_device_memory_bytes": peak,  # rank 0's; None where the plugin keeps no memory statistics
+        "wall_s": time.perf_counter() - t_begin,
+        "op_builders": optimizer_builders(engine, acc, opts),
+        "checkpoints": [str(Path(opts.save) / t) for t in log.saved_tags] if opts.save else [],
+        "resumed_from": f"{opts.resume}:{opts.resume_tag}" if opts.resume else None,
+        "init_from": opts.init_from,
+    }

@@ -235,39 +235,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, backend: str = 
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     child_env = dict(os.environ)
     child_env.update(env or {})
-    dump_after = max(0.5, timeout - min(2.0, timeout * 0.1))
-    tmpdir = tempfile.mkdtemp(prefix="polyaccel-ranks-")
-    procs, readers, dumps, errs = [], {}, [], []
-    outcomes: dict[int, RankOutcome] = {}
-    first_failure: int | None = None
+    files = _RankFiles(world_size)
+    procs, readers = [], {}
     try:
-        for rank in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            dump = os.path.join(tmpdir, f"rank{rank}.stack")
-            dumps.append(dump)
-            errs.append(os.path.join(tmpdir, f"rank{rank}.stderr"))
-            proc = ctx.Process(
-                target=_rank_main, name=f"polyaccel-rank{rank}", daemon=False,  # ranks may start workers
-                args=(fn, rank, world_size, args, child_env, store.port, backend, comm_timeout, writer, dump,
-                      dump_after, errs[rank]),
-            )
-            proc.start()
-            writer.close()
-            procs.append(proc)
-            readers[reader] = rank
-        deadline = time.monotonic() + timeout
-        while len(outcomes) < world_size:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            pending = [c for c, r in readers.items() if r not in outcomes]
-            for conn in wait_ready(pending, timeout=deadline - now):
-                rank = readers[conn]
-                outcome = _read(conn, rank, procs[rank], errs[rank])
-                outcomes[rank] = outcome
-                if not outcome.ok and first_failure is None:
-                    first_failure = rank
-                    deadline = min(deadline, time.monotonic() + GRACE_S)
+        _start_ranks(ctx, procs, readers, files, fn, world_size, args, child_env, store.port, backend, comm_timeout,
+                     dump_after=max(0.5, timeout - min(2.0, timeout * 0.1)))
+        outcomes, first_failure = _collect_outcomes(readers, procs, files.errs, world_size, timeout)
         hung = [r for r in range(world_size) if r not in outcomes]
         _kill(procs)
     finally:
@@ -276,30 +249,85 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, backend: str = 
             conn.close()
         del store
 
-    _forward_stderr(errs)
+    _forward_stderr(files.errs)
     try:
         if first_failure is not None:
             primary = min((o for o in outcomes.values() if not o.ok), key=lambda o: (o.secondary, o.when, o.rank))
             _raise_failure(primary.rank, outcomes, hung, world_size)
         if hung:
-            stacks = "\n".join(f"--- rank {r} was here when the timeout hit ---\n{_read_dump(dumps[r]) or '(no dump)'}"
-                               for r in hung)
-            raise RanksTimeout(
-                f"rank(s) {hung} of {world_size} did not finish within {timeout:g} s and were killed "
-                f"(function {fn.__module__}.{fn.__qualname__}).\n{stacks}",
-                rank=hung[0], exc_type="Timeout", remote_traceback=stacks, failures={},
-            )
+            _raise_timeout(fn, hung, world_size, timeout, files.dumps)
         return [outcomes[r].value for r in range(world_size)]
     finally:
-        for d in dumps + errs:
+        files.remove()
+
+
+class _RankFiles:
+    """Per rank, in one temporary folder: where faulthandler dumps its stack and where its stderr goes."""
+
+    def __init__(self, world_size: int):
+        self.tmpdir = tempfile.mkdtemp(prefix="polyaccel-ranks-")
+        self.dumps = [os.path.join(self.tmpdir, f"rank{rank}.stack") for rank in range(world_size)]
+        self.errs = [os.path.join(self.tmpdir, f"rank{rank}.stderr") for rank in range(world_size)]
+
+    def remove(self) -> None:
+        for d in self.dumps + self.errs:
             try:
                 os.unlink(d)
             except OSError:
                 pass
         try:
-            os.rmdir(tmpdir)
+            os.rmdir(self.tmpdir)
         except OSError:
             pass
+
+
+def _start_ranks(ctx, procs: list, readers: dict, files: _RankFiles, fn, world_size: int, args: tuple,
+                 child_env: dict, port: int, backend: str, comm_timeout, dump_after: float) -> None:
+    """Start every rank with the write end of its result pipe; fill ``procs`` and ``readers`` (read end ->
+    rank) as they start, so a failure part-way still lets the caller kill what runs."""
+    for rank in range(world_size):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_rank_main, name=f"polyaccel-rank{rank}", daemon=False,  # ranks may start workers
+            args=(fn, rank, world_size, args, child_env, port, backend, comm_timeout, writer, files.dumps[rank],
+                  dump_after, files.errs[rank]),
+        )
+        proc.start()
+        writer.close()
+        procs.append(proc)
+        readers[reader] = rank
+
+
+def _collect_outcomes(readers: dict, procs: list, errs: list[str], world_size: int,
+                      timeout: float) -> tuple[dict[int, RankOutcome], int | None]:
+    """Read each rank's outcome as it arrives, until all are in or the timeout passes (after a first failure,
+    the others get :data:`GRACE_S` more); return the outcomes by rank and the first failed rank, if any."""
+    outcomes: dict[int, RankOutcome] = {}
+    first_failure: int | None = None
+    deadline = time.monotonic() + timeout
+    while len(outcomes) < world_size:
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        pending = [c for c, r in readers.items() if r not in outcomes]
+        for conn in wait_ready(pending, timeout=deadline - now):
+            rank = readers[conn]
+            outcome = _read(conn, rank, procs[rank], errs[rank])
+            outcomes[rank] = outcome
+            if not outcome.ok and first_failure is None:
+                first_failure = rank
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+    return outcomes, first_failure
+
+
+def _raise_timeout(fn, hung: list[int], world_size: int, timeout: float, dumps: list[str]) -> None:
+    stacks = "\n".join(f"--- rank {r} was here when the timeout hit ---\n{_read_dump(dumps[r]) or '(no dump)'}"
+                       for r in hung)
+    raise RanksTimeout(
+        f"rank(s) {hung} of {world_size} did not finish within {timeout:g} s and were killed "
+        f"(function {fn.__module__}.{fn.__qualname__}).\n{stacks}",
+        rank=hung[0], exc_type="Timeout", remote_traceback=stacks, failures={},
+    )
 
 
 def _raise_failure(rank: int, outcomes: dict[int, RankOutcome], hung: list[int], world_size: int) -> None:

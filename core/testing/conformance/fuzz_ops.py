@@ -173,6 +173,13 @@ def run_optimizer(case: OptimizerCase, device: torch.device) -> str:
     if outcome == REFUSED:
         return f"{REFUSED}: {bufs.refusal}"
     unchanged(bufs, {s.role for g in case.groups for s in g if s.role.startswith("grad")})
+    _compare_written(case, roles, lists, copies)
+    return COMPARED
+
+
+def _compare_written(case: OptimizerCase, roles: tuple[str, ...], lists, copies) -> None:
+    """Every param and state the op wrote keeps its dtype and matches the float64 reference's update, within
+    the tolerance of the param dtype (of the state's own dtype beside fp32/fp64 params)."""
     for k, role in enumerate(roles):
         if role == "grad":
             continue
@@ -184,7 +191,6 @@ def run_optimizer(case: OptimizerCase, device: torch.device) -> str:
             tol_dtype = param_dtype if role == "param" or param_dtype in (torch.float16, torch.bfloat16) else spec.dtype
             atol_scale = max(1.0, case.scale ** 2 if role == "exp_avg_sq" else case.scale)
             close(got, want, tol_dtype, f"{role} {i}", atol_scale=atol_scale, non_finite_alike=True)
-    return COMPARED
 
 
 # ============================================================================== quantize
@@ -261,6 +267,26 @@ def run_quantize(case: QuantizeCase, device: torch.device) -> str:
         return f"{REFUSED}: {bufs.refusal}"
     unchanged(bufs, {"x"})
     want = ref.quantize(x64, mode=case.mode, group_size=gs, symmetric=case.symmetric)
+    _check_quantized_format(case, got, want, x)
+    host = _host_qt(got)
+    bad = ~x64.reshape(-1, gs).isfinite().all(dim=1)
+    good = ~bad
+    scales = host.scales.double()
+    if bool(bad.any()):
+        _check_non_finite_groups(host, bad, scales)
+    deq = ref.dequantize(host, dtype=torch.float64).reshape(-1, gs)
+    if bool(bad.any()) and not bool(deq[bad].isnan().all()):
+        fail("an element of a group holding NaN/Inf does not dequantize to NaN")
+    if not bool(good.any()):
+        return COMPARED
+    _check_finite_groups(case, host, want, x64, good, scales, deq)
+    return COMPARED
+
+
+def _check_quantized_format(case: QuantizeCase, got, want: ref.QuantizedTensor, x: torch.Tensor) -> None:
+    """The result is a QuantizedTensor of the call's mode, group size, dtype and shape, in the reference's wire
+    format (data dtype and shape, one float32 scale per group, zero points where the reference has them)."""
+    gs = case.group_size
     if not isinstance(got, ref.QuantizedTensor):
         fail(f"returned {type(got).__name__}, not a QuantizedTensor")
     for name, expect in (("mode", case.mode), ("group_size", gs), ("dtype", x.dtype), ("shape", x.shape)):
@@ -269,27 +295,27 @@ def run_quantize(case: QuantizeCase, device: torch.device) -> str:
     if got.data.dtype != want.data.dtype or tuple(got.data.shape) != tuple(want.data.shape):
         fail(f"data is {got.data.dtype}{tuple(got.data.shape)}, the wire format is "
              f"{want.data.dtype}{tuple(want.data.shape)}")
-    groups = lay.numel // gs
+    groups = case.x.layout.numel // gs
     if got.scales.dtype != torch.float32 or got.scales.numel() != groups:
         fail(f"scales are {got.scales.dtype}{tuple(got.scales.shape)}, expected float32 with {groups} entries")
     if (got.zero_points is None) != (want.zero_points is None):
         fail("zero points present where the reference has none, or missing")
-    host = _host_qt(got)
-    bad = ~x64.reshape(-1, gs).isfinite().all(dim=1)
-    good = ~bad
-    scales = host.scales.double()
-    if bool(bad.any()):
-        # the contract: a group holding NaN or ±Inf gets a NaN scale (zero point 0), so it dequantizes to NaN
-        if not bool(scales[bad].isnan().all()):
-            g = int((bad & ~scales.isnan()).nonzero()[0])
-            fail(f"group {g} holds NaN/Inf but its scale is {scales[g].item()!r} (the contract: NaN)")
-        if host.zero_points is not None and bool((host.zero_points[bad] != 0).any()):
-            fail("a group holding NaN/Inf has a non-zero zero point (the contract: 0)")
-    deq = ref.dequantize(host, dtype=torch.float64).reshape(-1, gs)
-    if bool(bad.any()) and not bool(deq[bad].isnan().all()):
-        fail("an element of a group holding NaN/Inf does not dequantize to NaN")
-    if not bool(good.any()):
-        return COMPARED
+
+
+def _check_non_finite_groups(host: ref.QuantizedTensor, bad: torch.Tensor, scales: torch.Tensor) -> None:
+    """The contract: a group holding NaN or ±Inf gets a NaN scale (zero point 0), so it dequantizes to NaN."""
+    if not bool(scales[bad].isnan().all()):
+        g = int((bad & ~scales.isnan()).nonzero()[0])
+        fail(f"group {g} holds NaN/Inf but its scale is {scales[g].item()!r} (the contract: NaN)")
+    if host.zero_points is not None and bool((host.zero_points[bad] != 0).any()):
+        fail("a group holding NaN/Inf has a non-zero zero point (the contract: 0)")
+
+
+def _check_finite_groups(case: QuantizeCase, host: ref.QuantizedTensor, want: ref.QuantizedTensor,
+                         x64: torch.Tensor, good: torch.Tensor, scales: torch.Tensor, deq: torch.Tensor) -> None:
+    """Scales, zero points and codes of the finite groups within a step of the reference's, and the round trip
+    within one quantization step of ``x``."""
+    gs = case.group_size
     close(scales[good], want.scales.double()[good], torch.float32, "scales of the finite groups")
     if want.zero_points is not None:
         dz = (host.zero_points[good].int() - want.zero_points[good].int()).abs().max()
@@ -309,7 +335,6 @@ def run_quantize(case: QuantizeCase, device: torch.device) -> str:
         bound = step * (0.5 if case.symmetric else 1.0) * (1 + 1e-3) + 1e-6 * max(case.scale, 1.0)
     if not bool(((deq[good] - xg).abs() <= bound).all()):
         fail("dequantize(quantize(x)) is off by more than one quantization step in a finite group")
-    return COMPARED
 
 
 # ============================================================================ dequantize
