@@ -126,9 +126,42 @@ _ptr, _is_contiguous = torch.Tensor.data_ptr, torch.Tensor.is_contiguous
 def check_optimizer_tensors(op: str, names: tuple[str, ...], lists, written=WRITTEN) -> torch.device | None:
     """Lengths, shapes, dtypes, one device, and no memory a written tensor shares; returns the device.
 
-    Per list, the common case is a handful of C-level passes (``map`` over attribute reads);
-    a per-tensor Python loop runs only to name a bad tensor or for non-contiguous written ones.
+    Per list, the common case is a handful of C-level passes (``map`` over attribute reads), inline here
+    because this runs on every optimizer step; a per-tensor Python loop runs only to name a bad tensor
+    (the ``_refuse_*`` helpers) or for non-contiguous written ones.
     """
+    n = _check_list_lengths(op, names, lists)
+    if n == 0:
+        return None
+    for li, lst in enumerate(lists):
+        if not all(issubclass(k, torch.Tensor) for k in set(map(type, lst))):
+            _refuse_non_tensor(op, names[li], lst)
+    device = lists[0][0].device
+    shapes = list(map(_shape, lists[0]))
+    starts: list[int] = []
+    ends: list[int] = []
+    for li, lst in enumerate(lists):
+        if any(d != device for d in set(map(_device, lst))):
+            _refuse_other_device(op, names, li, lst, device)
+        if li and list(map(_shape, lst)) != shapes:
+            _refuse_other_shape(op, names, li, lst, shapes)
+        if not (all(d.is_floating_point for d in set(map(_dtype, lst)))
+                and set(map(_layout, lst)) == {torch.strided}):
+            _refuse_not_dense_floating(op, names[li], lst)
+        ptrs = list(map(_ptr, lst))
+        if all(map(_is_contiguous, lst)):
+            sizes = list(map(_nbytes, lst))
+        else:
+            sizes = _strided_extents(op, names[li], lst, li in written)
+        starts += ptrs
+        ends += map(operator.add, ptrs, sizes)
+    if _ranges_overlap(starts, ends):
+        _check_no_aliasing(op, names, lists, written)
+    return device
+
+
+def _check_list_lengths(op: str, names, lists) -> int:
+    """Every argument is a list (or tuple), all equally long; returns the length."""
     for name, lst in zip(names, lists, strict=True):
         if not isinstance(lst, (list, tuple)):
             raise OpArgumentError(f"{op}: {name} must be a list of tensors, got {type(lst).__name__}")
@@ -136,42 +169,38 @@ def check_optimizer_tensors(op: str, names: tuple[str, ...], lists, written=WRIT
     if any(len(lst) != n for lst in lists):
         counts = ", ".join(f"{name}: {len(lst)}" for name, lst in zip(names, lists, strict=True))
         raise OpArgumentError(f"{op}: the tensor lists differ in length ({counts}); pass one entry per parameter")
-    if n == 0:
-        return None
-    for li, lst in enumerate(lists):
-        if not all(issubclass(k, torch.Tensor) for k in set(map(type, lst))):
-            i = next(i for i, t in enumerate(lst) if not isinstance(t, torch.Tensor))
-            raise OpArgumentError(f"{op}: {names[li]}[{i}] is a {type(lst[i]).__name__}, not a tensor")
-    device = lists[0][0].device
-    shapes = list(map(_shape, lists[0]))
-    starts: list[int] = []
-    ends: list[int] = []
-    for li, lst in enumerate(lists):
-        if any(d != device for d in set(map(_device, lst))):
-            i = next(i for i, t in enumerate(lst) if t.device != device)
-            raise OpArgumentError(f"{op}: {names[li]}[{i}] is on {lst[i].device} but {names[0]}[0] is on {device}; "
-                                  "one call takes tensors of one device")
-        if li and list(map(_shape, lst)) != shapes:
-            i = next(i for i, t in enumerate(lst) if t.shape != shapes[i])
-            raise OpArgumentError(f"{op}: {names[li]}[{i}] has shape {tuple(lst[i].shape)} but {names[0]}[{i}] has "
-                                  f"{tuple(shapes[i])}; entry i of every list has one shape")
-        if not (all(d.is_floating_point for d in set(map(_dtype, lst)))
-                and set(map(_layout, lst)) == {torch.strided}):
-            i = next(i for i, t in enumerate(lst) if not t.dtype.is_floating_point or t.layout != torch.strided)
-            raise OpArgumentError(f"{op}: {names[li]}[{i}] is a {lst[i].layout} tensor of dtype {lst[i].dtype}; "
-                                  "the optimizer ops take dense (strided) floating-point tensors")
-        ptrs = list(map(_ptr, lst))
-        if all(map(_is_contiguous, lst)):
-            sizes = list(map(_nbytes, lst))
-        else:
-            sizes = [_extent_bytes(t) for t in lst]
-            if li in written:
-                _check_internal_overlap(op, names[li], lst)
-        starts += ptrs
-        ends += map(operator.add, ptrs, sizes)
-    if _ranges_overlap(starts, ends):
-        _check_no_aliasing(op, names, lists, written)
-    return device
+    return n
+
+
+def _refuse_non_tensor(op: str, name: str, lst) -> None:
+    i = next(i for i, t in enumerate(lst) if not isinstance(t, torch.Tensor))
+    raise OpArgumentError(f"{op}: {name}[{i}] is a {type(lst[i]).__name__}, not a tensor")
+
+
+def _refuse_other_device(op: str, names, li: int, lst, device: torch.device) -> None:
+    i = next(i for i, t in enumerate(lst) if t.device != device)
+    raise OpArgumentError(f"{op}: {names[li]}[{i}] is on {lst[i].device} but {names[0]}[0] is on {device}; "
+                          "one call takes tensors of one device")
+
+
+def _refuse_other_shape(op: str, names, li: int, lst, shapes: list) -> None:
+    i = next(i for i, t in enumerate(lst) if t.shape != shapes[i])
+    raise OpArgumentError(f"{op}: {names[li]}[{i}] has shape {tuple(lst[i].shape)} but {names[0]}[{i}] has "
+                          f"{tuple(shapes[i])}; entry i of every list has one shape")
+
+
+def _refuse_not_dense_floating(op: str, name: str, lst) -> None:
+    i = next(i for i, t in enumerate(lst) if not t.dtype.is_floating_point or t.layout != torch.strided)
+    raise OpArgumentError(f"{op}: {name}[{i}] is a {lst[i].layout} tensor of dtype {lst[i].dtype}; "
+                          "the optimizer ops take dense (strided) floating-point tensors")
+
+
+def _strided_extents(op: str, name: str, lst, is_written: bool) -> list[int]:
+    """Bytes each tensor of a list with non-contiguous ones spans from its ``data_ptr``; a written list's are
+    checked for internal overlap first."""
+    if is_written:
+        _check_internal_overlap(op, name, lst)
+    return [_extent_bytes(t) for t in lst]
 
 
 def _ranges_overlap(starts: list[int], ends: list[int]) -> bool:
