@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .comm_hooks import CommHooks
 from .errors import InvalidArgument, PolyaccelError, Unsupported
 from .version import API_VERSION
 
@@ -138,8 +139,6 @@ class Accelerator:
         Default: ``communication_backend``, device tensors handed to it as they are, nothing
         staged or emulated. Another plugin may override the answer (``polyaccel_comm_hooks``).
         """
-        from .comm.hooks import CommHooks
-
         return CommHooks.defaults_for(self)
 
     def report_facts(self) -> dict[str, Any] | None:

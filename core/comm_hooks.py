@@ -4,6 +4,10 @@ An accelerator gives its own with :meth:`polyaccel.Accelerator.comm_hooks` (the 
 builds them from ``communication_backend``: device tensors go to the backend as they are,
 nothing is staged and nothing is emulated); a plugin may override another's through the
 ``polyaccel_comm_hooks(accelerator)`` hook. :func:`polyaccel.comm.resolve_hooks` decides.
+
+A contract beside :mod:`polyaccel.accelerator`, below the runtime and the comm layer: the
+accelerator contract builds its defaults from it, and ``polyaccel.comm`` re-exports it as
+``polyaccel.comm.CommHooks``.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 #: collectives polyaccel.comm can emulate from others, with the emulation used
 EMULATIONS = {

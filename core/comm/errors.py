@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import PolyaccelError
+from .peers import describe_lost
 
 TIMEOUT_ENV = "POLYACCEL_COMM_TIMEOUT"
 
@@ -44,8 +45,6 @@ def translate(op: str, exc: BaseException, timeout_s: float | None = None) -> Ba
     raw = str(exc).strip()
     low = raw.lower()
     if any(m in low for m in _PEER_LOST_MARKS):
-        from .peers import describe_lost
-
         lost = describe_lost()
         return PeerLostError(
             f"polyaccel.comm.{op}: a peer closed its connection before the call completed "

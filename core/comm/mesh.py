@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import ConfigError
 from ..runtime import current
+from .session import get_world_size, init_distributed, is_initialized
 
 DIMS = ("data", "tensor", "expert", "expert_data")
 
@@ -79,8 +80,6 @@ def init_parallel_mesh(data: int = -1, tensor: int = 1, expert: int = 1,
     ``data=-1`` takes whatever the world leaves after ``tensor``; ``expert`` must divide ``data``.
     ``device_type`` defaults to the selected accelerator's.
     """
-    from . import get_world_size, init_distributed, is_initialized
-
     if not is_initialized():
         init_distributed()
     world = get_world_size()

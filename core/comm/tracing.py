@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..hookspecs import hookimpl
 from ..runtime import current
-from . import refresh
+from .session import refresh
 
 
 def group_ranks(group) -> tuple[int, ...]:

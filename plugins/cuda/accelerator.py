@@ -22,6 +22,7 @@ import functools
 
 import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
+from polyaccel.comm import CommHooks
 
 #: cudaHostRegister flags (cuda_runtime_api.h); Portable: every context sees the registration
 CUDA_HOST_REGISTER_DEFAULT = 0x00
@@ -163,8 +164,6 @@ class CudaAccelerator(Accelerator):
         """NCCL (RCCL for rocm, same torch.distributed name) binds a communicator to one GPU: giving
         ``init_process_group`` the ``device_id`` lets it connect eagerly and spares torch the device
         guess on the first collective."""
-        from polyaccel.comm import CommHooks
-
         return CommHooks(backend=self.communication_backend, pass_device_id=True)
 
     def report_facts(self) -> dict | None:

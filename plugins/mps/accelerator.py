@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
+from polyaccel.comm import CommHooks
 from polyaccel.errors import PolyaccelError, Unsupported
 
 _UNIFIED = ("torch cannot hand an existing host buffer to Metal without a copy; use pin_memory() (one copy into "
@@ -102,8 +103,6 @@ class MpsAccelerator(Accelerator):
 
     def comm_hooks(self):
         """gloo cannot read MPS tensors: every tensor goes through host staging (async copy back in wait())."""
-        from polyaccel.comm import CommHooks
-
         return CommHooks(backend="gloo", supports_device_tensors=False)
 
     def report_facts(self) -> dict[str, Any] | None:

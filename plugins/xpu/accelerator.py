@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
+from polyaccel.comm import CommHooks
 from polyaccel.errors import ConfigError, Unsupported
 
 from . import ipex as ipex_mod
@@ -84,8 +85,6 @@ class XpuAccelerator(Accelerator):
 
     def comm_hooks(self):
         """xccl (or oneCCL's ccl) reads XPU tensors directly: no staging; no backend is a clear error."""
-        from polyaccel.comm import CommHooks
-
         choice = self.comm_choice()
         if choice.backend is None:
             raise ConfigError(choice.reason)

@@ -119,13 +119,13 @@ def _native_disabled(*args, **kwargs):
 
 def _disable_native_collectives():
     """Make the natives of the emulated collectives fail, so only a real emulation can pass."""
-    saved = (comm._reduce_scatter, comm._all_gather, dist.all_to_all_single)
-    comm._reduce_scatter = comm._all_gather = dist.all_to_all_single = _native_disabled
+    saved = (comm.collectives._reduce_scatter, comm.collectives._all_gather, dist.all_to_all_single)
+    comm.collectives._reduce_scatter = comm.collectives._all_gather = dist.all_to_all_single = _native_disabled
     return saved
 
 
 def _restore_native_collectives(saved):
-    comm._reduce_scatter, comm._all_gather, dist.all_to_all_single = saved
+    comm.collectives._reduce_scatter, comm.collectives._all_gather, dist.all_to_all_single = saved
 
 
 def _bad_arguments(rank: int, world: int) -> list[str]:
@@ -200,9 +200,9 @@ def test_emulated_collective_natives_are_really_disabled_in_the_check():
     saved = _disable_native_collectives()
     try:
         with pytest.raises(RuntimeError, match="declare it emulated"):
-            comm._reduce_scatter(torch.empty(1), torch.empty(2))
+            comm.collectives._reduce_scatter(torch.empty(1), torch.empty(2))
         with pytest.raises(RuntimeError, match="declare it emulated"):
             dist.all_to_all_single(torch.empty(2), torch.empty(2))
     finally:
         _restore_native_collectives(saved)
-    assert comm._reduce_scatter is not _native_disabled
+    assert comm.collectives._reduce_scatter is not _native_disabled

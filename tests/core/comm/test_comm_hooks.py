@@ -30,7 +30,7 @@ class _Answers:
 def fake_init(monkeypatch):
     """Record init_process_group's arguments instead of creating a group."""
     calls = []
-    monkeypatch.setattr(comm.dist, "init_process_group", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(comm.session.dist, "init_process_group", lambda **kw: calls.append(kw))
     yield calls
     comm.destroy()
 
@@ -139,10 +139,10 @@ def test_set_hooks_checks_its_argument():
         comm.set_hooks("gloo")
     previous = comm.set_hooks(CommHooks(backend="gloo", supports_device_tensors=False))
     try:
-        assert comm._direct is False
+        assert comm.dispatch.direct is False
     finally:
         comm.set_hooks(previous)
-    assert comm._direct is True
+    assert comm.dispatch.direct is True
 
 
 def test_report_shows_emulated_collectives_of_the_selected_plugin():

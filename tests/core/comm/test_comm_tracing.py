@@ -27,10 +27,10 @@ class CountingWrapper:
 
 def traced_schedule(rank: int, world: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    facts = {"direct_before": comm._direct}
+    facts = {"direct_before": comm.dispatch.direct}
     pair = comm.new_group([0, 1])
     with CommTracer() as tracer:
-        facts["direct_inside"] = comm._direct
+        facts["direct_inside"] = comm.dispatch.direct
         t = torch.randn(4, 3, generator=g)  # 48 bytes
         comm.all_reduce(t)
         gathered = torch.empty(world * 4, 3)
@@ -49,7 +49,7 @@ def traced_schedule(rank: int, world: int, seed: int) -> dict:
         except (ValueError, RuntimeError):
             pass
         comm.barrier()
-    facts["direct_after"] = comm._direct
+    facts["direct_after"] = comm.dispatch.direct
     comm.all_reduce(torch.ones(1))  # after the tracer left: not recorded
     facts["events"] = [(e.op, list(e.group_ranks), e.bytes, e.async_op, e.ok, e.dtypes) for e in tracer.events]
     facts["durations_ok"] = all(e.duration_s >= 0 for e in tracer.events)
@@ -66,7 +66,7 @@ def traced_schedule(rank: int, world: int, seed: int) -> dict:
     comm.refresh()
     comm.all_reduce(torch.ones(2))
     facts["counted"] = counter.calls
-    facts["direct_at_end"] = comm._direct
+    facts["direct_at_end"] = comm.dispatch.direct
     return facts
 
 
@@ -95,7 +95,7 @@ def test_tracer_records_the_schedule_groups_and_bytes():
 def test_untraced_layer_does_not_touch_pluggy(monkeypatch):
     """Without a wrapper the dispatch flag stays on: no hook caller is consulted per call."""
     comm.refresh()
-    assert comm._direct is True and comm._hook_caller is None
+    assert comm.dispatch.direct is True and comm.dispatch.hook_caller is None
     with CommTracer():
-        assert comm._direct is False and comm._hook_caller is not None
-    assert comm._direct is True and comm._hook_caller is None
+        assert comm.dispatch.direct is False and comm.dispatch.hook_caller is not None
+    assert comm.dispatch.direct is True and comm.dispatch.hook_caller is None
