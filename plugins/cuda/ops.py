@@ -1,36 +1,49 @@
-"""Op builders of the cuda plugin: Triton multi-tensor optimizers, and torch's fused Adam as fallback.
+"""Op builders of the cuda plugin (device type "cuda"), in one table.
 
-Triton builders are compatible only where :func:`triton_support.triton_compatible` says so;
-``polyaccel.ops.explain("fused_adam", "cuda")`` shows the reason when they are not. Part of
-the plugin's builders (quantize, swiglu, grouped_mm, gather_sum) live in :mod:`.kernel_builders`.
+Triton kernels for the multi-tensor optimizers (fused_adam, fused_lion, fused_lamb) above
+torch's fused Adam, and for quantize/dequantize, swiglu, grouped_mm (also torch._grouped_mm)
+and gather_sum. The plugin's ``polyaccel_op_builders`` hook returns :func:`builders`.
+
+Importing this module loads neither Triton nor a kernel: a loader imports its kernel module on
+first use, and the ``compatible`` checks are cheap questions about the accelerator serving
+"cuda". Triton builders are compatible only where :func:`triton_support.triton_compatible` says
+so; ``polyaccel.ops.explain("fused_adam", "cuda")`` shows the reason when they are not.
+
+fp8: the ``quantize`` / ``dequantize`` builders serve every mode. fp8 (e4m3) needs compute
+capability 8.9 or newer for Triton's conversions; on an older GPU the builder stays chosen
+for int8/int4 and an fp8 call raises ``polyaccel.Unsupported`` naming the cuda plugin (with the
+override to the reference in its hint). :func:`fp8_compatible` answers the same question up
+front, for capability reports.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import torch
 from polyaccel.ops import OpBuilder, torch_optim
 
 from .triton_support import triton_compatible
 
-TRITON_PRIORITY = 100
-TORCH_PRIORITY = 50
+#: compute capability from which Triton converts to and from e4m3
+FP8_MIN_CAPABILITY = (8, 9)
+#: compute capability torch._grouped_mm's CUTLASS kernels are built for
+GROUPED_MM_MIN_CAPABILITY = (9, 0)
 
-
-def _triton_loader(attr: str):
-    def load():
-        from .kernels import optimizers
-
-        return getattr(optimizers, attr)
-
-    return load
-
+#: the Triton multi-tensor optimizers rank above torch's fused Adam
+TRITON_OPTIMIZER_PRIORITY = 100
+TORCH_FUSED_ADAM_PRIORITY = 50
+#: the other Triton kernels; torch._grouped_mm ranks above Triton's grouped_mm where it runs
+TRITON_KERNEL_PRIORITY = 50
+TORCH_GROUPED_MM_PRIORITY = 60
 
 #: torch's fused CUDA Adam/AdamW kernel per dtype group; foreach where its preconditions do not hold
 torch_fused_adam = torch_optim.fused_adam
 
 
+# ----------------------------------------------------------------------------- compatibility
 def _torch_cuda_compatible(accelerator) -> tuple[bool, str]:
     if accelerator is None or accelerator.device_type != "cuda":
         return False, "no usable CUDA/ROCm accelerator serves device type 'cuda' here"
@@ -39,24 +52,106 @@ def _torch_cuda_compatible(accelerator) -> tuple[bool, str]:
     return True, ""
 
 
-def builders() -> list[OpBuilder]:
-    found = [
-        OpBuilder(op=op, name=f"triton_{op}", device_types=("cuda",), loader=_triton_loader(op), kind="triton",
-                  priority=TRITON_PRIORITY, compatible=triton_compatible, description=what)
-        for op, what in (
-            ("fused_adam", "Triton multi-tensor Adam/AdamW: one launch over all tensors, fp32 math"),
-            ("fused_lion", "Triton multi-tensor Lion: one launch over all tensors, fp32 math"),
-            ("fused_lamb", "Triton multi-tensor LAMB: moments+norms, trust ratios, update (3 launches)"),
-        )
+def _capability(accelerator) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(accelerator.current_device()))
+
+
+def fp8_compatible(accelerator) -> tuple[bool, str]:
+    """(ok, reason) for fp8 (e4m3) quantize/dequantize through the Triton builder."""
+    ok, why = triton_compatible(accelerator)
+    if not ok:
+        return False, why
+    if getattr(torch.version, "hip", None):
+        dtypes = accelerator.fp8_dtypes() if hasattr(accelerator, "fp8_dtypes") else ()
+        if torch.float8_e4m3fn not in dtypes:
+            return False, f"the kernels write float8_e4m3fn; this GPU's fp8 formats are {list(map(str, dtypes))}"
+        return True, ""
+    cap = _capability(accelerator)
+    if cap < FP8_MIN_CAPABILITY:
+        return False, (f"compute capability {cap[0]}.{cap[1]} has no e4m3 conversions "
+                       f"(needs {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}+); int8 and int4 still run")
+    return True, ""
+
+
+def torch_grouped_mm_compatible(accelerator) -> tuple[bool, str]:
+    """(ok, reason) for the ``torch._grouped_mm`` builder."""
+    if accelerator is None:
+        return False, "no usable accelerator serves this device type (no CUDA GPU here)"
+    if accelerator.device_type != "cuda":
+        return False, f"{accelerator.name} uses device type {accelerator.device_type!r}, not 'cuda'"
+    if not hasattr(torch, "_grouped_mm"):
+        return False, f"torch {torch.__version__} has no torch._grouped_mm (added in torch 2.8)"
+    if getattr(torch.version, "hip", None):
+        return False, "torch._grouped_mm is not verified on ROCm by this plugin"
+    probe = accelerator.probe()
+    if not probe.available:
+        return False, f"{accelerator.name} is not usable here: {probe.reason}"
+    if accelerator.is_emulated():
+        return False, f"{accelerator.name} runs on an emulated runtime"
+    if not torch.cuda.is_available():
+        return False, "torch.cuda.is_available() is False"
+    cap = _capability(accelerator)
+    if cap < GROUPED_MM_MIN_CAPABILITY:
+        return False, (f"torch._grouped_mm's CUTLASS kernels need compute capability "
+                       f"{GROUPED_MM_MIN_CAPABILITY[0]}.{GROUPED_MM_MIN_CAPABILITY[1]}+, this GPU is {cap[0]}.{cap[1]}")
+    return True, ""
+
+
+# ----------------------------------------------------------------------------- the table
+def _loader(module: str, attr: str) -> Callable[[], Callable]:
+    """A loader returning ``attr`` of the plugin's ``module`` (relative, e.g. ``.kernels.swiglu``), imported then."""
+
+    def load():
+        return getattr(importlib.import_module(module, __package__), attr)
+
+    return load
+
+
+@dataclass(frozen=True)
+class _Row:
+    op: str
+    name: str
+    module: str
+    attr: str
+    kind: str
+    priority: int
+    compatible: Callable
+    description: str
+
+
+_TABLE = (
+    _Row("fused_adam", "triton_fused_adam", ".kernels.optimizers", "fused_adam", "triton", TRITON_OPTIMIZER_PRIORITY,
+         triton_compatible, "Triton multi-tensor Adam/AdamW: one launch over all tensors, fp32 math"),
+    _Row("fused_lion", "triton_fused_lion", ".kernels.optimizers", "fused_lion", "triton", TRITON_OPTIMIZER_PRIORITY,
+         triton_compatible, "Triton multi-tensor Lion: one launch over all tensors, fp32 math"),
+    _Row("fused_lamb", "triton_fused_lamb", ".kernels.optimizers", "fused_lamb", "triton", TRITON_OPTIMIZER_PRIORITY,
+         triton_compatible, "Triton multi-tensor LAMB: moments+norms, trust ratios, update (3 launches)"),
+    _Row("fused_adam", "torch_fused_adam", ".ops", "torch_fused_adam", "torch", TORCH_FUSED_ADAM_PRIORITY,
+         _torch_cuda_compatible, "torch._fused_adam(w)_ per dtype group, else torch foreach ops"),
+    _Row("quantize", "triton_quantize", ".kernels.quantize", "quantize", "triton", TRITON_KERNEL_PRIORITY,
+         triton_compatible, "Triton group-wise quantize: int8/int4 sym/asym on any Triton GPU; fp8 e4m3 on "
+                            "compute capability 8.9+ (older GPUs raise polyaccel.Unsupported for fp8)"),
+    _Row("dequantize", "triton_dequantize", ".kernels.quantize", "dequantize", "triton", TRITON_KERNEL_PRIORITY,
+         triton_compatible, "Triton group-wise dequantize (int8, int4; fp8 on compute capability 8.9+)"),
+    _Row("swiglu", "triton_swiglu", ".kernels.swiglu", "swiglu", "triton", TRITON_KERNEL_PRIORITY,
+         triton_compatible, "Triton SwiGLU: one fused forward and one fused backward kernel, autograd-aware"),
+    _Row("grouped_mm", "triton_grouped_mm", ".kernels.grouped_mm", "grouped_mm", "triton", TRITON_KERNEL_PRIORITY,
+         triton_compatible, "Triton grouped GEMM, one launch for all experts, 64-bit offsets, bf16/fp16/fp32, "
+                            "autograd-aware"),
+    _Row("gather_sum", "triton_gather_sum", ".kernels.gather_sum", "gather_sum", "triton", TRITON_KERNEL_PRIORITY,
+         triton_compatible, "Triton gather-sum: one pass over the rows forward, one backward (weights' gradient "
+                            "included), no atomics, autograd-aware"),
+    _Row("grouped_mm", "torch_grouped_mm", ".kernels.grouped_mm", "torch_grouped_mm", "torch",
+         TORCH_GROUPED_MM_PRIORITY, torch_grouped_mm_compatible,
+         "torch._grouped_mm (CUTLASS, bf16) with the rows past the last offset zeroed; "
+         "other dtypes or unaligned shapes go to the reference"),
+)
+
+
+def builders(ops: Collection[str] | None = None) -> list[OpBuilder]:
+    """The plugin's builders (of ``ops`` only, when given): fresh objects, since a registry owns what it is given."""
+    return [
+        OpBuilder(op=row.op, name=row.name, device_types=("cuda",), loader=_loader(row.module, row.attr),
+                  kind=row.kind, priority=row.priority, compatible=row.compatible, description=row.description)
+        for row in _TABLE if ops is None or row.op in ops
     ]
-    found.append(OpBuilder(op="fused_adam", name="torch_fused_adam", device_types=("cuda",),
-                           loader=lambda: torch_fused_adam, kind="torch", priority=TORCH_PRIORITY,
-                           compatible=_torch_cuda_compatible,
-                           description="torch._fused_adam(w)_ per dtype group, else torch foreach ops"))
-    try:
-        kernel_builders = importlib.import_module(f"{__package__}.kernel_builders")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__package__}.kernel_builders":
-            raise
-        return found
-    return found + kernel_builders.builders()

@@ -6,6 +6,7 @@ import threading
 
 import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
+from polyaccel.comm import CommHooks
 from polyaccel.errors import Unsupported
 from polyaccel.hookspecs import EMULATED_MARKER
 
@@ -30,21 +31,7 @@ class NpuAccelerator(Accelerator):
         return ["ASCEND_RT_VISIBLE_DEVICES"]
 
     def probe(self) -> ProbeResult:
-        mod, reason = runtime.import_torch_npu()
-        if mod is None:
-            return ProbeResult(False, reason, details={"hint": runtime.AUTOLOAD_HINT})
-        npu = runtime.npu_module()
-        details = {"torch_npu": getattr(mod, "__version__", "unknown")}
-        try:
-            available = bool(npu.is_available())
-            count = int(npu.device_count()) if available else 0
-        except Exception as exc:  # noqa: BLE001 - a runtime that cannot answer is unavailable
-            return ProbeResult(False, f"torch.npu.is_available() raised {type(exc).__name__}: {exc}",
-                               details=details)
-        if not available or count == 0:
-            return ProbeResult(False, "torch_npu imports but torch.npu.is_available() is False: no NPU is "
-                               "visible (check the driver and ASCEND_RT_VISIBLE_DEVICES)", details=details)
-        return ProbeResult(True, "", count, details=details)
+        return runtime.TORCH_NPU.probe()
 
     def capabilities(self) -> frozenset[str]:
         npu = runtime.npu_module()
@@ -59,8 +46,6 @@ class NpuAccelerator(Accelerator):
 
     def comm_hooks(self):
         """HCCL binds a communicator to the current device, like NCCL: ``init_process_group`` gets ``device_id``."""
-        from polyaccel.comm import CommHooks
-
         return CommHooks(backend=self.communication_backend, pass_device_id=True)
 
     def report_facts(self) -> dict | None:

@@ -24,7 +24,6 @@ Tensors stay on the CPU. Offered through the plugin's ``polyaccel_emulated_runti
 
 from __future__ import annotations
 
-import importlib.machinery
 import types
 from typing import Any
 
@@ -32,13 +31,11 @@ import torch
 from polyaccel.testing.emulation import (
     DeviceModuleFunctions,
     EmulatedGraph,
-    EmulatedRuntime,
+    ExtensionRuntime,
     HostMemoryTable,
     Patcher,
-    PinnedHost,
     install_graph_api,
     mark_emulated,
-    missing_library_error,
 )
 
 from .accelerator import NpuAccelerator
@@ -115,10 +112,11 @@ class NPUGraph(EmulatedGraph):
     api_name = "NPUGraph"
 
 
-class NpuRuntime(EmulatedRuntime):
+class NpuRuntime(ExtensionRuntime):
     """The emulated Ascend runtime; ``runtime.npurt`` is the host-registration binding."""
 
     name = "npu"
+    extension, torch_attr, library, version = "torch_npu", "npu", "libhccl.so", EMULATED_VERSION
     accelerator = NpuAccelerator
     FAULTS = {
         "library_missing": "torch_npu is installed but CANN is not: `import torch_npu` raises "
@@ -133,11 +131,7 @@ class NpuRuntime(EmulatedRuntime):
     }
 
     def __init__(self, device_count: int = 1, track_allocations: bool = True, **faults: Any):
-        super().__init__(**faults)
-        self.device_count = 0 if self.faults.no_device else device_count
-        self.current = 0
-        self.pinned_host = PinnedHost(self)
-        self.track_allocations = track_allocations
+        super().__init__(device_count, track_allocations, **faults)
         self.npurt = _Npurt(self)
         self.graphs: list[NPUGraph] = []
 
@@ -161,12 +155,10 @@ class NpuRuntime(EmulatedRuntime):
             install_graph_api(m, rt, NPUGraph)
         return m
 
-    def _build_torch_npu(self, npu_mod: types.ModuleType) -> types.ModuleType:
+    def _install_torch_npu(self, patcher: Patcher, npu_mod: types.ModuleType) -> None:
         rt = self
-        m = mark_emulated(types.ModuleType("torch_npu"))
-        m.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
-        m.__version__ = EMULATED_VERSION
-        m.npu = npu_mod
+        m = self.install_extension(patcher, npu_mod)
+        patcher.set_module("torch_npu.npu", npu_mod)
 
         def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):  # noqa: A002 - API name
             rt.record("npu_quantize", tuple(input.shape), dtype, axis, div_mode)
@@ -184,21 +176,11 @@ class NpuRuntime(EmulatedRuntime):
             return y.clamp(lo, hi).to(out)
 
         m.npu_quantize = npu_quantize
-        return m
 
     def install(self, patcher: Patcher) -> None:
-        if self.faults.library_missing:
-            patcher.delattr(torch, "npu")
-            patcher.fail_import("torch_npu", missing_library_error("libhccl.so", "torch_npu"))
+        if self.install_missing_library(patcher):
             return
-        npu_mod = self._build_npu_module()
-        torch_npu = self._build_torch_npu(npu_mod)
-        patcher.set_module("torch_npu", torch_npu)
-        patcher.set_module("torch_npu.npu", npu_mod)
-        patcher.setattr(torch, "npu", npu_mod)
-        self.pinned_host.install(patcher, "npu")
-        if self.track_allocations:
-            self.install_allocation_tracking(patcher)
+        self._install_torch_npu(patcher, self._build_npu_module())
         if not self.faults.no_fused_adam:
             # torch_npu renames the PrivateUse1 backend to "npu", which puts "npu" among the
             # devices torch's fused optimizers accept; reproduce that answer (not the rename,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from polyaccel.accelerator import Accelerator, ProbeResult
+from polyaccel.comm import CommHooks
 from polyaccel.errors import Unsupported
 from polyaccel.hookspecs import EMULATED_MARKER
 
@@ -23,21 +24,7 @@ class SupaAccelerator(Accelerator):
         return ["SUPA_VISIBLE_DEVICES"]
 
     def probe(self) -> ProbeResult:
-        mod, reason = runtime.import_torch_supa()
-        if mod is None:
-            return ProbeResult(False, reason)
-        supa = runtime.supa_module()
-        details = {"torch_supa": getattr(mod, "__version__", "unknown")}
-        try:
-            available = bool(supa.is_available())
-            count = int(supa.device_count()) if available else 0
-        except Exception as exc:  # noqa: BLE001
-            return ProbeResult(False, f"torch.supa.is_available() raised {type(exc).__name__}: {exc}",
-                               details=details)
-        if not available or count == 0:
-            return ProbeResult(False, "torch_supa imports but torch.supa.is_available() is False: no SUPA "
-                               "device is visible (check the driver and SUPA_VISIBLE_DEVICES)", details=details)
-        return ProbeResult(True, "", count, details=details)
+        return runtime.TORCH_SUPA.probe()
 
     def capabilities(self) -> frozenset[str]:
         supa = runtime.supa_module()
@@ -51,8 +38,6 @@ class SupaAccelerator(Accelerator):
         return frozenset(caps)
 
     def comm_hooks(self):
-        from polyaccel.comm import CommHooks
-
         return CommHooks(backend=self.communication_backend, pass_device_id=True)
 
     def report_facts(self) -> dict | None:

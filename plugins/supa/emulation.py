@@ -33,13 +33,11 @@ import torch
 from polyaccel.testing.emulation import (
     DeviceModuleFunctions,
     EmulatedGraph,
-    EmulatedRuntime,
+    ExtensionRuntime,
     HostMemoryTable,
     Patcher,
-    PinnedHost,
     install_graph_api,
     mark_emulated,
-    missing_library_error,
 )
 
 from .accelerator import SupaAccelerator
@@ -165,8 +163,9 @@ def _ds_lamb(rt, p, p_copy, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, max_coe
     return coeff
 
 
-class SupaRuntime(EmulatedRuntime):
+class SupaRuntime(ExtensionRuntime):
     name = "supa"
+    extension, torch_attr, library, version = "torch_supa", "supa", "libsupa.so", EMULATED_VERSION
     accelerator = SupaAccelerator
     FAULTS = {
         "library_missing": "torch_supa is installed but the Biren driver/runtime libraries are not: "
@@ -181,12 +180,8 @@ class SupaRuntime(EmulatedRuntime):
 
     def __init__(self, device_count: int = 1, cuda_face: bool = True, track_allocations: bool = True,
                  **faults: Any):
-        super().__init__(**faults)
-        self.device_count = 0 if self.faults.no_device else device_count
+        super().__init__(device_count, track_allocations, **faults)
         self.cuda_face = cuda_face
-        self.current = 0
-        self.pinned_host = PinnedHost(self)
-        self.track_allocations = track_allocations
         self.supart = _Supart(self)
         self.graphs: list[SUPAGraph] = []
 
@@ -225,21 +220,10 @@ class SupaRuntime(EmulatedRuntime):
         return mark_emulated(ns)
 
     def install(self, patcher: Patcher) -> None:
-        if self.faults.library_missing:
-            patcher.delattr(torch, "supa")
-            patcher.fail_import("torch_supa", missing_library_error("libsupa.so", "torch_supa"))
+        if self.install_missing_library(patcher):
             patcher.fail_import("torch_supa_ext", ModuleNotFoundError("No module named 'torch_supa_ext'"))
             return
-        supa_mod = self._build_supa_module()
-        torch_supa = mark_emulated(types.ModuleType("torch_supa"))
-        torch_supa.__spec__ = importlib.machinery.ModuleSpec("torch_supa", None)
-        torch_supa.__version__ = EMULATED_VERSION
-        torch_supa.supa = supa_mod
-        patcher.set_module("torch_supa", torch_supa)
-        patcher.setattr(torch, "supa", supa_mod)
-        self.pinned_host.install(patcher, "supa")
-        if self.track_allocations:
-            self.install_allocation_tracking(patcher)
+        self.install_extension(patcher, self._build_supa_module())
         if self.cuda_face:
             # torch_supa answers torch.cuda's availability questions for its own devices
             patcher.setattr(torch.cuda, "is_available", lambda: self.device_count > 0)

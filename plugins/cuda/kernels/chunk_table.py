@@ -80,12 +80,6 @@ class ChunkGroup:
     chunk_tensor: torch.Tensor
     _staging: torch.Tensor | None = field(default=None, repr=False)
 
-    @property
-    def tl_dtypes(self):
-        from .optimizers import _TL_DTYPES
-
-        return tuple(_TL_DTYPES[d] for d in self.dtypes)
-
 
 @dataclass(eq=False)
 class ChunkTable:

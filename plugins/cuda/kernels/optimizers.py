@@ -326,11 +326,9 @@ def _lamb_update_kernel(addrs, numels, chunk_tensor, chunk_start, n_tensors, tru
 
 
 # ----------------------------------------------------------------------------- host side
-def _tl_dtype(t: torch.Tensor, op: str, what: str):
-    dt = _TL_DTYPES.get(t.dtype)
-    if dt is None:
-        raise TypeError(f"{op}: {what} has dtype {t.dtype}; the Triton kernel takes float32, bfloat16 or float16")
-    return dt
+def _tl_dtypes(group) -> tuple:
+    """The Triton dtypes of a chunk-table group's operand lists (the table supports only these three)."""
+    return tuple(_TL_DTYPES[d] for d in group.dtypes)
 
 
 def _step_args(step, bias_correction: bool, beta1: float, beta2: float, device):
@@ -380,7 +378,7 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
         return
     for grp in table.groups:
         block, iters, warps = grp.config
-        p_dt, g_dt, m_dt, v_dt = grp.tl_dtypes
+        p_dt, g_dt, m_dt, v_dt = _tl_dtypes(grp)
         _adam_kernel[(grp.n_chunks,)](
             grp.addrs, grp.numels, grp.chunk_tensor, grp.chunk_start, grp.n_tensors,
             step_t if on_dev else grp.numels, float(lr), float(beta1), float(beta2), float(eps),
@@ -402,7 +400,7 @@ def fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay):
         return
     for grp in table.groups:
         block, iters, warps = grp.config
-        p_dt, g_dt, m_dt = grp.tl_dtypes
+        p_dt, g_dt, m_dt = _tl_dtypes(grp)
         _lion_kernel[(grp.n_chunks,)](
             grp.addrs, grp.numels, grp.chunk_tensor, grp.chunk_start, grp.n_tensors,
             float(lr), float(beta1), float(beta2), float(weight_decay),
@@ -427,7 +425,7 @@ def fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
         return
     for grp in table.groups:
         block, iters, warps = grp.config
-        p_dt, g_dt, m_dt, v_dt = grp.tl_dtypes
+        p_dt, g_dt, m_dt, v_dt = _tl_dtypes(grp)
         step_arg = step_t if on_dev else grp.numels
         partials = torch.empty(2 * grp.n_chunks, dtype=torch.float32, device=table.device)
         trust = torch.empty(grp.n_tensors, dtype=torch.float32, device=table.device)

@@ -282,7 +282,7 @@ def test_op_builders_hook_gives_optimizers_and_kernel_builders():
     names = {op: [b.name for b in reg.builders(op)] for op in reg.ops()}
     assert {"triton_fused_adam", "torch_fused_adam"} <= set(names["fused_adam"])
     assert names["fused_lion"] == ["triton_fused_lion"] and names["fused_lamb"] == ["triton_fused_lamb"]
-    assert {"quantize", "swiglu", "grouped_mm"} <= set(names)  # from kernel_builders.builders
+    assert {"quantize", "swiglu", "grouped_mm"} <= set(names)  # the kernel builders of the same table
 
 
 def test_torch_fused_adam_fallback_matches_reference():
