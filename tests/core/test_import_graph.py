@@ -29,15 +29,18 @@ def module_names(folder: Path, package: str) -> dict[str, Path]:
     return out
 
 
-def import_graph(folder: Path, package: str) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports, at module level or inside functions.
+def import_graph(folder: Path, package: str, *more: tuple[Path, str]) -> dict[str, set[str]]:
+    """Module -> the modules of the package (and of the ``more`` (folder, package) pairs) it imports.
 
-    ``from pkg import name`` counts as an import of ``pkg.name`` when that is a module, else of
-    ``pkg``. The parent packages Python initialises on the way are not edges (``a.b`` importing
-    ``a.c`` would otherwise always close a cycle through ``a``); the fresh-interpreter check
-    below covers what they do to the import order.
+    Every import statement counts: at module level, inside a function or a method, under ``if``
+    or ``try``. ``from pkg import name`` counts as an import of ``pkg.name`` when that is a
+    module, else of ``pkg``. The parent packages Python initialises on the way are not edges
+    (``a.b`` importing ``a.c`` would otherwise always close a cycle through ``a``); the
+    fresh-interpreter check below covers what they do to the import order.
     """
     modules = module_names(folder, package)
+    for other_folder, other_package in more:
+        modules.update(module_names(other_folder, other_package))
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         own_package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -162,6 +165,24 @@ def test_a_half_initialised_module_is_found(tmp_path):
     assert "partially initialized module 'cyc.runtime'" in result["failures"]["cyc.runtime"]
 
 
+def test_a_cycle_between_plugin_modules_through_a_method_level_import_is_found(tmp_path):
+    """The shape the cuda kernels had: a module-level import one way, an import inside a property back."""
+    folder = _package(tmp_path, {
+        "__init__.py": "",
+        "plugins/__init__.py": "",
+        "plugins/gpu/__init__.py": "def hook():\n    from .ops import builders\n    return builders()\n",
+        "plugins/gpu/ops.py": "from cyc.core import Builder\n\ndef builders():\n    return []\n",
+        "plugins/gpu/kernels/__init__.py": "",
+        "plugins/gpu/kernels/table.py": ("class Group:\n    @property\n    def dtypes(self):\n"
+                                         "        from .optimizers import DTYPES\n        return DTYPES\n"),
+        "plugins/gpu/kernels/optimizers.py": "from .table import Group\nDTYPES = {}\n",
+        "core.py": "class Builder:\n    pass\n",
+    })
+    graph = import_graph(folder / "plugins", "cyc.plugins", (folder, "cyc"))
+    assert cycles(graph) == [["cyc.plugins.gpu.kernels.optimizers", "cyc.plugins.gpu.kernels.table"]]
+    assert "cyc.core" in graph["cyc.plugins.gpu.ops"]  # edges into the other package are followed too
+
+
 # ------------------------------------------------------------------- the core keeps the rules
 def test_the_core_has_no_import_cycle():
     assert cycles(import_graph(ROOT / "core", "polyaccel")) == []
@@ -196,3 +217,28 @@ def test_every_core_module_imports_first_in_a_fresh_interpreter():
     result = fresh_import_failures("polyaccel", names)
     assert result["failures"] == {}
     assert set(result["skipped"]) <= {"polyaccel.integrations.deepspeed"}, result["skipped"]
+
+
+# ------------------------------------------------------------------- and so do the plugins
+def _core_and_plugins_graph() -> dict[str, set[str]]:
+    return import_graph(ROOT / "plugins", "polyaccel.plugins", (ROOT / "core", "polyaccel"))
+
+
+def test_no_plugin_has_an_import_cycle_even_through_the_core():
+    graph = _core_and_plugins_graph()
+    assert any(t.startswith("polyaccel.plugins.") for t in graph["polyaccel.plugins.rocm.accelerator"])
+    assert cycles(graph) == []
+
+
+def test_the_core_imports_no_plugin():
+    graph = _core_and_plugins_graph()
+    assert sorted((m, t) for m, targets in graph.items() if not m.startswith("polyaccel.plugins")
+                  for t in targets if t.startswith("polyaccel.plugins")) == []
+
+
+def test_every_plugin_module_imports_first_in_a_fresh_interpreter():
+    names = list(module_names(ROOT / "plugins", "polyaccel.plugins"))
+    result = fresh_import_failures("polyaccel", names)
+    assert result["failures"] == {}
+    assert set(result["skipped"]) <= {n for n in names if n.startswith("polyaccel.plugins.cuda.kernels.")}, \
+        result["skipped"]
