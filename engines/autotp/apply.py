@@ -25,7 +25,9 @@ from torch import nn
 from .config import TPConfig, parse
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead, copy_to_tp
 from .loss import causal_lm_loss
-from .plan import (
+from .model_facts import features
+from .plan import infer_plan
+from .plan_objects import (
     COLUMN,
     COLUMN_GATHER,
     GRAD_SUM,
@@ -35,8 +37,6 @@ from .plan import (
     VOCAB_HEAD,
     AttentionPlan,
     TPPlan,
-    features,
-    infer_plan,
 )
 
 PLAN_ATTR = "polyaccel_tp_plan"
