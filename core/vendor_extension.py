@@ -13,12 +13,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .accelerator import ProbeResult
+from .hookspecs import EMULATED_MARKER
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,15 @@ class VendorExtension:
             return None, f"{name} imported but torch.{self.torch_attr} is missing ({name} does not match this torch?)"
         return mod, ""
 
+    def is_not_installed(self, reason: str) -> bool:
+        """Whether ``reason`` (from :meth:`load`) says the extension is simply absent: nothing to report then."""
+        return reason.startswith(f"{self.module} is not installed")
+
+    def facts(self, mod: Any) -> dict[str, Any]:
+        """The report facts of a loaded extension: its version and whether it is an emulated stand-in."""
+        return {self.module: getattr(mod, "__version__", "unknown"),
+                "emulated": getattr(mod, EMULATED_MARKER, False) is True}
+
     def probe(self) -> ProbeResult:
         """Whether the extension imports and its ``torch.<torch_attr>`` sees a device, with its version."""
         mod, reason = self.load()
@@ -81,6 +92,16 @@ class VendorExtension:
             return ProbeResult(False, f"{self.module} imports but {where}.is_available() is False: no {self.device} "
                                f"is visible (check the driver and {self.visible_devices_env})", details=details)
         return ProbeResult(True, "", count, details=details)
+
+    def device_capabilities(self, claims: Iterable[str], graph_class: str) -> set[str]:
+        """``claims``, with "graphs" where ``torch.<torch_attr>`` has ``graph_class`` and ``graph``; none without it."""
+        device_module = self.device_module()
+        if device_module is None:
+            return set()
+        found = set(claims)
+        if hasattr(device_module, graph_class) and hasattr(device_module, "graph"):
+            found.add("graphs")
+        return found
 
     def runtime_binding(self, factory: str, functions: tuple[str, ...], *, unavailable: str,
                         failed: str) -> tuple[Any | None, str]:

@@ -8,9 +8,11 @@ import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
 from polyaccel.comm import CommHooks
 from polyaccel.errors import Unsupported
-from polyaccel.hookspecs import EMULATED_MARKER
 
 from . import runtime
+
+#: what torch.npu provides wherever torch_npu imports
+DEVICE_CLAIMS = ("streams", "events", "rng", "memory_stats", "pinned", "fp16", "bf16")
 
 
 class NpuAccelerator(Accelerator):
@@ -28,19 +30,14 @@ class NpuAccelerator(Accelerator):
 
     # ---------------------------------------------------------------- identity
     def visible_devices_envs(self) -> list[str]:
-        return ["ASCEND_RT_VISIBLE_DEVICES"]
+        return [runtime.TORCH_NPU.visible_devices_env]
 
     def probe(self) -> ProbeResult:
         return runtime.TORCH_NPU.probe()
 
     def capabilities(self) -> frozenset[str]:
-        npu = runtime.npu_module()
-        if npu is None:
-            return frozenset()
-        caps = {"streams", "events", "rng", "memory_stats", "pinned", "fp16", "bf16"}
-        if hasattr(npu, "NPUGraph") and hasattr(npu, "graph"):
-            caps.add("graphs")
-        if self._host_register_binding()[0] is not None:
+        caps = runtime.TORCH_NPU.device_capabilities(DEVICE_CLAIMS, self.graph_class)
+        if caps and self._host_register_binding()[0] is not None:
             caps.add("host_register")
         return frozenset(caps)
 
@@ -49,20 +46,20 @@ class NpuAccelerator(Accelerator):
         return CommHooks(backend=self.communication_backend, pass_device_id=True)
 
     def report_facts(self) -> dict | None:
-        mod, reason = runtime.import_torch_npu()
+        mod, reason = runtime.TORCH_NPU.load()
         if mod is None:
-            if reason.startswith("torch_npu is not installed"):
+            if runtime.TORCH_NPU.is_not_installed(reason):
                 return None  # nothing to say beyond the plugin's status line
             return {"runtime": reason, "hint": runtime.AUTOLOAD_HINT}
-        facts = {"torch_npu": getattr(mod, "__version__", "unknown"),
-                 "emulated": getattr(mod, EMULATED_MARKER, False) is True}
+        facts = runtime.TORCH_NPU.facts(mod)
         binding, why = runtime.npurt_binding()
         facts["host_register"] = "npuHostRegister (ACL_HOST_REG_MAPPED, 4096-byte aligned)" if binding else why
-        facts["graphs"] = "torch.npu.NPUGraph" if hasattr(runtime.npu_module(), "NPUGraph") else "not in this torch_npu"
+        has_graphs = hasattr(runtime.TORCH_NPU.device_module(), "NPUGraph")
+        facts["graphs"] = "torch.npu.NPUGraph" if has_graphs else "not in this torch_npu"
         return facts
 
     def _device_module(self, required: bool = True):
-        npu = runtime.npu_module()
+        npu = runtime.TORCH_NPU.device_module()
         if npu is None and required:
             raise Unsupported(self.name, "torch.npu", "import torch_npu on an Ascend host with CANN")
         return npu

@@ -18,8 +18,8 @@ What it reproduces (from torch_npu's public API and CANN's documented behaviour)
   ``round(input / scales) + zero_points`` (``input * scales`` without div_mode), saturated
   to ``dtype``; scales broadcast along ``axis`` (last dimension only, as documented).
 
-Tensors stay on the CPU. Offered through the plugin's ``polyaccel_emulated_runtimes`` hook:
-``polyaccel.testing.emulation.emulate("npu", **options)`` installs it.
+The plugin offers it through its ``polyaccel_emulated_runtimes`` hook, and
+``polyaccel.testing.emulation.emulate("npu", **options)`` installs it; tensors stay on the CPU.
 """
 
 from __future__ import annotations
@@ -28,42 +28,27 @@ import types
 from typing import Any
 
 import torch
-from polyaccel.testing.emulation import (
-    DeviceModuleFunctions,
-    EmulatedGraph,
-    ExtensionRuntime,
-    HostMemoryTable,
-    Patcher,
-    install_graph_api,
-    mark_emulated,
-)
+from polyaccel.testing.emulation import EmulatedGraph, ExtensionRuntime, HostMemoryTable, Patcher, RuntimeBinding
 
 from .accelerator import NpuAccelerator
-from .runtime import ACL_HOST_REG_MAPPED, ACL_HOST_REG_PINNED
+from .runtime import (
+    ACL_ERROR_INVALID_PARAM,
+    ACL_ERROR_RT_PARAM_INVALID,
+    ACL_HOST_REG_MAPPED,
+    ACL_HOST_REG_PINNED,
+    ACL_SUCCESS,
+    TORCH_NPU,
+)
 from .runtime import HOST_REGISTER_ALIGNMENT as PAGE
 
-ACL_SUCCESS = 0
-ACL_ERROR_INVALID_PARAM = 100000
-ACL_ERROR_RT_PARAM_INVALID = 107000
-ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
 
-EMULATED_VERSION = "2.13.0+emulated"
-
-
-class _Npurt:
+class _Npurt(RuntimeBinding):
     """``torch.npu.npurt()``: the runtime-API binding (host registration, streams)."""
 
     def __init__(self, runtime: NpuRuntime):
-        self._rt = runtime
-        self._table = HostMemoryTable(alignment=1, ok=ACL_SUCCESS, invalid_value=ACL_ERROR_RT_PARAM_INVALID,
-                                      already_registered=ACL_ERROR_RT_PARAM_INVALID,
-                                      not_registered=ACL_ERROR_RT_PARAM_INVALID)
-        mark_emulated(self)
-
-    @property
-    def registered(self) -> dict[int, tuple[int, int]]:
-        """Registered ranges: address -> (length, flags)."""
-        return dict(self._table.ranges)
+        invalid = ACL_ERROR_RT_PARAM_INVALID
+        super().__init__(runtime, HostMemoryTable(alignment=1, ok=ACL_SUCCESS, invalid_value=invalid,
+                                                  already_registered=invalid, not_registered=invalid))
 
     def npuHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - runtime's name
         rt = self._rt
@@ -115,13 +100,12 @@ class NPUGraph(EmulatedGraph):
 class NpuRuntime(ExtensionRuntime):
     """The emulated Ascend runtime; ``runtime.npurt`` is the host-registration binding."""
 
-    name = "npu"
-    extension, torch_attr, library, version = "torch_npu", "npu", "libhccl.so", EMULATED_VERSION
-    accelerator = NpuAccelerator
+    name, accelerator, vendor, library, graph_class = "npu", NpuAccelerator, TORCH_NPU, "libhccl.so", NPUGraph
+    device_name, invalid_device = "Ascend910B (emulated)", "Invalid device id {device}: {count} NPU(s) visible"
     FAULTS = {
+        "no_device": "torch_npu imports but no NPU is visible (is_available() False, device_count() 0)",
         "library_missing": "torch_npu is installed but CANN is not: `import torch_npu` raises "
                            "ImportError(libhccl.so ...)",
-        "no_device": "torch_npu imports but no NPU is visible (is_available() False, device_count() 0)",
         "no_npurt": "torch.npu has no npurt() (a torch_npu build without the runtime-API binding)",
         "npurt_init_fails": "torch.npu.npurt() raises RuntimeError (the runtime cannot initialise)",
         "registration_refused": "npuHostRegister returns an ACL error code (True: 107000, or the int given)",
@@ -133,12 +117,11 @@ class NpuRuntime(ExtensionRuntime):
     def __init__(self, device_count: int = 1, track_allocations: bool = True, **faults: Any):
         super().__init__(device_count, track_allocations, **faults)
         self.npurt = _Npurt(self)
-        self.graphs: list[NPUGraph] = []
 
     # ------------------------------------------------------------ modules
     def _build_npu_module(self) -> types.ModuleType:
         rt = self
-        m = mark_emulated(types.ModuleType("torch_npu.npu"))
+        m = self.build_device_module()
 
         def npurt():
             if rt.faults.npurt_init_fails:
@@ -146,13 +129,9 @@ class NpuRuntime(ExtensionRuntime):
             rt.record("npurt")
             return rt.npurt
 
-        DeviceModuleFunctions(rt, device_name="Ascend910B (emulated)",
-                              invalid_device="Invalid device id {device}: {count} NPU(s) visible").install(m)
         m.is_bf16_supported = lambda: True
         if not rt.faults.no_npurt:
             m.npurt = npurt
-        if not rt.faults.no_graphs:
-            install_graph_api(m, rt, NPUGraph)
         return m
 
     def _install_torch_npu(self, patcher: Patcher, npu_mod: types.ModuleType) -> None:

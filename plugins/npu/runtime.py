@@ -18,6 +18,11 @@ from polyaccel.vendor_extension import VendorExtension
 ACL_HOST_REG_MAPPED = 0x2
 ACL_HOST_REG_PINNED = 0x10000000
 HOST_REGISTER_ALIGNMENT = 4096
+#: ACL return codes (acl_base.h) the runtime answers host registration with
+ACL_SUCCESS = 0
+ACL_ERROR_INVALID_PARAM = 100000
+ACL_ERROR_RT_PARAM_INVALID = 107000
+ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
 
 AUTOLOAD_HINT = (
     "if `import torch` itself fails with 'Failed to load the backend extension: torch_npu', set "
@@ -30,16 +35,6 @@ TORCH_NPU = VendorExtension(
     module="torch_npu", torch_attr="npu", install_hint="on an Ascend host with CANN: pip install polyaccel[npu]",
     libraries="the CANN libraries are missing or not on LD_LIBRARY_PATH (source CANN's set_env.sh)",
     device="NPU", visible_devices_env="ASCEND_RT_VISIBLE_DEVICES", hint=AUTOLOAD_HINT)
-
-
-def import_torch_npu() -> tuple[Any | None, str]:
-    """(torch_npu module, "") or (None, why it cannot be used)."""
-    return TORCH_NPU.load()
-
-
-def npu_module():
-    """``torch.npu`` (present only once torch_npu has been imported)."""
-    return TORCH_NPU.device_module()
 
 
 def npurt_binding() -> tuple[Any | None, str]:

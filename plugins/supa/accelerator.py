@@ -7,9 +7,11 @@ import sys
 from polyaccel.accelerator import Accelerator, ProbeResult
 from polyaccel.comm import CommHooks
 from polyaccel.errors import Unsupported
-from polyaccel.hookspecs import EMULATED_MARKER
 
 from . import runtime
+
+#: what torch.supa provides wherever torch_supa imports
+DEVICE_CLAIMS = ("streams", "events", "rng", "memory_stats", "pinned", "fp16", "bf16")
 
 
 class SupaAccelerator(Accelerator):
@@ -21,19 +23,14 @@ class SupaAccelerator(Accelerator):
     graph_class = "SUPAGraph"
 
     def visible_devices_envs(self) -> list[str]:
-        return ["SUPA_VISIBLE_DEVICES"]
+        return [runtime.TORCH_SUPA.visible_devices_env]
 
     def probe(self) -> ProbeResult:
         return runtime.TORCH_SUPA.probe()
 
     def capabilities(self) -> frozenset[str]:
-        supa = runtime.supa_module()
-        if supa is None:
-            return frozenset()
-        caps = {"streams", "events", "rng", "memory_stats", "pinned", "fp16", "bf16"}
-        if hasattr(supa, "SUPAGraph") and hasattr(supa, "graph"):
-            caps.add("graphs")
-        if hasattr(supa, "supart"):
+        caps = runtime.TORCH_SUPA.device_capabilities(DEVICE_CLAIMS, self.graph_class)
+        if caps and hasattr(runtime.TORCH_SUPA.device_module(), "supart"):
             caps.add("host_register")
         return frozenset(caps)
 
@@ -41,21 +38,20 @@ class SupaAccelerator(Accelerator):
         return CommHooks(backend=self.communication_backend, pass_device_id=True)
 
     def report_facts(self) -> dict | None:
-        mod, reason = runtime.import_torch_supa()
+        mod, reason = runtime.TORCH_SUPA.load()
         if mod is None:
-            return None if reason.startswith("torch_supa is not installed") else {"runtime": reason}
+            return None if runtime.TORCH_SUPA.is_not_installed(reason) else {"runtime": reason}
         binding, why = runtime.supart_binding()
         ops = runtime.deepspeed_ops()
         kernels = [k for k in ("multi_tensor_adam", "multi_tensor_lion", "lamb") if hasattr(ops, k)] if ops else []
         return {
-            "torch_supa": getattr(mod, "__version__", "unknown"),
-            "emulated": getattr(mod, EMULATED_MARKER, False) is True,
+            **runtime.TORCH_SUPA.facts(mod),
             "host_register": "supaHostRegister" if binding else why,
             "torch_supa_ext kernels": kernels or "torch_supa_ext not installed: optimizers use the reference",
         }
 
     def _device_module(self, required: bool = True):
-        supa = runtime.supa_module()
+        supa = runtime.TORCH_SUPA.device_module()
         if supa is None and required:
             raise Unsupported(self.name, "torch.supa", "import torch_supa on a Biren host")
         return supa
@@ -70,7 +66,7 @@ class SupaAccelerator(Accelerator):
     def _error_string(self, rc: int) -> str:
         """The runtime's words for ``rc``: ``torch.supa.check_error`` raises with them."""
         try:
-            runtime.supa_module().check_error(rc)
+            runtime.TORCH_SUPA.device_module().check_error(rc)
         except RuntimeError as exc:
             return str(exc)
         return ""

@@ -31,16 +31,16 @@ from typing import Any
 
 import torch
 from polyaccel.testing.emulation import (
-    DeviceModuleFunctions,
     EmulatedGraph,
     ExtensionRuntime,
     HostMemoryTable,
     Patcher,
-    install_graph_api,
+    RuntimeBinding,
     mark_emulated,
 )
 
 from .accelerator import SupaAccelerator
+from .runtime import TORCH_SUPA
 
 SUPA_SUCCESS = 0
 SUPA_ERROR_INVALID_VALUE = 1
@@ -50,23 +50,15 @@ SUPA_HOST_REGISTER_DEFAULT = 0x0
 SUPA_HOST_REGISTER_PORTABLE = 0x1
 SUPA_HOST_REGISTER_MAPPED = 0x2
 
-EMULATED_VERSION = "2.13.0+emulated"
 
-
-class _Supart:
+class _Supart(RuntimeBinding):
     """``torch.supa.supart()``: the runtime-API binding."""
 
     def __init__(self, runtime: SupaRuntime):
-        self._rt = runtime
-        self._table = HostMemoryTable(
+        super().__init__(runtime, HostMemoryTable(
             alignment=1, ok=SUPA_SUCCESS, invalid_value=SUPA_ERROR_INVALID_VALUE,
             already_registered=SUPA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
-            not_registered=SUPA_ERROR_HOST_MEMORY_NOT_REGISTERED)
-        mark_emulated(self)
-
-    @property
-    def registered(self) -> dict[int, tuple[int, int]]:
-        return dict(self._table.ranges)
+            not_registered=SUPA_ERROR_HOST_MEMORY_NOT_REGISTERED))
 
     def supaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - runtime's name
         refused = self._rt.faults.registration_refused
@@ -164,9 +156,8 @@ def _ds_lamb(rt, p, p_copy, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, max_coe
 
 
 class SupaRuntime(ExtensionRuntime):
-    name = "supa"
-    extension, torch_attr, library, version = "torch_supa", "supa", "libsupa.so", EMULATED_VERSION
-    accelerator = SupaAccelerator
+    name, accelerator, vendor, library, graph_class = "supa", SupaAccelerator, TORCH_SUPA, "libsupa.so", SUPAGraph
+    device_name, invalid_device = "Biren BR166 (emulated)", "supa error: invalid device ordinal {device}"
     FAULTS = {
         "library_missing": "torch_supa is installed but the Biren driver/runtime libraries are not: "
                            "`import torch_supa` raises ImportError(libsupa.so ...)",
@@ -183,11 +174,10 @@ class SupaRuntime(ExtensionRuntime):
         super().__init__(device_count, track_allocations, **faults)
         self.cuda_face = cuda_face
         self.supart = _Supart(self)
-        self.graphs: list[SUPAGraph] = []
 
     def _build_supa_module(self) -> types.ModuleType:
         rt = self
-        m = mark_emulated(types.ModuleType("torch_supa.supa"))
+        m = self.build_device_module()
 
         def supart():
             rt.record("supart")
@@ -200,14 +190,10 @@ class SupaRuntime(ExtensionRuntime):
         def _lazy_call(callback) -> None:
             callback()
 
-        DeviceModuleFunctions(rt, device_name="Biren BR166 (emulated)",
-                              invalid_device="supa error: invalid device ordinal {device}").install(m)
         for fn in (check_error, _lazy_call):
             setattr(m, fn.__name__, fn)
         if not rt.faults.no_supart:
             m.supart = supart
-        if not rt.faults.no_graphs:
-            install_graph_api(m, rt, SUPAGraph)
         return m
 
     def _deepspeed_ops(self) -> types.SimpleNamespace:

@@ -24,15 +24,6 @@ TORCH_SUPA = VendorExtension(
     device="SUPA device", visible_devices_env="SUPA_VISIBLE_DEVICES")
 
 
-def import_torch_supa() -> tuple[Any | None, str]:
-    """(torch_supa module, "") or (None, why it cannot be used)."""
-    return TORCH_SUPA.load()
-
-
-def supa_module():
-    return TORCH_SUPA.device_module()
-
-
 def supart_binding() -> tuple[Any | None, str]:
     """(torch.supa.supart() binding, "") or (None, why host registration is unavailable)."""
     return TORCH_SUPA.runtime_binding(

@@ -24,7 +24,7 @@ By job:
 - :mod:`.patching` (:class:`Patcher`): fake modules, imports that fail or run lazily, all undone.
 - :mod:`.device_module`: the ``torch.<device>`` functions every runtime shares.
 - :mod:`.runtime` (:class:`EmulatedRuntime`), :mod:`.accelerator`: the runtime base and what
-  it changes on the accelerator while active; :mod:`.extension` (:class:`ExtensionRuntime`):
+  it changes on the accelerator while active; :mod:`.extension` (:class:`ExtensionRuntime`, :class:`RuntimeBinding`):
   the base of a vendor extension (``torch_npu``, ``torch_supa``) that installs ``torch.<device>``.
 - :mod:`.catalog` (:func:`emulate`, :func:`emulated_runtimes`): finding runtimes through the hook.
 
@@ -36,7 +36,7 @@ from .calls import CallLog, CallRecord
 from .catalog import EmulationCatalog, EmulationError, Offer, emulate, emulated_runtimes
 from .completion import AsyncQueue, Completion
 from .device_module import DeviceModuleFunctions, device_index
-from .extension import ExtensionRuntime
+from .extension import ExtensionRuntime, RuntimeBinding
 from .faults import Faults
 from .graphs import EmulatedGraph, GraphCaptureError, GraphRecorder, install_graph_api
 from .host_memory import HostMemoryTable, PinnedHost
@@ -50,7 +50,7 @@ __all__ = [
     "EMULATED", "EMULATED_MARKER", "AllocationTracker", "AsyncQueue", "CallLog", "CallRecord", "Completion",
     "DeviceModuleFunctions", "EmulatedEvent", "EmulatedGraph", "EmulatedRuntime", "EmulatedStream", "EmulationCatalog",
     "EmulationError", "ExtensionRuntime", "Faults", "GraphCaptureError", "GraphRecorder", "HostMemoryTable",
-    "MemoryCounters", "Offer", "Patcher", "PinnedHost", "device_index", "emulate", "emulate_accelerator",
-    "emulated_runtimes", "emulation_fixture", "install_graph_api", "is_emulated_module", "mark_emulated",
-    "missing_library_error",
+    "MemoryCounters", "Offer", "Patcher", "PinnedHost", "RuntimeBinding", "device_index", "emulate",
+    "emulate_accelerator", "emulated_runtimes", "emulation_fixture", "install_graph_api", "is_emulated_module",
+    "mark_emulated", "missing_library_error",
 ]
