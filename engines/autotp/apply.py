@@ -36,6 +36,7 @@ from .plan_objects import (
     VOCAB_EMBED,
     VOCAB_HEAD,
     AttentionPlan,
+    ModulePlan,
     TPPlan,
 )
 
@@ -122,72 +123,91 @@ def apply_tensor_parallel(model: nn.Module, section: dict | TPConfig, mesh=None,
                           f"{tp} ranks")
     plan = infer_plan(model, tp, cfg)
     modules = dict(model.named_modules())
+    _refuse_placed(model, plan, modules)
+    if tp > 1:
+        replacements = _build_replacements(plan, modules, rank, group)  # the model is untouched until all are built
+        _swap_in(model, modules, replacements)
+        for name in plan.grad_sum:
+            set_layout(model.get_parameter(name), ParamLayout(grad_sum="tensor"))
+        for att in plan.attention.values():
+            _localise_heads(modules[att.name], att, rank, group)
+        _install_vocab_loss(model, plan)
+    setattr(model, PLAN_ATTR, plan)
+    set_plan(model, "tensor", plan)
+    setattr(model, STATE_ATTR, TPState(plan, rank, group, mesh))
+    return model
+
+
+def _refuse_placed(model: nn.Module, plan: TPPlan, modules: dict[str, nn.Module]) -> None:
+    """A parameter the plan splits or grad-sums must not be placed already by another layer (infer_plan leaves
+    whole what another layer placed; a mix in one module is refused here)."""
     touched = list(plan.grad_sum) + [f"{n}.{pn}" for n, m in plan.modules.items() if m.style != GRAD_SUM
                                      for pn in ("weight", "bias") if getattr(modules[n], pn, None) is not None]
-    for name in touched:  # (infer_plan leaves whole what another layer placed; a mix in one module is refused)
+    for name in touched:
         layout = get_layout(model.get_parameter(name))
         if layout != DEFAULT:
             where = layout.split.dim if layout.split is not None else layout.replicas
             raise ConfigError(f"parameter {name} is already placed over {where!r} by another layer; AutoTP "
                               "cannot also split it or sum its gradient over tensor (mark its module skip)")
-    if tp == 1:
-        setattr(model, PLAN_ATTR, plan)
-        set_plan(model, "tensor", plan)
-        setattr(model, STATE_ATTR, TPState(plan, rank, group, mesh))
-        return model
 
-    # ---- build every replacement first (the model is untouched until all are built)
-    replacements: dict[str, nn.Module] = {}
-    shared: dict[int, nn.Parameter] = {}
+
+class _RankPieces:
+    """This rank's piece of each weight, made once per parameter (tied weights share one piece)."""
+
+    def __init__(self):
+        self._made: dict[int, nn.Parameter] = {}
+
+    def __call__(self, param: nn.Parameter, split: Split) -> nn.Parameter:
+        key = id(param)
+        if key not in self._made:
+            new = nn.Parameter(split.piece(param.detach()).clone(), requires_grad=param.requires_grad)
+            set_layout(new, ParamLayout(split=split))
+            self._made[key] = new
+        return self._made[key]
+
+
+def _build_replacements(plan: TPPlan, modules: dict[str, nn.Module], rank: int, group) -> dict[str, nn.Module]:
+    """The tensor-parallel module of this rank for every split module of the plan."""
+    pieces = _RankPieces()
+    # q/k/v of an attention whose input gradient is all-reduced once at its input copy nothing themselves
     shared_input = {n for a in plan.attention.values() if a.shared_input
                     for n, m in plan.modules.items() if m.style == COLUMN and n.rpartition(".")[0] == a.name}
-
-    def piece(param: nn.Parameter, split: Split) -> nn.Parameter:
-        key = id(param)
-        if key in shared:
-            return shared[key]
-        new = nn.Parameter(split.piece(param.detach()).clone(), requires_grad=param.requires_grad)
-        set_layout(new, ParamLayout(split=split))
-        shared[key] = new
-        return new
-
+    replacements: dict[str, nn.Module] = {}
     for name, mp in plan.modules.items():
         if mp.style == GRAD_SUM:
             continue
-        mod = modules[name]
-        split = Split("tensor", mp.weight_axis(), mp.sections, rank)
-        weight = piece(mod.weight, split)
-        if mp.style == VOCAB_EMBED:
-            replacements[name] = VocabParallelEmbedding(weight, group=group, rank=rank, split=split,
-                                                        num_embeddings=mod.num_embeddings,
-                                                        padding_idx=mod.padding_idx)
-            continue
-        fin, fout = features(mod, mp.kind)
-        bias = getattr(mod, "bias", None)
-        if bias is not None and mp.style in (COLUMN, COLUMN_GATHER, VOCAB_HEAD):
-            bias = piece(bias, Split("tensor", 0, mp.sections, rank))
-        common = dict(group=group, rank=rank, split=split, kind=mp.kind, full_in=fin, full_out=fout)
-        if mp.style in (COLUMN, COLUMN_GATHER):
-            replacements[name] = ColumnParallelLinear(weight, bias, gather_output=mp.style == COLUMN_GATHER,
-                                                      copy_input=name not in shared_input, **common)
-        elif mp.style in (ROW, ROW_SPLIT):
-            replacements[name] = RowParallelLinear(weight, bias, split_input=mp.style == ROW_SPLIT, **common)
-        elif mp.style == VOCAB_HEAD:
-            replacements[name] = VocabParallelLMHead(weight, bias, **common)
+        new = _replacement(mp, modules[name], pieces, rank, group, copy_input=name not in shared_input)
+        if new is not None:
+            replacements[name] = new
+    return replacements
 
-    # ---- swap them in
+
+def _replacement(mp: ModulePlan, mod: nn.Module, pieces: _RankPieces, rank: int, group,
+                 copy_input: bool) -> nn.Module | None:
+    split = Split("tensor", mp.weight_axis(), mp.sections, rank)
+    weight = pieces(mod.weight, split)
+    if mp.style == VOCAB_EMBED:
+        return VocabParallelEmbedding(weight, group=group, rank=rank, split=split,
+                                      num_embeddings=mod.num_embeddings, padding_idx=mod.padding_idx)
+    fin, fout = features(mod, mp.kind)
+    bias = getattr(mod, "bias", None)
+    if bias is not None and mp.style in (COLUMN, COLUMN_GATHER, VOCAB_HEAD):
+        bias = pieces(bias, Split("tensor", 0, mp.sections, rank))
+    common = dict(group=group, rank=rank, split=split, kind=mp.kind, full_in=fin, full_out=fout)
+    if mp.style in (COLUMN, COLUMN_GATHER):
+        return ColumnParallelLinear(weight, bias, gather_output=mp.style == COLUMN_GATHER, copy_input=copy_input,
+                                    **common)
+    if mp.style in (ROW, ROW_SPLIT):
+        return RowParallelLinear(weight, bias, split_input=mp.style == ROW_SPLIT, **common)
+    if mp.style == VOCAB_HEAD:
+        return VocabParallelLMHead(weight, bias, **common)
+    return None
+
+
+def _swap_in(model: nn.Module, modules: dict[str, nn.Module], replacements: dict[str, nn.Module]) -> None:
     for name, new in replacements.items():
         parent, _, child = name.rpartition(".")
         setattr(modules[parent] if parent else model, child, new)
-    for name in plan.grad_sum:
-        set_layout(model.get_parameter(name), ParamLayout(grad_sum="tensor"))
-    for att in plan.attention.values():
-        _localise_heads(modules[att.name], att, rank, group)
-    _install_vocab_loss(model, plan)
-    setattr(model, PLAN_ATTR, plan)
-    set_plan(model, "tensor", plan)
-    setattr(model, STATE_ATTR, TPState(plan, rank, group, mesh))
-    return model
 
 
 def _copy_hidden_states(group, _module, args, kwargs):

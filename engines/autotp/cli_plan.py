@@ -14,44 +14,34 @@ gate+up). Layers that differ only in their number are folded into one line (--fu
 from __future__ import annotations
 
 import json
-import sys
+
+from polyaccel.cli.plan_command import PlanCommand
 
 HELP = "print the AutoTP plan (module -> style -> per-rank shard sizes) for a model"
 
+COMMAND = PlanCommand(
+    name="autotp-plan", families="llama, llama-tied, mistral, qwen3, phi3, gpt2", degree="tp",
+    degree_help="tensor-parallel degree", degree_default=2, size_key="autotp_size", section="tensor_parallel",
+    config_example='{"preset_model": "phi3"}',
+)
+
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", required=True, metavar="NAME",
-                        help="family name (llama, llama-tied, mistral, qwen3, phi3, gpt2) or a directory with "
-                             "config.json")
-    parser.add_argument("--tp", type=int, default=2, metavar="N", help="tensor-parallel degree (default 2)")
-    parser.add_argument("--tiny", action="store_true", help="the small test-sized config of the family instead")
-    parser.add_argument("--config", default=None, metavar="JSON",
-                        help="extra tensor_parallel keys as JSON, e.g. '{\"preset_model\": \"phi3\"}'")
+    COMMAND.add_arguments(parser)
     parser.add_argument("--full", action="store_true", help="one line per module (no folding of layers)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def _model(args):
-    from polyaccel.cli.meta_model import meta_model
+def _families():
+    from . import models
 
-    from .models import FAMILIES, build, full_config, tiny_config
-
-    return meta_model(args.model, FAMILIES, build, full_config, tiny_config, tiny=args.tiny)
+    return models
 
 
 def run(args) -> int:
-    from polyaccel.errors import PolyaccelError
-
     from .plan import infer_plan
 
-    try:
-        section = json.loads(args.config) if args.config else {}
-        if not isinstance(section, dict):
-            raise PolyaccelError("--config must be a JSON object")
-        section = {**section, "autotp_size": args.tp}
-        plan = infer_plan(_model(args), args.tp, section)
-    except (PolyaccelError, OSError, ValueError) as exc:
-        print(f"polyaccel autotp-plan: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.format(compact=not args.full))
-    return 0
+    def show(plan) -> str:
+        return json.dumps(plan.to_dict(), indent=1) if args.json else plan.format(compact=not args.full)
+
+    return COMMAND.run(args, _families, lambda section, model: infer_plan(model(), args.tp, section), show)
