@@ -89,6 +89,9 @@ class Accelerator:
     priority: ClassVar[int] = 0
     #: torch.distributed backend name
     communication_backend: ClassVar[str] = "gloo"
+    #: the backend binds a communicator to one device (NCCL, HCCL): ``init_process_group`` gets the
+    #: local device as ``device_id`` (the default :meth:`comm_hooks`' ``pass_device_id``)
+    comm_binds_device: ClassVar[bool] = False
     #: what the device runtime calls its nonzero return codes, in messages ("error", "ACL error", ...)
     return_code_name: ClassVar[str] = "error"
     #: the device module's graph class ("CUDAGraph", "NPUGraph", ...), captured through the module's
@@ -136,8 +139,9 @@ class Accelerator:
     def comm_hooks(self):
         """How ``polyaccel.comm`` talks over this backend (a :class:`polyaccel.comm.CommHooks`).
 
-        Default: ``communication_backend``, device tensors handed to it as they are, nothing
-        staged or emulated. Another plugin may override the answer (``polyaccel_comm_hooks``).
+        Default: ``communication_backend`` (given the local device where ``comm_binds_device``),
+        device tensors handed to it as they are, nothing staged or emulated. Another plugin may
+        override the answer (``polyaccel_comm_hooks``).
         """
         return CommHooks.defaults_for(self)
 

@@ -66,7 +66,8 @@ class CommHooks:
 
     @classmethod
     def defaults_for(cls, accelerator) -> CommHooks:
-        return cls(backend=accelerator.communication_backend)
+        return cls(backend=accelerator.communication_backend,
+                   pass_device_id=bool(getattr(accelerator, "comm_binds_device", False)))
 
     def as_dict(self) -> dict:
         return {

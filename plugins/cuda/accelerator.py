@@ -22,7 +22,6 @@ import functools
 
 import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
-from polyaccel.comm import CommHooks
 
 #: cudaHostRegister flags (cuda_runtime_api.h); Portable: every context sees the registration
 CUDA_HOST_REGISTER_DEFAULT = 0x00
@@ -72,6 +71,10 @@ class CudaAccelerator(Accelerator):
     device_type = "cuda"
     priority = 100
     communication_backend = "nccl"
+    #: NCCL (RCCL for rocm, same torch.distributed name) binds a communicator to one GPU: giving
+    #: ``init_process_group`` the ``device_id`` lets it connect eagerly and spares torch the device
+    #: guess on the first collective
+    comm_binds_device = True
     #: name of the collective library behind ``communication_backend`` (for reports)
     collective_library = "nccl"
     host_register_flags = CUDA_HOST_REGISTER_PORTABLE
@@ -160,12 +163,6 @@ class CudaAccelerator(Accelerator):
         return ["CUDA_VISIBLE_DEVICES"]  # HIP builds of torch read it too
 
     # ------------------------------------------------------- comm and report
-    def comm_hooks(self):
-        """NCCL (RCCL for rocm, same torch.distributed name) binds a communicator to one GPU: giving
-        ``init_process_group`` the ``device_id`` lets it connect eagerly and spares torch the device
-        guess on the first collective."""
-        return CommHooks(backend=self.communication_backend, pass_device_id=True)
-
     def report_facts(self) -> dict | None:
         if not self.probe().available:
             return None

@@ -6,7 +6,6 @@ import threading
 
 import torch
 from polyaccel.accelerator import Accelerator, ProbeResult
-from polyaccel.comm import CommHooks
 from polyaccel.errors import Unsupported
 
 from . import runtime
@@ -20,6 +19,8 @@ class NpuAccelerator(Accelerator):
     device_type = "npu"
     priority = 100
     communication_backend = "hccl"
+    #: HCCL binds a communicator to the current device, like NCCL
+    comm_binds_device = True
     return_code_name = "ACL error"
     graph_class = "NPUGraph"
 
@@ -40,10 +41,6 @@ class NpuAccelerator(Accelerator):
         if caps and self._host_register_binding()[0] is not None:
             caps.add("host_register")
         return frozenset(caps)
-
-    def comm_hooks(self):
-        """HCCL binds a communicator to the current device, like NCCL: ``init_process_group`` gets ``device_id``."""
-        return CommHooks(backend=self.communication_backend, pass_device_id=True)
 
     def report_facts(self) -> dict | None:
         mod, reason = runtime.TORCH_NPU.load()

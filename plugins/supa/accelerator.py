@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 from polyaccel.accelerator import Accelerator, ProbeResult
-from polyaccel.comm import CommHooks
 from polyaccel.errors import Unsupported
 
 from . import runtime
@@ -20,6 +19,7 @@ class SupaAccelerator(Accelerator):
     #: above the CUDA-like plugins: torch_supa also answers as torch.cuda, SUPA must win
     priority = 110
     communication_backend = "bccl" if sys.platform != "win32" else "gloo"
+    comm_binds_device = True
     graph_class = "SUPAGraph"
 
     def visible_devices_envs(self) -> list[str]:
@@ -33,9 +33,6 @@ class SupaAccelerator(Accelerator):
         if caps and hasattr(runtime.TORCH_SUPA.device_module(), "supart"):
             caps.add("host_register")
         return frozenset(caps)
-
-    def comm_hooks(self):
-        return CommHooks(backend=self.communication_backend, pass_device_id=True)
 
     def report_facts(self) -> dict | None:
         mod, reason = runtime.TORCH_SUPA.load()

@@ -10,7 +10,6 @@ from polyaccel.accelerator import ProbeResult
 from polyaccel.ops import OpRegistry
 from polyaccel.plugins.cuda import ops as kb
 
-
 #: the ops of the plugin's builders besides the multi-tensor optimizers
 _KERNEL_OPS = ("quantize", "dequantize", "swiglu", "grouped_mm", "gather_sum")
 
