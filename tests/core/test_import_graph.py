@@ -242,3 +242,22 @@ def test_every_plugin_module_imports_first_in_a_fresh_interpreter():
     assert result["failures"] == {}
     assert set(result["skipped"]) <= {n for n in names if n.startswith("polyaccel.plugins.cuda.kernels.")}, \
         result["skipped"]
+
+
+NO_STATE_AT_IMPORT = textwrap.dedent('''
+    import json
+    import polyaccel.ops, polyaccel.comm, polyaccel.accelerator, polyaccel.comm_hooks
+    from polyaccel.ops import OpRegistry
+    from polyaccel.runtime import current
+    rt = current()
+    made = sorted(k for k, v in vars(rt).items() if isinstance(v, OpRegistry))
+    print(json.dumps({"registries": made, "discovered": rt.discovered, "selected": rt.selected is not None}))
+''')
+
+
+def test_importing_the_contracts_builds_no_process_state():
+    """polyaccel.ops, polyaccel.comm and the contracts import without making the op registry or discovering."""
+    out = subprocess.run([sys.executable, "-c", NO_STATE_AT_IMPORT], capture_output=True, text=True, check=True,
+                         env={"PATH": "", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}, timeout=300)
+    state = json.loads(out.stdout.strip().splitlines()[-1])
+    assert state == {"registries": [], "discovered": False, "selected": False}
