@@ -1,6 +1,7 @@
-"""Import rules inside the core: no module imports, even inside a function, one that imports it back;
-selection, ops and comm reach each other's state only through the runtime; every module imports
-first in a fresh interpreter (no half-initialised module on any import order).
+"""Import rules of the core and the plugins: no module imports, even inside a function, one that imports
+it back (within the core, within a plugin, or through the core); the core imports no plugin; selection,
+ops and comm reach each other's state only through the runtime; every module imports first in a fresh
+interpreter (no half-initialised module on any import order); importing the contracts builds no state.
 
 Each checker is first run on a small package built to break the rule, so a checker that stopped
 seeing cycles would fail here instead of passing silently.
