@@ -26,6 +26,9 @@ class PlanCommand:
     size_key: str  # the config key the degree sets: "autotp_size"
     section: str  # the config section --config adds to: "tensor_parallel"
     config_example: str  # an example for --config's help: '{"preset_model": "phi3"}'
+    #: the engine's model-families module (``FAMILIES``, ``build``, ``full_config``, ``tiny_config``),
+    #: imported only when the command runs: "polyaccel.engines.autotp.models"
+    models: str
 
     def add_arguments(self, parser) -> None:
         """--model, the degree, --tiny and --config (an engine adds its own options after these)."""
@@ -37,13 +40,12 @@ class PlanCommand:
         parser.add_argument("--config", default=None, metavar="JSON",
                             help=f"extra {self.section} keys as JSON, e.g. '{self.config_example}'")
 
-    def run(self, args, families: Callable[[], object], make_plan: Callable[[dict, Callable[[], object]], object],
+    def run(self, args, make_plan: Callable[[dict, Callable[[], object]], object],
             show: Callable[[object], str] = str) -> int:
         """Print ``show(make_plan(section, build_model))``; 0, or 1 with the refusal on stderr.
 
-        ``families()`` returns the engine's model-families module (``FAMILIES``, ``build``,
-        ``full_config``, ``tiny_config``), imported only when the command runs. ``make_plan`` gets the
-        config section (--config with the degree set) and a function that builds the meta model.
+        ``make_plan`` gets the config section (--config with the degree set) and a function that
+        builds the meta model (so the engine decides what is checked before the model is built).
         """
         from polyaccel.errors import PolyaccelError
 
@@ -52,7 +54,7 @@ class PlanCommand:
             if not isinstance(section, dict):
                 raise PolyaccelError("--config must be a JSON object")
             section = {**section, self.size_key: getattr(args, self.degree)}
-            plan = make_plan(section, lambda: _meta_model(args, families()))
+            plan = make_plan(section, lambda: _meta_model(args, self.models))
         except (PolyaccelError, OSError, ValueError) as exc:
             print(f"polyaccel {self.name}: {exc}", file=sys.stderr)
             return 1
@@ -60,9 +62,12 @@ class PlanCommand:
         return 0
 
 
-def _meta_model(args, models):
+def _meta_model(args, models_module: str):
+    import importlib
+
     from polyaccel.cli.meta_model import meta_model
 
+    models = importlib.import_module(models_module)
     return meta_model(args.model, models.FAMILIES, models.build, models.full_config, models.tiny_config,
                       tiny=args.tiny)
 

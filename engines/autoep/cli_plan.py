@@ -14,24 +14,15 @@ from polyaccel.cli.plan_command import PlanCommand
 
 HELP = "print the AutoEP plan (MoE layers, experts per EP rank, routing) for a model"
 
-COMMAND = PlanCommand(
-    name="autoep-plan", families="mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, glm4_moe", degree="ep",
-    degree_help="expert-parallel degree", degree_default=1, size_key="autoep_size", section="expert_parallel",
-    config_example='{"top_k": 4}',
-)
+COMMAND = PlanCommand("autoep-plan", families="mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, glm4_moe",
+                      degree="ep", degree_help="expert-parallel degree", degree_default=1, size_key="autoep_size",
+                      section="expert_parallel", config_example='{"top_k": 4}', models=f"{__package__}.models")
 
-
-def add_arguments(parser) -> None:
-    COMMAND.add_arguments(parser)
-
-
-def _families():
-    from . import models
-
-    return models
+add_arguments = COMMAND.add_arguments
 
 
 def _plan(section: dict, model):
+    """Check the section before the model is built, then detect its MoE layers."""
     from .config import parse_config
     from .detect import detect
 
@@ -40,4 +31,4 @@ def _plan(section: dict, model):
 
 
 def run(args) -> int:
-    return COMMAND.run(args, _families, _plan)
+    return COMMAND.run(args, _plan)

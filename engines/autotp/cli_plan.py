@@ -19,11 +19,10 @@ from polyaccel.cli.plan_command import PlanCommand
 
 HELP = "print the AutoTP plan (module -> style -> per-rank shard sizes) for a model"
 
-COMMAND = PlanCommand(
-    name="autotp-plan", families="llama, llama-tied, mistral, qwen3, phi3, gpt2", degree="tp",
-    degree_help="tensor-parallel degree", degree_default=2, size_key="autotp_size", section="tensor_parallel",
-    config_example='{"preset_model": "phi3"}',
-)
+COMMAND = PlanCommand("autotp-plan", families="llama, llama-tied, mistral, qwen3, phi3, gpt2", degree="tp",
+                      degree_help="tensor-parallel degree", degree_default=2, size_key="autotp_size",
+                      section="tensor_parallel", config_example='{"preset_model": "phi3"}',
+                      models=f"{__package__}.models")
 
 
 def add_arguments(parser) -> None:
@@ -32,16 +31,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def _families():
-    from . import models
-
-    return models
-
-
 def run(args) -> int:
     from .plan import infer_plan
 
     def show(plan) -> str:
         return json.dumps(plan.to_dict(), indent=1) if args.json else plan.format(compact=not args.full)
 
-    return COMMAND.run(args, _families, lambda section, model: infer_plan(model(), args.tp, section), show)
+    return COMMAND.run(args, lambda section, model: infer_plan(model(), args.tp, section), show)

@@ -106,22 +106,22 @@ def _name_of(root: nn.Module, target: nn.Module) -> str | None:
     return None
 
 
-def _input_embeddings(model):
-    get = getattr(model, "get_input_embeddings", None)
+def _embedding(model, getter: str, cls):
+    """``model.<getter>()`` (``get_input_embeddings``/``get_output_embeddings``) when it is a ``cls``."""
+    get = getattr(model, getter, None)
     try:
         emb = get() if get is not None else None
     except (NotImplementedError, AttributeError):
         return None
-    return emb if isinstance(emb, nn.Embedding) else None
+    return emb if isinstance(emb, cls) else None
+
+
+def _input_embeddings(model):
+    return _embedding(model, "get_input_embeddings", nn.Embedding)
 
 
 def _output_embeddings(model):
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        out = get() if get is not None else None
-    except (NotImplementedError, AttributeError):
-        return None
-    return out if isinstance(out, nn.Linear) else None
+    return _embedding(model, "get_output_embeddings", nn.Linear)
 
 
 def embedding_names(root: nn.Module) -> tuple[str | None, str | None]:
