@@ -113,6 +113,7 @@ def _dropout_note(model, plan: TPPlan) -> None:
 
 
 
+# the plan objects and model facts are re-exported: ``autotp.plan`` was their home before the split
 __all__ = [
     "COLUMN", "COLUMN_GATHER", "GRAD_SUM", "HF_STYLES", "ROW", "ROW_SPLIT", "SKIP", "VOCAB_EMBED", "VOCAB_HEAD",
     "AttentionPlan", "ModulePlan", "TPPlan", "embedding_names", "features", "head_counts", "hf_plan", "infer_plan",
