@@ -5,7 +5,8 @@ when imported. Detection asks that runtime, never the mere presence of the packa
 installed extension whose native libraries are missing fails at import (``ImportError:
 libhccl.so: cannot open shared object file``); that is "unavailable" with the reason, not a
 crash and not a wrong selection. The plugins describe their extension with a
-:class:`VendorExtension` and probe through it; nothing here runs at ``import polyaccel``.
+:class:`VendorExtension` and base their accelerator on :class:`ExtensionAccelerator`, which
+probes through it; nothing here runs at ``import polyaccel``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import importlib.util
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from .accelerator import ProbeResult
+from .accelerator import Accelerator, ProbeResult
 from .hookspecs import EMULATED_MARKER
 
 
@@ -121,3 +122,32 @@ class VendorExtension:
         if missing:
             return None, f"torch.{self.torch_attr}.{factory}() lacks {', '.join(missing)}"
         return binding, ""
+
+
+class ExtensionAccelerator(Accelerator):
+    """An accelerator whose device comes in a vendor's torch extension, :attr:`vendor`.
+
+    Its visible-devices variable, its probe and its device claims come from the extension:
+    :attr:`device_claims` (what ``torch.<device>`` provides wherever the extension imports),
+    "graphs" where the device module has :attr:`graph_class`, and "host_register" where
+    :meth:`host_register_offered` says so.
+    """
+
+    vendor: ClassVar[VendorExtension]
+    device_claims: ClassVar[tuple[str, ...]] = ()
+
+    def visible_devices_envs(self) -> list[str]:
+        return [self.vendor.visible_devices_env]
+
+    def probe(self) -> ProbeResult:
+        return self.vendor.probe()
+
+    def capabilities(self) -> frozenset[str]:
+        caps = self.vendor.device_capabilities(self.device_claims, self.graph_class)
+        if caps and self.host_register_offered():
+            caps.add("host_register")
+        return frozenset(caps)
+
+    def host_register_offered(self) -> bool:
+        """Whether the loaded extension offers host-memory registration (none by default)."""
+        return False

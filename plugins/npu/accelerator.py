@@ -5,16 +5,13 @@ from __future__ import annotations
 import threading
 
 import torch
-from polyaccel.accelerator import Accelerator, ProbeResult
 from polyaccel.errors import Unsupported
+from polyaccel.vendor_extension import ExtensionAccelerator
 
 from . import runtime
 
-#: what torch.npu provides wherever torch_npu imports
-DEVICE_CLAIMS = ("streams", "events", "rng", "memory_stats", "pinned", "fp16", "bf16")
 
-
-class NpuAccelerator(Accelerator):
+class NpuAccelerator(ExtensionAccelerator):
     name = "npu"
     device_type = "npu"
     priority = 100
@@ -23,24 +20,18 @@ class NpuAccelerator(Accelerator):
     comm_binds_device = True
     return_code_name = "ACL error"
     graph_class = "NPUGraph"
+    vendor = runtime.TORCH_NPU
+    #: what torch.npu provides wherever torch_npu imports
+    device_claims = ("streams", "events", "rng", "memory_stats", "pinned", "fp16", "bf16")
 
     def __init__(self) -> None:
         super().__init__()
         self._npurt_lock = threading.Lock()
         self._npurt: tuple[object | None, str] | None = None
 
-    # ---------------------------------------------------------------- identity
-    def visible_devices_envs(self) -> list[str]:
-        return [runtime.TORCH_NPU.visible_devices_env]
-
-    def probe(self) -> ProbeResult:
-        return runtime.TORCH_NPU.probe()
-
-    def capabilities(self) -> frozenset[str]:
-        caps = runtime.TORCH_NPU.device_capabilities(DEVICE_CLAIMS, self.graph_class)
-        if caps and self._host_register_binding()[0] is not None:
-            caps.add("host_register")
-        return frozenset(caps)
+    # ---------------------------------------------------------------- capabilities
+    def host_register_offered(self) -> bool:
+        return self._host_register_binding()[0] is not None
 
     def report_facts(self) -> dict | None:
         mod, reason = runtime.TORCH_NPU.load()

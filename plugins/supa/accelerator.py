@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import sys
 
-from polyaccel.accelerator import Accelerator, ProbeResult
 from polyaccel.errors import Unsupported
+from polyaccel.vendor_extension import ExtensionAccelerator
 
 from . import runtime
 
-#: what torch.supa provides wherever torch_supa imports
-DEVICE_CLAIMS = ("streams", "events", "rng", "memory_stats", "pinned", "fp16", "bf16")
 
-
-class SupaAccelerator(Accelerator):
+class SupaAccelerator(ExtensionAccelerator):
     name = "supa"
     device_type = "supa"
     #: above the CUDA-like plugins: torch_supa also answers as torch.cuda, SUPA must win
@@ -21,18 +18,12 @@ class SupaAccelerator(Accelerator):
     communication_backend = "bccl" if sys.platform != "win32" else "gloo"
     comm_binds_device = True
     graph_class = "SUPAGraph"
+    vendor = runtime.TORCH_SUPA
+    #: what torch.supa provides wherever torch_supa imports
+    device_claims = ("streams", "events", "rng", "memory_stats", "pinned", "fp16", "bf16")
 
-    def visible_devices_envs(self) -> list[str]:
-        return [runtime.TORCH_SUPA.visible_devices_env]
-
-    def probe(self) -> ProbeResult:
-        return runtime.TORCH_SUPA.probe()
-
-    def capabilities(self) -> frozenset[str]:
-        caps = runtime.TORCH_SUPA.device_capabilities(DEVICE_CLAIMS, self.graph_class)
-        if caps and hasattr(runtime.TORCH_SUPA.device_module(), "supart"):
-            caps.add("host_register")
-        return frozenset(caps)
+    def host_register_offered(self) -> bool:
+        return hasattr(runtime.TORCH_SUPA.device_module(), "supart")
 
     def report_facts(self) -> dict | None:
         mod, reason = runtime.TORCH_SUPA.load()
