@@ -66,9 +66,13 @@ def test_multi_process_layout_in_one_process_names_the_torchrun_command(monkeypa
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
-def test_trainer_data_axis_in_one_process_names_the_torchrun_command():
+def test_trainer_data_axis_in_one_process_names_the_torchrun_command(monkeypatch):
     import polyaccel
     from polyaccel.integrations._engine import data_axis
+
+    # the arithmetic for a world of ``world`` processes, whatever world an earlier test left this process in (the
+    # layers also check their sizes against an initialised world)
+    monkeypatch.setattr(polyaccel.comm, "is_initialized", lambda: False)
 
     assert data_axis({"tensor_parallel": {"autotp_size": 2}}, 3, 4) == (1, 2)
     assert data_axis({"tensor_parallel": {"autotp_size": 2}, "expert_parallel": {"autoep_size": 2}}, 2, 4) == (1, 2)
