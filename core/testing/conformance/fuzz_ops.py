@@ -193,6 +193,22 @@ def _compare_written(case: OptimizerCase, roles: tuple[str, ...], lists, copies)
             close(got, want, tol_dtype, f"{role} {i}", atol_scale=atol_scale, non_finite_alike=True)
 
 
+def forward_backward(forward, grad_out: torch.Tensor, bufs: Buffers):
+    """``forward()`` and its backward with ``grad_out`` as one attempt: the output, or None when the builder refused
+    (honestly: every input unchanged). Accepted calls must leave every input as it was too (autograd ops only read)."""
+
+    def call():
+        out = forward()
+        out.backward(grad_out)
+        return out
+
+    outcome, out = attempt(call, bufs)
+    if outcome == REFUSED:
+        return None
+    unchanged(bufs, {e[0] for e in bufs.entries})
+    return out
+
+
 # ============================================================================== quantize
 @dataclass(frozen=True)
 class QuantizeCase:
@@ -483,15 +499,9 @@ def run_swiglu(case: SwigluCase, device: torch.device) -> str:
     g64, u64 = host64(gate).requires_grad_(True), host64(up).requires_grad_(True)
     go64 = host64(grad_out)
 
-    def call():
-        out = ops.swiglu(gate, up)
-        out.backward(grad_out)
-        return out
-
-    outcome, out = attempt(call, bufs)
-    if outcome == REFUSED:
+    out = forward_backward(lambda: ops.swiglu(gate, up), grad_out, bufs)
+    if out is None:
         return f"{REFUSED}: {bufs.refusal}"
-    unchanged(bufs, {e[0] for e in bufs.entries})
     want = ref.swiglu(g64, u64)
     want.backward(go64)
     dtype = case.gate.dtype
@@ -546,15 +556,9 @@ def run_grouped_mm(case: GroupedMmCase, device: torch.device) -> str:
     rows, n = case.x.layout.shape[0], case.weight.layout.shape[2]
     grad_out = bufs.make(TensorSpec("grad_out", Layout.contiguous((rows, n)), case.x.dtype))
 
-    def call():
-        out = ops.grouped_mm(x, w, offsets)
-        out.backward(grad_out)
-        return out
-
-    outcome, out = attempt(call, bufs)
-    if outcome == REFUSED:
+    out = forward_backward(lambda: ops.grouped_mm(x, w, offsets), grad_out, bufs)
+    if out is None:
         return f"{REFUSED}: {bufs.refusal}"
-    unchanged(bufs, {e[0] for e in bufs.entries})
     off = ends.long()
     leaves64 = [host64(x).requires_grad_(True), host64(w).requires_grad_(True)]
     want = ref.grouped_mm(leaves64[0], leaves64[1], off)
@@ -612,15 +616,9 @@ def run_gather_sum(case: GatherSumCase, device: torch.device) -> str:
         weights = bufs.make(case.weights, positive=True).detach().requires_grad_(True)
     grad_out = bufs.make(TensorSpec("grad_out", Layout.contiguous((t, case.rows.layout.shape[1])), case.rows.dtype))
 
-    def call():
-        out = ops.gather_sum(rows, index, weights)
-        out.backward(grad_out)
-        return out
-
-    outcome, out = attempt(call, bufs)
-    if outcome == REFUSED:
+    out = forward_backward(lambda: ops.gather_sum(rows, index, weights), grad_out, bufs)
+    if out is None:
         return f"{REFUSED}: {bufs.refusal}"
-    unchanged(bufs, {e[0] for e in bufs.entries})
     idx = perm.long()
     dtype = case.rows.dtype
 
