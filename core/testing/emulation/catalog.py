@@ -40,6 +40,8 @@ class EmulationCatalog:
     broken: dict[str, str] = field(default_factory=dict)
     #: offers that lost to an earlier plugin's offer of the same name
     shadowed: list[Offer] = field(default_factory=list)
+    #: plugin name -> why discovery could not load it (its offer, if any, is unknown)
+    unloaded: dict[str, str] = field(default_factory=dict)
 
     def names(self) -> list[str]:
         return sorted(self.offers)
@@ -57,6 +59,9 @@ class EmulationCatalog:
         if self.broken:
             text += "; plugins whose emulated runtimes are unusable: " + "; ".join(
                 f"{plugin}: {reason}" for plugin, reason in self.broken.items())
+        if self.unloaded:
+            text += "; plugins that could not be loaded: " + "; ".join(
+                f"{plugin} ({reason})" for plugin, reason in self.unloaded.items())
         return text
 
 
@@ -111,7 +116,11 @@ def emulated_runtimes() -> EmulationCatalog:
     from ... import discovery
 
     catalog = EmulationCatalog()
-    _collect(catalog, discovery.discover().pm)
+    found = discovery.discover()
+    _collect(catalog, found.pm)
+    for name, rec in found.records.items():
+        if rec.status in (discovery.FAILED, discovery.INCOMPATIBLE):
+            catalog.unloaded[name] = f"{rec.status}: {rec.reason}"
     return catalog
 
 

@@ -192,3 +192,11 @@ def test_the_first_offer_for_a_name_wins_and_the_other_is_kept_aside(install):
     catalog = emulated_runtimes()
     assert catalog.offers["npu"].plugin == "npu"
     assert [(o.name, o.plugin) for o in catalog.shadowed] == [("npu", "npusim")]
+
+
+def test_a_plugin_that_fails_to_load_is_named_when_its_runtime_is_missing(install):
+    install("polyaccel-acme-broken", "acme", "raise ImportError('libacme.so: cannot open shared object file')\n")
+    catalog = emulated_runtimes()
+    assert "acme" in catalog.unloaded and "libacme.so" in catalog.unloaded["acme"]
+    with pytest.raises(EmulationError, match=r"plugins that could not be loaded: acme \(failed: .*libacme\.so"):
+        catalog.runtime("acme")
