@@ -12,14 +12,21 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _fresh_polyaccel(monkeypatch):
-    """Each test starts with no plugin discovered and no accelerator selected."""
+    """Each test starts with no plugin discovered and no accelerator selected, and leaves no process group.
+
+    A world of one that a test initialised and left behind (an engine it never destroyed) would be adopted by
+    the next test's ``initialize`` in the same worker; one a higher-scoped fixture holds is left alone.
+    """
     for var in ("POLYACCEL_ACCELERATOR", "POLYACCEL_PLUGINS", "POLYACCEL_DISABLE_PLUGINS",
                 "POLYACCEL_DISABLE_PLUGIN_AUTOLOAD", "POLYACCEL_OP_OVERRIDES"):
         monkeypatch.delenv(var, raising=False)
-    from polyaccel import selection
+    from polyaccel import comm, selection
 
+    world_before = comm.is_initialized()
     selection.reset()
     yield
+    if not world_before and comm.is_initialized():
+        comm.destroy()
     selection.reset()
 
 
