@@ -11,6 +11,7 @@ probes through it; nothing here runs at ``import polyaccel``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -52,11 +53,9 @@ class VendorExtension:
         tail = f"; {self.hint}" if self.hint else ""
         mod = sys.modules.get(name)
         if mod is None:
-            try:
+            with contextlib.suppress(ImportError, ValueError):  # found but broken: the import below says how
                 if importlib.util.find_spec(name) is None:
                     return None, f"{name} is not installed ({self.install_hint})"
-            except (ImportError, ValueError):
-                pass  # found but broken: the import below says how
             try:
                 mod = importlib.import_module(name)
             except ImportError as exc:

@@ -293,34 +293,33 @@ def _check_no_aliasing(op, names, lists, written) -> None:
 
 
 # ----------------------------------------------------------------------------- per op
-def check_fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step) -> None:
-    op = "fused_adam"
+def _check_shared(op: str, lr, beta1, beta2, weight_decay, eps=None) -> None:
+    """The hyperparameters the optimizer ops share (``eps``: Adam and LAMB), in the order errors are reported."""
     check_lr(op, lr)
     check_beta(op, beta1, "beta1")
     check_beta(op, beta2, "beta2")
-    check_eps(op, eps)
+    if eps is not None:
+        check_eps(op, eps)
     check_weight_decay(op, weight_decay)
+
+
+def check_fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step) -> None:
+    op = "fused_adam"
+    _check_shared(op, lr, beta1, beta2, weight_decay, eps)
     device = check_optimizer_tensors(op, ADAM_LISTS, (params, grads, exp_avgs, exp_avg_sqs))
     check_step(op, step, device)
 
 
 def check_fused_lion(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay) -> None:
     op = "fused_lion"
-    check_lr(op, lr)
-    check_beta(op, beta1, "beta1")
-    check_beta(op, beta2, "beta2")
-    check_weight_decay(op, weight_decay)
+    _check_shared(op, lr, beta1, beta2, weight_decay)
     check_optimizer_tensors(op, LION_LISTS, (params, grads, exp_avgs))
 
 
 def check_fused_lamb(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
                      max_coeff, min_coeff) -> None:
     op = "fused_lamb"
-    check_lr(op, lr)
-    check_beta(op, beta1, "beta1")
-    check_beta(op, beta2, "beta2")
-    check_eps(op, eps)
-    check_weight_decay(op, weight_decay)
+    _check_shared(op, lr, beta1, beta2, weight_decay, eps)
     check_trust_bounds(op, min_coeff, max_coeff)
     device = check_optimizer_tensors(op, ADAM_LISTS, (params, grads, exp_avgs, exp_avg_sqs))
     check_step(op, step, device)

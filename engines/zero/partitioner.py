@@ -10,6 +10,7 @@ reductions still in flight, which both stages do the same way; a stage supplies 
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,7 +45,7 @@ class PartitionSetup:
     grad_dtype: torch.dtype | None = None
 
 
-class Partitioner:
+class Partitioner(abc.ABC):
     """Common state and gradient-reduction plumbing of :class:`~.stage12.FlatPartitioner` and
     :class:`~.stage3.ShardedParameters`."""
 
@@ -64,8 +65,9 @@ class Partitioner:
         self._pending: list = []  # (bucket key, work, reduced output, input kept alive until the work is done)
         self._hooks: list = []
 
+    @abc.abstractmethod
     def _settle(self, key, out: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Put the reduced bucket ``key`` (now in ``out``) where this stage keeps its gradient partition."""
 
     def _reduce_scatter(self, key, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Average ``inp`` (a flat bucket) over the ranks and reduce-scatter it into ``out``: on the reduction
