@@ -23,7 +23,10 @@ from .calls import (
     fused_lion,
     gather_sum,
     grouped_mm,
+    moe_down_combine,
+    moe_gate_up,
     override,
+    provides,
     quantize,
     resolve,
     swiglu,
@@ -46,6 +49,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ANY_DEVICE", "Candidate", "OpBuilder", "OpRegistry", "QuantizedTensor", "dequantize", "explain",
-    "fused_adam", "fused_lamb", "fused_lion", "gather_sum", "grouped_mm", "override", "quantize", "registry",
+    "fused_adam", "fused_lamb", "fused_lion", "gather_sum", "grouped_mm", "moe_down_combine", "moe_gate_up",
+    "override", "provides", "quantize", "registry",
     "resolve", "swiglu",
 ]

@@ -12,6 +12,7 @@ import torch
 
 from ..runtime import current
 from . import contract
+from .reference.moe_experts import check_moe_down_combine_shapes, check_moe_gate_up_shapes
 from .reference.quantize import QuantizedTensor, check_dequantize_args, check_quantize_args
 
 #: the process's runtime (made when polyaccel.runtime is imported); its op registry is read per call
@@ -119,3 +120,31 @@ def gather_sum(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | 
     Semantics and signature: :func:`polyaccel.ops.reference.gather_sum` (docs/plugin-authoring.md).
     """
     return _RUNTIME.ops.resolve("gather_sum", rows.device.type)(rows, index, weights)
+
+
+def moe_gate_up(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``moe_gate_up`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.moe_gate_up` (docs/plugin-authoring.md).
+    """
+    check_moe_gate_up_shapes(x, index, weight, offsets)
+    return _RUNTIME.ops.resolve("moe_gate_up", x.device.type)(x, index, weight, offsets)
+
+
+def moe_down_combine(h: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor,
+                     weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``moe_down_combine`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.moe_down_combine` (docs/plugin-authoring.md).
+    """
+    check_moe_down_combine_shapes(h, weight, offsets, index, weights)
+    return _RUNTIME.ops.resolve("moe_down_combine", h.device.type)(h, weight, offsets, index, weights)
+
+
+def provides(op: str, device_type: str) -> bool:
+    """Whether a builder other than the reference serves ``op`` on ``device_type`` (a plugin's or a vendor's).
+
+    For callers with a composed path of their own that is faster than an op's reference (AutoEP's
+    experts: the unfused ops, each through its own best builder).
+    """
+    return _RUNTIME.ops.chosen(op, device_type).kind != "reference"

@@ -2,6 +2,7 @@
 
 from .gather_sum import gather_sum, gather_sum_backward, gather_sum_forward, make_gather_sum
 from .grouped_mm import grouped_mm
+from .moe_experts import moe_down_combine, moe_gate_up
 from .optimizers import fused_adam, fused_lamb, fused_lion
 from .quantize import QuantizedTensor, dequantize, quantize
 from .swiglu import make_swiglu, swiglu, swiglu_backward, swiglu_forward
@@ -16,6 +17,8 @@ REFERENCE_OPS = {
     "swiglu": "swiglu",
     "grouped_mm": "grouped_mm",
     "gather_sum": "gather_sum",
+    "moe_gate_up": "moe_gate_up",
+    "moe_down_combine": "moe_down_combine",
 }
 
 __all__ = [
@@ -31,6 +34,8 @@ __all__ = [
     "grouped_mm",
     "make_gather_sum",
     "make_swiglu",
+    "moe_down_combine",
+    "moe_gate_up",
     "op_reference_markdown",
     "quantize",
     "swiglu",
