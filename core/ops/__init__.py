@@ -21,10 +21,12 @@ from .calls import (
     fused_adam,
     fused_lamb,
     fused_lion,
+    fused_muon,
     gather_sum,
     grouped_mm,
     moe_down_combine,
     moe_gate_up,
+    newton_schulz,
     override,
     provides,
     quantize,
@@ -49,7 +51,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ANY_DEVICE", "Candidate", "OpBuilder", "OpRegistry", "QuantizedTensor", "dequantize", "explain",
-    "fused_adam", "fused_lamb", "fused_lion", "gather_sum", "grouped_mm", "moe_down_combine", "moe_gate_up",
-    "override", "provides", "quantize", "registry",
+    "fused_adam", "fused_lamb", "fused_lion", "fused_muon", "gather_sum", "grouped_mm", "moe_down_combine",
+    "moe_gate_up", "newton_schulz", "override", "provides", "quantize", "registry",
     "resolve", "swiglu",
 ]

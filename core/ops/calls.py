@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..runtime import current
-from . import contract
+from . import contract, contract_muon
+from .reference import muon as _muon
 from .reference.moe_experts import check_moe_down_combine_shapes, check_moe_gate_up_shapes
 from .reference.quantize import QuantizedTensor, check_dequantize_args, check_quantize_args
 
@@ -139,6 +140,36 @@ def moe_down_combine(h: torch.Tensor, weight: torch.Tensor, offsets: torch.Tenso
     """
     check_moe_down_combine_shapes(h, weight, offsets, index, weights)
     return _RUNTIME.ops.resolve("moe_down_combine", h.device.type)(h, weight, offsets, index, weights)
+
+
+def newton_schulz(x: torch.Tensor, *, steps: int = _muon.NS_STEPS, coefficients=_muon.NS_COEFFICIENTS,
+                  eps: float = _muon.NS_EPS) -> torch.Tensor:
+    """``newton_schulz`` through the best builder for the tensor's device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.newton_schulz` (docs/plugin-authoring.md).
+    """
+    contract_muon.check_newton_schulz(x, steps=steps, coefficients=coefficients, eps=eps)
+    return _RUNTIME.ops.resolve("newton_schulz", x.device.type)(x, steps=steps, coefficients=tuple(coefficients),
+                                                                 eps=eps)
+
+
+def fused_muon(params, grads, momentum_buffers, *, lr, momentum, weight_decay, nesterov=True,
+               ns_steps=_muon.NS_STEPS, ns_coefficients=_muon.NS_COEFFICIENTS, eps=_muon.NS_EPS,
+               ns_dtype=torch.bfloat16, lr_adjustment="original", head_splits=None):
+    """``fused_muon`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.fused_muon` (docs/plugin-authoring.md, docs/muon.md).
+    """
+    contract_muon.check_fused_muon(params, grads, momentum_buffers, lr=lr, momentum=momentum,
+                                   weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps,
+                                   ns_coefficients=ns_coefficients, eps=eps, ns_dtype=ns_dtype,
+                                   lr_adjustment=lr_adjustment, head_splits=head_splits)
+    if not params:
+        return
+    _RUNTIME.ops.resolve("fused_muon", _device_type(params, "fused_muon"))(
+        params, grads, momentum_buffers, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
+        ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), eps=eps, ns_dtype=ns_dtype,
+        lr_adjustment=lr_adjustment, head_splits=None if head_splits is None else list(head_splits))
 
 
 def provides(op: str, device_type: str) -> bool:

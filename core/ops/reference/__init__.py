@@ -3,6 +3,7 @@
 from .gather_sum import gather_sum, gather_sum_backward, gather_sum_forward, make_gather_sum
 from .grouped_mm import grouped_mm
 from .moe_experts import moe_down_combine, moe_gate_up
+from .muon import fused_muon, newton_schulz
 from .optimizers import fused_adam, fused_lamb, fused_lion
 from .quantize import QuantizedTensor, dequantize, quantize
 from .swiglu import make_swiglu, swiglu, swiglu_backward, swiglu_forward
@@ -19,6 +20,8 @@ REFERENCE_OPS = {
     "gather_sum": "gather_sum",
     "moe_gate_up": "moe_gate_up",
     "moe_down_combine": "moe_down_combine",
+    "newton_schulz": "newton_schulz",
+    "fused_muon": "fused_muon",
 }
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "fused_adam",
     "fused_lamb",
     "fused_lion",
+    "fused_muon",
     "gather_sum",
     "gather_sum_backward",
     "gather_sum_forward",
@@ -36,6 +40,7 @@ __all__ = [
     "make_swiglu",
     "moe_down_combine",
     "moe_gate_up",
+    "newton_schulz",
     "op_reference_markdown",
     "quantize",
     "swiglu",

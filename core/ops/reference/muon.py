@@ -169,11 +169,11 @@ def fused_muon(params, grads, momentum_buffers, *, lr, momentum, weight_decay, n
         p32, g32, b32 = upcast(p), upcast(g), upcast(buf)
         b32.lerp_(g32, 1 - momentum)
         u = g32.lerp(b32, momentum) if nesterov else b32
-        O = orthogonalized_update(u, split=split, ns_dtype=ns_dtype, ns_steps=ns_steps,
-                                  ns_coefficients=ns_coefficients, eps=eps)
+        ortho = orthogonalized_update(u, split=split, ns_dtype=ns_dtype, ns_steps=ns_steps,
+                                      ns_coefficients=ns_coefficients, eps=eps)
         blk = split_heads(p32, split).shape
         scale = muon_lr_scale(blk, lr_adjustment)
-        p32.mul_(1 - lr * weight_decay).add_(O, alpha=-lr * scale)
+        p32.mul_(1 - lr * weight_decay).add_(ortho, alpha=-lr * scale)
         if buf is not b32:
             buf.copy_(b32)
         if p is not p32:
