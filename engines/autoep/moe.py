@@ -15,6 +15,15 @@ Forward, for the T tokens of this rank:
    summed per token (the op registry's ``gather_sum``); shared experts (with Qwen's sigmoid
    gate) are added.
 
+Where the device's plugin provides the fused expert ops (``moe_gate_up``, ``moe_down_combine``:
+``ops.provides``), steps 2 and 4-5 run as those two instead: the dispatch gather moves into the
+first GEMM's loads and SwiGLU into its epilogue; with ep 1 the router-weighted combine is the
+second op's, with ep > 1 the permutation into and out of expert order is (the combine after
+the reverse all-to-all stays ``gather_sum``). Routers that weight the rows before the experts
+(``score_apply == "pre"``) keep the unfused path, as does ``fused_experts=False``. The unfused
+path is the ops' reference, so both give the same numbers (bit for bit on the reference
+builders).
+
 Dropless: no capacity, every assignment is computed. With ep 1 no collective is issued.
 
 Gradients: an expert parameter's local gradient already sums the contributions of every
@@ -97,13 +106,20 @@ class GroupedExperts(torch.nn.Module):
             return gu, down
         return gu.transpose(1, 2), down.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, index: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``x`` sorted by local expert, ``counts[e]`` rows for local expert e.
+
+        With ``index`` ([tokens, k], as ``gather_sum`` takes it), ``x`` holds the token rows
+        instead and the result is each token's k slots summed with ``weights``: the fused
+        expert ops (:func:`run_fused_experts`).
 
         Called on every rank in every forward (with no rows too), so hooks that gather the
         parameters around a module's forward (ZeRO stage 3) see the same calls everywhere.
         """
         w1, w2 = self.weights()
+        if index is not None:
+            return run_fused_experts(x, index, w1, w2, counts, weights)
         return run_experts(x, w1, w2, counts)
 
     def extra_repr(self) -> str:
@@ -132,6 +148,19 @@ def run_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: tor
     return ops.grouped_mm(ops.swiglu(gate, up), w2, offsets)
 
 
+def run_fused_experts(x: torch.Tensor, index: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                      counts: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """The same experts on token rows ``x`` dispatched by ``index`` and combined with ``weights``:
+    ``moe_gate_up`` -> ``moe_down_combine`` (``gather_sum(run_experts(x dispatched), index, weights)``)."""
+    offsets = torch.cumsum(counts.to(torch.int64), dim=0)
+    return ops.moe_down_combine(ops.moe_gate_up(x, index, w1, offsets), w2, offsets, index, weights)
+
+
+def fused_experts_provided(device_type: str) -> bool:
+    """Whether the plugin serving ``device_type`` provides both fused expert ops (not just their reference)."""
+    return ops.provides("moe_gate_up", device_type) and ops.provides("moe_down_combine", device_type)
+
+
 class AutoEPMoE(torch.nn.Module):
     """A MoE block with its experts placed over the expert-parallel group (see the module docstring)."""
 
@@ -154,6 +183,8 @@ class AutoEPMoE(torch.nn.Module):
             self.add_module(spec.shared_gate_name, shared_gate)
         #: what the last forward dispatched (detached; for tests and monitoring)
         self.last_dispatch: dict | None = None
+        #: the fused expert ops: None = where the device's plugin provides them, True/False = always/never
+        self.fused_experts: bool | None = None
 
     @property
     def router(self) -> torch.nn.Module:
@@ -186,14 +217,21 @@ class AutoEPMoE(torch.nn.Module):
             return y, logits
         return y
 
+    def _uses_fused(self, x: torch.Tensor) -> bool:
+        if self.routing.score_apply == "pre" or self.fused_experts is False:
+            return False
+        return self.fused_experts or fused_experts_provided(x.device.type)
+
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         T, k = idx.shape
         E, ep = self.num_experts, self.ep_size
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # expert-major; within an expert, token order
         inverse = inverse_permutation(order)
-        routed = DispatchRows.apply(x, order, inverse, k)
         weights = weights.to(x.dtype)
+        if self._uses_fused(x):
+            return self._routed_fused(x, weights, flat, order, inverse.view(T, k))
+        routed = DispatchRows.apply(x, order, inverse, k)
         if self.routing.score_apply == "pre":
             routed = routed * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
         # (bincount would sync with the host to size its output; a scatter-add into E slots does not)
@@ -216,3 +254,26 @@ class AutoEPMoE(torch.nn.Module):
                                   "recv": recv_rows}
         post = weights if self.routing.score_apply == "post" else None
         return ops.gather_sum(y, inverse.view(T, k), post)  # back to tokens, summed over their k slots
+
+    def _routed_fused(self, x: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor, order: torch.Tensor,
+                      index: torch.Tensor) -> torch.Tensor:
+        """``_routed`` through the fused expert ops (``score_apply == "post"``; see the module docstring)."""
+        E, ep = self.num_experts, self.ep_size
+        counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        experts = self.local_experts
+        if ep == 1:
+            self.last_dispatch = {"counts": counts.detach(), "received": counts.detach(), "send": None, "recv": None}
+            return experts(x, counts, index, weights)
+        # the rows leave in expert order: this dispatch is the one gather outside the experts
+        routed = DispatchRows.apply(x, order, index.reshape(-1), index.shape[1])
+        recv, send_rows, recv_rows = exchange_counts(counts, ep, self.group)
+        received = AllToAllV.apply(routed, recv_rows, send_rows, self.group)  # [source][local expert] order
+        n_local = E // ep
+        local_ids = torch.arange(n_local, device=x.device).repeat(ep)
+        row_expert = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=sum(recv_rows))
+        back = inverse_permutation(torch.argsort(row_expert, stable=True)).view(-1, 1)
+        y_back = experts(received, recv.sum(0), back, None)  # in received order again
+        y = AllToAllV.apply(y_back, send_rows, recv_rows, self.group)
+        self.last_dispatch = {"counts": counts.detach(), "received": recv.sum(0).detach(), "send": send_rows,
+                              "recv": recv_rows}
+        return ops.gather_sum(y, index, weights)

@@ -1,8 +1,9 @@
 """Op builders of the cuda plugin (device type "cuda"), in one table.
 
 Triton kernels for the multi-tensor optimizers (fused_adam, fused_lion, fused_lamb) above
-torch's fused Adam, and for quantize/dequantize, swiglu, grouped_mm (also torch._grouped_mm)
-and gather_sum. The plugin's ``polyaccel_op_builders`` hook returns :func:`builders`.
+torch's fused Adam, and for quantize/dequantize, swiglu, grouped_mm (also torch._grouped_mm),
+gather_sum and the fused expert MLP (moe_gate_up, moe_down_combine). The plugin's
+``polyaccel_op_builders`` hook returns :func:`builders`.
 
 Importing this module loads neither Triton nor a kernel: a loader imports its kernel module on
 first use, and the ``compatible`` checks are cheap questions about the accelerator serving
@@ -141,6 +142,13 @@ _TABLE = (
     _Row("gather_sum", "triton_gather_sum", ".kernels.gather_sum", "gather_sum", "triton", TRITON_KERNEL_PRIORITY,
          triton_compatible, "Triton gather-sum: one pass over the rows forward, one backward (weights' gradient "
                             "included), no atomics, autograd-aware"),
+    _Row("moe_gate_up", "triton_moe_gate_up", ".kernels.moe_experts", "moe_gate_up", "triton", TRITON_KERNEL_PRIORITY,
+         triton_compatible, "Triton fused dispatch + gate/up grouped GEMM + SwiGLU epilogue (x gathered by row on "
+                            "load), bf16/fp16; other dtypes take the unfused ops"),
+    _Row("moe_down_combine", "triton_moe_down_combine", ".kernels.moe_experts", "moe_down_combine", "triton",
+         TRITON_KERNEL_PRIORITY, triton_compatible,
+         "Triton down grouped GEMM with the router weight in its epilogue (k=1: scattered to the token rows), "
+         "backward gathering grad_out on load, bf16/fp16; other dtypes take the unfused ops"),
     _Row("grouped_mm", "torch_grouped_mm", ".kernels.grouped_mm", "torch_grouped_mm", "torch",
          TORCH_GROUPED_MM_PRIORITY, torch_grouped_mm_compatible,
          "torch._grouped_mm (CUTLASS, bf16) with the rows past the last offset zeroed; "

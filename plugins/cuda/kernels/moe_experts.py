@@ -406,12 +406,19 @@ def down_dgrad(grad_out, tok, w2, off64, h, scale, need_dw: bool, *, config: Til
     return dh, (part.sum(dim=1) if need_dw else None)
 
 
-def gathered_wgrad(a, b, off64, experts: int, *, a_idx=None, b_idx=None, b_scale=None,
+def gathered_wgrad(a, b, off64, experts: int, *, a_idx=None, b_idx=None, b_scale=None, like=None,
                    config: TileConfig | None = None):
-    """``dw[e] = a[a_idx[r]]^T (b_scale[r] * b[b_idx[r]])`` over expert e's rows r, as [E, K, M]."""
+    """``dw[e] = a[a_idx[r]]^T (b_scale[r] * b[b_idx[r]])`` over expert e's rows r, as [E, K, M].
+
+    With ``like`` (the weight), ``dw`` takes its strides, so the gradient of a transposed view of
+    an [E, M, K] parameter is written in the parameter's own layout (no strided copy to accumulate).
+    """
     rows = (a_idx if a_idx is not None else b_idx if b_idx is not None else a).shape[0]
     k, m = a.shape[1], b.shape[1]
-    dw = torch.empty(experts, k, m, dtype=a.dtype, device=a.device)
+    if like is not None and like.shape == (experts, k, m) and like.is_non_overlapping_and_dense():
+        dw = torch.empty_like(like, dtype=a.dtype)
+    else:
+        dw = torch.empty(experts, k, m, dtype=a.dtype, device=a.device)
     if experts == 0 or k == 0 or m == 0:
         return dw
     if rows == 0:
@@ -468,7 +475,7 @@ class _GateUp(torch.autograd.Function):
             d_routed = ops.grouped_mm(d_gu, w1.transpose(1, 2), off64)
             dx = gather_sum_forward(d_routed, index, None)
         if ctx.needs_input_grad[1]:
-            dw1 = gathered_wgrad(x, d_gu, off64, w1.shape[0], a_idx=tok, config=ctx.config)
+            dw1 = gathered_wgrad(x, d_gu, off64, w1.shape[0], a_idx=tok, like=w1, config=ctx.config)
         return dx, dw1, None, None, None, None
 
 
@@ -496,7 +503,8 @@ class _DownCombine(torch.autograd.Function):
             if need_dw:
                 d_weights = dots.index_select(0, index.reshape(-1).long()).view(index.shape).to(weights.dtype)
         if ctx.needs_input_grad[1]:
-            dw2 = gathered_wgrad(h, grad_out, off64, w2.shape[0], b_idx=tok, b_scale=scale, config=ctx.config)
+            dw2 = gathered_wgrad(h, grad_out, off64, w2.shape[0], b_idx=tok, b_scale=scale, like=w2,
+                                 config=ctx.config)
         return (dh if ctx.needs_input_grad[0] else None), dw2, d_weights, None, None, None, None
 
 

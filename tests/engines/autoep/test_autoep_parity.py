@@ -49,6 +49,9 @@ CASES = {
     "skew-top2-ep4": ("mixtral", 4, SKEW_SIZES, True, {}, {}),
     "skew-deepseek-ep4": ("deepseek_v3", 4, SKEW_SIZES, True, {}, {}),
 }
+#: the same cases through the fused expert ops (moe_gate_up, moe_down_combine; their reference here), forced on
+FUSED = ("mixtral-ep1", "mixtral-ep2", "qwen2_moe-ep4", "deepseek_v3-ep2", "legacy-ep2", "skew-top1-ep4")
+CASES.update({f"{name}-fused": CASES[name] for name in FUSED})
 TRAIN_STEPS = 10
 
 
@@ -69,14 +72,18 @@ def _reduce(grad: torch.Tensor, param, mesh) -> torch.Tensor:
     return g / mesh.size("data")
 
 
-def _block_case(rank, mesh, family, ep, sizes, skewed, model_kw, extra):
+def _block_case(rank, mesh, family, ep, sizes, skewed, model_kw, extra, fused=False):
     from polyaccel.comm.tracing import CommTracer
     from polyaccel.engines.autoep import layer
+    from polyaccel.engines.autoep.moe import AutoEPMoE
 
     model = build(family, **model_kw)
     if skewed:
         skew(model, family)
     layer.apply(model, {"autoep_size": ep, **extra}, mesh)
+    for m in model.modules():
+        if isinstance(m, AutoEPMoE):
+            m.fused_experts = fused
     block = block_of(model, family)
     x = tokens(rank, sizes[rank], positive=skewed).requires_grad_(True)
     logits = []
@@ -130,7 +137,8 @@ def run_all(rank: int, world: int, names: list[str]) -> dict:
     out = {}
     for name in names:
         family, ep, sizes, skewed, model_kw, extra = CASES[name]
-        out[name] = _block_case(rank, meshes[ep], family, ep, sizes, skewed, model_kw, extra)
+        out[name] = _block_case(rank, meshes[ep], family, ep, sizes, skewed, model_kw, extra,
+                                fused=name.endswith("-fused"))
     out["train"] = _train(rank, meshes[2])
     return out
 

@@ -11,7 +11,7 @@ from polyaccel.ops import OpRegistry
 from polyaccel.plugins.cuda import ops as kb
 
 #: the ops of the plugin's builders besides the multi-tensor optimizers
-_KERNEL_OPS = ("quantize", "dequantize", "swiglu", "grouped_mm", "gather_sum")
+_KERNEL_OPS = ("quantize", "dequantize", "swiglu", "grouped_mm", "gather_sum", "moe_gate_up", "moe_down_combine")
 
 
 class _FakeGpu:
@@ -47,6 +47,7 @@ def test_register_adds_one_builder_per_op_and_torch_grouped_mm():
     assert names == {
         "quantize": ["triton_quantize"], "dequantize": ["triton_dequantize"], "swiglu": ["triton_swiglu"],
         "grouped_mm": ["triton_grouped_mm", "torch_grouped_mm"], "gather_sum": ["triton_gather_sum"],
+        "moe_gate_up": ["triton_moe_gate_up"], "moe_down_combine": ["triton_moe_down_combine"],
     }
     for op in names:
         for b in reg.builders(op):
@@ -61,6 +62,8 @@ def test_register_adds_one_builder_per_op_and_torch_grouped_mm():
     ("grouped_mm", "triton_grouped_mm", "grouped_mm", "grouped_mm"),
     ("grouped_mm", "torch_grouped_mm", "grouped_mm", "torch_grouped_mm"),
     ("gather_sum", "triton_gather_sum", "gather_sum", "gather_sum"),
+    ("moe_gate_up", "triton_moe_gate_up", "moe_experts", "moe_gate_up"),
+    ("moe_down_combine", "triton_moe_down_combine", "moe_experts", "moe_down_combine"),
 ])
 def test_loaders_return_the_kernel_functions(op, name, module, attr):
     builder = next(b for b in _registry().builders(op) if b.name == name)
