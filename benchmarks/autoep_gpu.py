@@ -10,12 +10,16 @@ hidden H, expert width F, random bf16 weights) is built once; AutoEP is applied 
 
 - tokens/s of forward + backward (loss ``(out * g).sum()``) for the HF block with its eager
   expert loop (``experts_implementation="eager"``: one GEMM chain per expert hit), the HF
-  block with transformers' own ``grouped_mm`` experts where it runs, and AutoEP;
+  block with transformers' own ``grouped_mm`` experts where it runs, AutoEP as it runs by
+  default (the fused expert ops ``moe_gate_up`` / ``moe_down_combine`` where the plugin
+  provides them) and AutoEP with ``fused_experts=False`` (the unfused ops);
 - peak memory of one forward + backward (where the accelerator reports memory statistics);
 - max |AutoEP - HF eager| of the forward output, and the output's max |value| for scale;
 - the expert GEMMs alone: AutoEP's two ``polyaccel.ops.grouped_mm`` calls (the builder the
   registry picks for the device, named in the output) against ``torch._grouped_mm`` on the same
-  sorted tokens, weights and offsets, in TFLOP/s (forward, 2*N*H*2F + 2*N*F*H FLOPs, N = T*k).
+  sorted tokens, weights and offsets, in TFLOP/s (forward, 2*N*H*2F + 2*N*F*H FLOPs, N = T*k);
+  and the fused ops' forward (``fused TF/s``: gather, GEMMs, SwiGLU and combine together, the
+  same FLOPs counted) where they are provided.
 
 Targets (issue): AutoEP >= 2x the HF eager block's tokens/s; expert GEMMs >= 80% of the
 ``torch._grouped_mm`` rate. Timings are medians of ``--steps`` runs after warm-up, the device
@@ -77,14 +81,17 @@ def hf_block(E: int, k: int, H: int, F: int, impl: str, device, seed: int = 0):
     return block.to(device=device, dtype=torch.bfloat16)
 
 
-def autoep_block(block):
+def autoep_block(block, fused: bool | None = None):
+    """AutoEP on a copy of ``block``; ``fused`` sets ``fused_experts`` (None: the fused ops where provided)."""
     from polyaccel.engines.autoep import apply_autoep
 
     holder = torch.nn.Module()
     holder.config = None
     holder.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": copy.deepcopy(block)})])
     apply_autoep(holder, {"preset_model": "mixtral"})
-    return holder.layers[0]["mlp"]
+    ep = holder.layers[0]["mlp"]
+    ep.fused_experts = fused
+    return ep
 
 
 def train_step(block, x, g):
@@ -109,6 +116,10 @@ def gemm_rates(ep_block, x, acc, steps):
         logits = logits[0] if isinstance(logits, tuple) else logits
         _, idx = route(logits, ep_block.routing)
         order = torch.argsort(idx.reshape(-1), stable=True)
+        index = torch.empty_like(order)
+        index[order] = torch.arange(order.numel(), device=order.device)
+        index = index.view(idx.shape)
+        weights = torch.rand(idx.shape, device=flat.device, dtype=flat.dtype)
         xs = flat.index_select(0, order // idx.shape[1]).contiguous()
         counts = torch.bincount(idx.reshape(-1), minlength=ep_block.num_experts)
         off64 = torch.cumsum(counts, 0)
@@ -129,20 +140,26 @@ def gemm_rates(ep_block, x, acc, steps):
             torch._grouped_mm(xs, w1, offs=off32)
             torch._grouped_mm(a, w2, offs=off32)
 
+    def fused():
+        with torch.no_grad():
+            ops.moe_down_combine(ops.moe_gate_up(flat, index, w1, off64), w2, off64, index, weights)
+
     builder = ops.registry.chosen("grouped_mm", xs.device.type).name
     t_ours = median_s(ours, acc, steps)
     try:
         t_torch = median_s(torch_gm, acc, steps)
     except Exception:  # noqa: BLE001 - torch._grouped_mm missing for this device/dtype
         t_torch = None
+    t_fused = median_s(fused, acc, steps) if ops.provides("moe_gate_up", xs.device.type) else None
     rate = lambda t: flops / t / 1e12 if t else None
-    return rate(t_ours), rate(t_torch), builder
+    return rate(t_ours), rate(t_torch), builder, rate(t_fused)
 
 
 def run_case(E, T, k, args, acc, device) -> dict:
     H, F = args.hidden, args.ffn
     eager = hf_block(E, k, H, F, "eager", device)
     ours = autoep_block(eager)
+    unfused = autoep_block(eager, fused=False)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, T, H, generator=g).to(device=device, dtype=torch.bfloat16)
     grad = torch.randn(1, T, H, generator=g).to(device=device)
@@ -150,9 +167,12 @@ def run_case(E, T, k, args, acc, device) -> dict:
     with torch.no_grad():
         want = eager(x)
         got = ours(x)
+        got_unfused = unfused(x)
     row["max_abs_diff"] = float((got.float() - want.float()).abs().max())
+    row["unfused_max_abs_diff"] = float((got_unfused.float() - want.float()).abs().max())
     row["max_abs_out"] = float(want.float().abs().max())
-    impls = {"hf_eager": eager, "autoep": ours}
+    row["fused"] = ours._uses_fused(x)
+    impls = {"hf_eager": eager, "autoep": ours, "autoep_unfused": unfused}
     try:
         hf_gm = hf_block(E, k, H, F, "grouped_mm", device)
         with torch.no_grad():
@@ -166,11 +186,13 @@ def run_case(E, T, k, args, acc, device) -> dict:
         row[f"{name}_tokens_per_s"] = T / t
         row[f"{name}_peak_bytes"] = peak_bytes(step, acc)
     row["speedup_vs_hf_eager"] = row["autoep_tokens_per_s"] / row["hf_eager_tokens_per_s"]
+    row["speedup_vs_unfused"] = row["autoep_tokens_per_s"] / row["autoep_unfused_tokens_per_s"]
     if "hf_grouped_mm_tokens_per_s" in row:
         row["speedup_vs_hf_grouped_mm"] = row["autoep_tokens_per_s"] / row["hf_grouped_mm_tokens_per_s"]
-    ours_tf, torch_tf, builder = gemm_rates(ours, x, acc, args.steps)
+    ours_tf, torch_tf, builder, fused_tf = gemm_rates(ours, x, acc, args.steps)
     row.update(gemm_builder=builder, gemm_tflops=ours_tf, torch_grouped_mm_tflops=torch_tf,
-               gemm_fraction=(ours_tf / torch_tf) if (ours_tf and torch_tf) else None)
+               gemm_fraction=(ours_tf / torch_tf) if (ours_tf and torch_tf) else None, fused_tflops=fused_tf,
+               fused_fraction=(fused_tf / torch_tf) if (fused_tf and torch_tf) else None)
     for b in impls.values():
         b.to("meta")  # free the weights before the next case
     return row
@@ -203,7 +225,8 @@ def main(argv=None) -> list[dict]:
           f"fwd+bwd, median of {args.steps}")
     head = (f"{'E':>3} {'T':>6} {'k':>2} | {'HF eager tok/s':>14} {'HF gmm tok/s':>13} {'AutoEP tok/s':>13} "
             f"{'x eager':>7} {'x gmm':>6} | {'peak MB HF/AEP':>15} | {'max|diff|':>9} {'max|out|':>8} | "
-            f"{'GEMM TF/s':>9} {'_grouped_mm':>11} {'frac':>5}")
+            f"{'GEMM TF/s':>9} {'_grouped_mm':>11} {'frac':>5} | {'fused TF/s':>10} {'frac':>5} | "
+            f"{'unfused tok/s':>13} {'x unf':>6} {'peak MB unf':>11} {'unf |diff|':>10}")
     print(head)
     print("-" * len(head))
     rows = []
@@ -220,11 +243,18 @@ def main(argv=None) -> list[dict]:
                       f"{r['speedup_vs_hf_eager']:>6.2f}x {_fmt(r.get('speedup_vs_hf_grouped_mm'), '>5.2f')}x | "
                       f"{mb(r['hf_eager_peak_bytes']) + '/' + mb(r['autoep_peak_bytes']):>15} | "
                       f"{r['max_abs_diff']:>9.2e} {r['max_abs_out']:>8.2e} | {_fmt(r['gemm_tflops'], '>9.2f')} "
-                      f"{_fmt(r['torch_grouped_mm_tflops'], '>11.2f')} {_fmt(r['gemm_fraction'], '>5.2f')}",
+                      f"{_fmt(r['torch_grouped_mm_tflops'], '>11.2f')} {_fmt(r['gemm_fraction'], '>5.2f')} | "
+                      f"{_fmt(r['fused_tflops'], '>10.2f')} {_fmt(r['fused_fraction'], '>5.2f')} | "
+                      f"{r['autoep_unfused_tokens_per_s']:>13,.0f} {r['speedup_vs_unfused']:>5.2f}x "
+                      f"{mb(r['autoep_unfused_peak_bytes']):>11} {r['unfused_max_abs_diff']:>10.2e}"
+                      + ("" if r["fused"] else "  (fused ops not used)"),
                       flush=True)
     if rows:
         print(f"expert GEMMs ran on grouped_mm builder {rows[0]['gemm_builder']!r}; targets: >= 2x HF eager "
               "tokens/s, GEMM fraction >= 0.80 of torch._grouped_mm")
+        gm = [r["speedup_vs_hf_grouped_mm"] for r in rows if "speedup_vs_hf_grouped_mm" in r]
+        print(f"AutoEP (default path) min x HF grouped_mm {min(gm):.2f} (target >= 1.3); "
+              f"min x unfused {min(r['speedup_vs_unfused'] for r in rows):.2f}" if gm else "no HF grouped_mm rows")
         worst = min(r["speedup_vs_hf_eager"] for r in rows)
         fracs = [r["gemm_fraction"] for r in rows if r["gemm_fraction"] is not None]
         print(f"min speed-up vs HF eager {worst:.2f}x; min GEMM fraction "

@@ -1,8 +1,10 @@
 """Profile AutoEP's MoE layer (ep 1, bf16, forward + backward) and print where device time goes.
 
-    python benchmarks/autoep_profile.py [--experts 8] [--tokens 32768] [--topk 2] [--rows 25] [--hf]
+    python benchmarks/autoep_profile.py [--experts 8] [--tokens 32768] [--topk 2] [--rows 25] [--hf] [--unfused]
 
-Uses ``autoep_gpu.py``'s block and step; ``--hf`` profiles the HF eager block as well.
+Uses ``autoep_gpu.py``'s block and step (AutoEP's default path: the fused expert ops where the
+plugin provides them); ``--hf`` profiles the HF eager block as well, ``--unfused`` AutoEP with
+``fused_experts=False``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ def main() -> int:
     ap.add_argument("--ffn", type=int, default=1536)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--hf", action="store_true", help="profile the HF eager block too")
+    ap.add_argument("--unfused", action="store_true", help="profile AutoEP with fused_experts=False too")
     args = ap.parse_args()
 
     import polyaccel
@@ -31,6 +34,8 @@ def main() -> int:
     device = acc.device()
     eager = hf_block(args.experts, args.topk, args.hidden, args.ffn, "eager", device)
     blocks = {"autoep": autoep_block(eager)}
+    if args.unfused:
+        blocks["autoep unfused"] = autoep_block(eager, fused=False)
     if args.hf:
         blocks["hf eager"] = eager
     g = torch.Generator().manual_seed(1)

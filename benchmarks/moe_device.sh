@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call for the fused expert ops (issue 31): install, then
+#   1. moe_experts_gpu.py: fused vs unfused expert MLP per row (correctness vs fp64, ms, peak MB) -> experts.log/.json
+#   2. autoep_gpu.py: the 8 rows, AutoEP (fused by default) vs HF eager / HF grouped_mm / AutoEP unfused
+#      -> autoep.log, autoep.json
+#   3. autoep_profile.py on the k=E row (E=8, 32k tokens, top-8), the default path and the unfused one -> profile.log
+# Usage: bash benchmarks/moe_device.sh OUTDIR [steps]     (LIMIT scales the timeouts: LIMIT=1 default)
+set -u
+OUT=${1:?usage: moe_device.sh OUTDIR [steps]}
+STEPS=${2:-10}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || echo "pip install failed (see install.log)"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" >>"$OUT/install.log" 2>&1
+cd benchmarks
+timeout 300 python3 moe_experts_gpu.py --steps "$STEPS" --out "$OUT/experts.json" >"$OUT/experts.log" 2>&1
+echo "moe_experts_gpu: exit $?"; cat "$OUT/experts.log"
+timeout 420 python3 autoep_gpu.py --steps "$STEPS" --out "$OUT/autoep.json" >"$OUT/autoep.log" 2>&1
+echo "autoep_gpu: exit $?"; cat "$OUT/autoep.log"
+timeout 180 python3 autoep_profile.py --experts 8 --tokens 32768 --topk 8 --unfused >"$OUT/profile.log" 2>&1
+echo "autoep_profile: exit $?"; head -45 "$OUT/profile.log"
