@@ -113,7 +113,48 @@ def run_grads(chain, c, dtype=None):
 
 def errors(got, want):
     return [float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
-            for a, b in zip(got, want)]
+            for a, b in zip(got, want, strict=True)]
+
+
+def run_row(ops, E, T, k, args, device) -> dict:
+    from polyaccel.ops.reference.moe_experts import routed_tokens
+
+    c = make_case(E, T, k, args.hidden, args.ffn, device)
+    r = {"experts": E, "tokens": T, "top_k": k}
+    fused = lambda lv: fused_chain(ops, c, lv)
+    unfused = lambda lv: unfused_chain(ops, c, lv)
+    if T * k <= args.ref_rows:
+        want = run_grads(lambda lv: reference_chain(c, lv), c, torch.float64)
+        r["fused_rel_err"] = errors(run_grads(fused, c), want)
+        r["unfused_rel_err"] = errors(run_grads(unfused, c), want)
+    else:  # fused against unfused, both bf16
+        r["fused_vs_unfused_rel_err"] = errors(run_grads(fused, c), run_grads(unfused, c))
+    x, index, off, wts = c["x"], c["index"], c["offsets"], c["weights"]
+    w1, w2 = c["gate_up"].transpose(1, 2), c["down"].transpose(1, 2)
+    with torch.no_grad():
+        h = ops.moe_gate_up(x, index, w1, off)
+        r["gate_up_fused_ms"] = median_ms(lambda: ops.moe_gate_up(x, index, w1, off), args.steps)
+        r["gate_up_unfused_ms"] = median_ms(lambda: ops.swiglu(*ops.grouped_mm(
+            x.index_select(0, routed_tokens(index)), w1, off).chunk(2, -1)), args.steps)
+        r["down_fused_ms"] = median_ms(lambda: ops.moe_down_combine(h, w2, off, index, wts), args.steps)
+        r["down_unfused_ms"] = median_ms(lambda: ops.gather_sum(ops.grouped_mm(h, w2, off), index, wts),
+                                         args.steps)
+    h = None  # (freed before the fwd+bwd timings)
+    leaves = leaves_of(c)
+
+    def step(chain):
+        def fn():
+            for t in leaves:
+                t.grad = None
+            chain(ops, c, leaves).backward(c["grad"])
+        return fn
+
+    r["fwd_bwd_fused_ms"] = median_ms(step(fused_chain), args.steps)
+    r["fwd_bwd_unfused_ms"] = median_ms(step(unfused_chain), args.steps)
+    r["peak_fused_mb"] = peak_mb(step(fused_chain))
+    r["peak_unfused_mb"] = peak_mb(step(unfused_chain))
+    r["speedup"] = r["fwd_bwd_unfused_ms"] / r["fwd_bwd_fused_ms"]
+    return r
 
 
 def main(argv=None):
@@ -138,44 +179,7 @@ def main(argv=None):
     print("-" * len(head))
     results = []
     for E, T, k in rows:
-        c = make_case(E, T, k, args.hidden, args.ffn, device)
-        r = {"experts": E, "tokens": T, "top_k": k}
-        if T * k <= args.ref_rows:
-            want = run_grads(lambda lv: reference_chain(c, lv), c, torch.float64)
-            r["fused_rel_err"] = errors(run_grads(lambda lv: fused_chain(ops, c, lv), c), want)
-            r["unfused_rel_err"] = errors(run_grads(lambda lv: unfused_chain(ops, c, lv), c), want)
-        else:  # fused against unfused, both bf16
-            want = run_grads(lambda lv: unfused_chain(ops, c, lv), c)
-            r["fused_vs_unfused_rel_err"] = errors(run_grads(lambda lv: fused_chain(ops, c, lv), c), want)
-        del want
-        from polyaccel.ops.reference.moe_experts import routed_tokens
-
-        w1, w2 = c["gate_up"].transpose(1, 2), c["down"].transpose(1, 2)
-        h = ops.moe_gate_up(c["x"], c["index"], w1, c["offsets"])
-        with torch.no_grad():
-            r["gate_up_fused_ms"] = median_ms(lambda: ops.moe_gate_up(c["x"], c["index"], w1, c["offsets"]),
-                                              args.steps)
-            r["gate_up_unfused_ms"] = median_ms(lambda: ops.swiglu(*ops.grouped_mm(
-                c["x"].index_select(0, routed_tokens(c["index"])), w1, c["offsets"]).chunk(2, -1)), args.steps)
-            r["down_fused_ms"] = median_ms(lambda: ops.moe_down_combine(h, w2, c["offsets"], c["index"],
-                                                                         c["weights"]), args.steps)
-            r["down_unfused_ms"] = median_ms(lambda: ops.gather_sum(ops.grouped_mm(h, w2, c["offsets"]), c["index"],
-                                                                    c["weights"]), args.steps)
-        del h
-        leaves = leaves_of(c)
-
-        def step(chain):
-            def fn():
-                for t in leaves:
-                    t.grad = None
-                chain(ops, c, leaves).backward(c["grad"])
-            return fn
-
-        r["fwd_bwd_fused_ms"] = median_ms(step(fused_chain), args.steps)
-        r["fwd_bwd_unfused_ms"] = median_ms(step(unfused_chain), args.steps)
-        r["peak_fused_mb"] = peak_mb(step(fused_chain))
-        r["peak_unfused_mb"] = peak_mb(step(unfused_chain))
-        r["speedup"] = r["fwd_bwd_unfused_ms"] / r["fwd_bwd_fused_ms"]
+        r = run_row(ops, E, T, k, args, device)
         errs = r.get("fused_rel_err") or r["fused_vs_unfused_rel_err"]
         tail = (" ".join(f"{e:.1e}" for e in errs) + " / "
                 + (" ".join(f"{e:.1e}" for e in r["unfused_rel_err"]) if "unfused_rel_err" in r else "(vs unfused)"))
@@ -184,7 +188,6 @@ def main(argv=None):
               f"{r['fwd_bwd_unfused_ms']:<7.3f} {r['speedup']:>5.2f} | {r['peak_fused_mb']:>6.0f}/"
               f"{r['peak_unfused_mb']:<6.0f} | {tail}", flush=True)
         results.append(r)
-        del c, leaves
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
