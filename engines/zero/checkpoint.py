@@ -344,7 +344,7 @@ def _open_for_load(engine, load_dir, tag) -> tuple[Path, dict]:
 @torch.no_grad()
 def load(engine, load_dir, tag=None):
     folder, meta = _open_for_load(engine, load_dir, tag)
-    family = {"adam": "adam", "adamw": "adam", "lion": "lion", "lamb": "lamb"}
+    family = {"adam": "adam", "adamw": "adam", "lion": "lion", "lamb": "lamb", "muon": "muon"}
     if family[meta["optimizer_type"]] != family[engine.config.optimizer.type]:
         raise PolyaccelError(
             f"checkpoint {folder} holds {meta['optimizer_type']!r} optimizer state; this engine uses "

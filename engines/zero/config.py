@@ -15,8 +15,9 @@ from typing import Any
 from polyaccel.errors import ConfigError
 
 from .activation_checkpoint import ActivationCheckpointConfig, parse_activation_checkpointing
+from .muon_config import MUON_PARAM_KEYS, MuonConfig, parse_muon
 
-OPTIMIZERS = ("adam", "adamw", "lion", "lamb")
+OPTIMIZERS = ("adam", "adamw", "lion", "lamb", "muon")
 OFFLOAD_DEVICES = ("none", "cpu")
 
 _TOP_KEYS = {
@@ -39,6 +40,7 @@ _OPT_PARAM_KEYS = {
     "adamw": {"lr", "betas", "eps", "weight_decay", "bias_correction"},
     "lion": {"lr", "betas", "weight_decay"},
     "lamb": {"lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff"},
+    "muon": {"lr", "weight_decay", *MUON_PARAM_KEYS},
 }
 
 
@@ -58,6 +60,8 @@ class OptimizerConfig:
     bias_correction: bool = True
     max_coeff: float = 10.0
     min_coeff: float = 0.01
+    #: ``type`` "muon": the Muon and auxiliary-Adam settings (see :mod:`.muon_config`); None otherwise
+    muon: MuonConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,9 @@ def _optimizer(value: Any) -> OptimizerConfig:
             out[key] = _float(f"optimizer.params.{key}", params[key])
     if kind == "adamw":
         out["adam_w_mode"] = True
+    if kind == "muon":
+        out.setdefault("lr", MuonConfig.DEFAULT_LR)
+        out["muon"] = parse_muon(params)
     return OptimizerConfig(**out)
 
 

@@ -120,6 +120,11 @@ class ZeroEngine:
         self.stepper = HostStepper(self.transfer)
         self.scaler = LossScaler(cfg.fp16)
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self.muon_choices = None  # optimizer.type "muon": {name: Choice}, made from the model's own shapes
+        if cfg.optimizer.type == "muon":
+            from .muon import choose_params
+
+            self.muon_choices = choose_params(model, [n for n, _ in self.trainable], cfg.optimizer.muon)
         self.groups = self._build_groups(model, alloc_master, self.reduction_stream)
         packers = [g.partitioner.pack_saved for g in self.groups if hasattr(g.partitioner, "pack_saved")]
         self._saved_tensor_hooks = None  # stage 3: (pack, unpack), installed around every forward
@@ -233,20 +238,37 @@ class ZeroEngine:
 
             part = ShardedParameters(model, entries, frozen, coll=coll, setup=setup)
         layout = part.layout
-        runs = None
-        if self.weight_decays:
-            runs = decay_runs(layout.param_ranges(coll.rank), layout.names, self.weight_decays,
-                              cfg.optimizer.weight_decay)
-        opt = PartitionOptimizer(
-            cfg.optimizer, part.master, setup.alloc_master,
-            segment_ids=lambda layout=layout, rank=coll.rank: layout.segment_ids(rank),
-            num_segments=len(layout.names), all_reduce=coll.all_reduce, decay_runs=runs)
+        if cfg.optimizer.type == "muon":
+            opt = self._muon_optimizer(key, entries, part, coll, setup)
+        else:
+            runs = None
+            if self.weight_decays:
+                runs = decay_runs(layout.param_ranges(coll.rank), layout.names, self.weight_decays,
+                                  cfg.optimizer.weight_decay)
+            opt = PartitionOptimizer(
+                cfg.optimizer, part.master, setup.alloc_master,
+                segment_ids=lambda layout=layout, rank=coll.rank: layout.segment_ids(rank),
+                num_segments=len(layout.names), all_reduce=coll.all_reduce, decay_runs=runs)
         copies = 1
         if self.mesh is not None:
             split = self.mesh.size(key[2]) if key[2] else 1
             copies = self.world_size // (coll.world * split)
         grad_sum = Collectives(self.device, self.mesh.group(key[1])) if key[1] else None
         return ParamGroup(key, entries, coll, part, opt, copies, grad_sum)
+
+    def _muon_optimizer(self, key: tuple, entries: list, part, coll, setup: PartitionSetup):
+        """Muon for one group (see :mod:`.muon`), over the matrices :attr:`muon_choices` gives it."""
+        from .muon import MuonPartitionOptimizer
+
+        cfg = self.config
+        tensor_coll = None
+        if self.mesh is not None and key[2] == "tensor":
+            tensor_coll = Collectives(self.device, self.mesh.group("tensor"))
+        cap = cfg.optimizer.muon.gather_bucket_size or cfg.reduce_bucket_size
+        return MuonPartitionOptimizer(cfg.optimizer, part.master, setup.alloc_master, layout=part.layout,
+                                      coll=coll, choices=self.muon_choices, weight_decays=self.weight_decays,
+                                      params=entries, comm_device=self.device, tensor_coll=tensor_coll,
+                                      gather_cap=cap)
 
     def _grad_dtype(self, key: tuple) -> torch.dtype:
         """dtype of a group's gradient partition. Where nothing ever accumulates into it (one micro-step, no

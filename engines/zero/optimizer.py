@@ -23,9 +23,10 @@ from polyaccel.ops.reference.optimizers import lamb_trust_ratio
 
 from .config import OptimizerConfig
 
-_OP_FOR = {"adam": "fused_adam", "adamw": "fused_adam", "lion": "fused_lion", "lamb": "fused_lamb"}
+_OP_FOR = {"adam": "fused_adam", "adamw": "fused_adam", "lion": "fused_lion", "lamb": "fused_lamb",
+           "muon": "fused_adam"}  # muon: its auxiliary Adam (the matrices are in .muon)
 STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"), "lion": ("exp_avg",),
-               "lamb": ("exp_avg", "exp_avg_sq")}
+               "lamb": ("exp_avg", "exp_avg_sq"), "muon": ("exp_avg", "exp_avg_sq")}
 
 
 class PartitionOptimizer:
