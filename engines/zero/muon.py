@@ -35,7 +35,6 @@ needs whole matrices).
 from __future__ import annotations
 
 import bisect
-import fnmatch
 from dataclasses import dataclass
 
 import torch
@@ -49,69 +48,18 @@ from .partition import FlatLayout
 
 
 # ------------------------------------------------------------------ which parameters Muon steps
-@dataclass(frozen=True)
-class Choice:
-    """How one parameter is stepped: by Muon (``muon``, with an optional ``(dim, heads)`` head split) or Adam."""
+def choose_params(model: torch.nn.Module, names: list[str], muon_cfg) -> dict:
+    """``{name: MuonChoice}`` for the trainable ``names``, by the project's one rule
+    (:func:`polyaccel.muon_params.choose_muon_params`) with the config's ``per_head``, ``muon_params`` and
+    ``adam_params``; a pattern it cannot honour is a :class:`ConfigError` naming the config key."""
+    from polyaccel.muon_params import MuonParamsError, choose_muon_params
 
-    muon: bool
-    head_split: tuple[int, int] | None = None
-    reason: str = ""
-
-
-def _fallback_choices(model: torch.nn.Module, per_head: bool) -> dict[str, Choice]:
-    """Until :mod:`polyaccel.muon_params` is there: Muon for 2-D weights outside embeddings and the output head;
-    per head for attention projections whose module knows its ``head_dim``."""
-    out: dict[str, Choice] = {}
-    for mod_name, mod in model.named_modules():
-        for pname, p in mod.named_parameters(recurse=False):
-            name = f"{mod_name}.{pname}" if mod_name else pname
-            if p.dim() != 2:
-                out[name] = Choice(False, None, "not a matrix")
-            elif isinstance(mod, torch.nn.Embedding) or "lm_head" in name or "embed" in name or "wte" in name \
-                    or "wpe" in name:
-                out[name] = Choice(False, None, "embedding or output head")
-            else:
-                out[name] = Choice(True, None, "hidden matrix")
-    if per_head:
-        for mod_name, mod in model.named_modules():
-            head_dim = getattr(mod, "head_dim", None)
-            if not isinstance(head_dim, int) or head_dim <= 0:
-                continue
-            for sub, dim in (("q_proj", 0), ("k_proj", 0), ("v_proj", 0), ("o_proj", 1)):
-                name = f"{mod_name}.{sub}.weight" if mod_name else f"{sub}.weight"
-                c = out.get(name)
-                p = dict(model.named_parameters()).get(name)
-                if c is not None and c.muon and p is not None and p.shape[dim] % head_dim == 0:
-                    out[name] = Choice(True, (dim, p.shape[dim] // head_dim), "attention projection, per head")
-    return out
-
-
-def choose_params(model: torch.nn.Module, names: list[str], muon_cfg) -> dict[str, Choice]:
-    """``{name: Choice}`` for the trainable ``names``: :func:`polyaccel.muon_params.choose_muon_params` when
-    present (the project's one rule), else :func:`_fallback_choices`; the config's ``muon_params`` /
-    ``adam_params`` patterns win. A non-matrix named by ``muon_params`` is refused."""
     try:
-        from polyaccel.muon_params import choose_muon_params
-    except ImportError:
-        choices = _fallback_choices(model, muon_cfg.per_head)
-        for name, c in list(choices.items()):
-            if any(fnmatch.fnmatchcase(name, pat) for pat in muon_cfg.adam_params):
-                choices[name] = Choice(False, None, "optimizer.params.adam_params")
-            elif any(fnmatch.fnmatchcase(name, pat) for pat in muon_cfg.muon_params):
-                choices[name] = Choice(True, c.head_split, "optimizer.params.muon_params")
-    else:
         found = choose_muon_params(model, per_head=muon_cfg.per_head, muon=muon_cfg.muon_params,
                                    adam=muon_cfg.adam_params)
-        choices = {n: Choice(bool(c.muon), c.head_split, c.reason) for n, c in found.items()}
-    shapes = dict(model.named_parameters())
-    for name in names:
-        c = choices.get(name)
-        if c is None:
-            choices[name] = Choice(False, None, "not named by the rule")
-        elif c.muon and shapes[name].dim() != 2:
-            raise ConfigError(f"optimizer.params.muon_params names {name!r} of shape {tuple(shapes[name].shape)}; "
-                              "Muon steps 2-D matrices only: leave it to adam_params")
-    return {n: choices[n] for n in names}
+    except MuonParamsError as exc:
+        raise ConfigError(f"optimizer.params (muon_params / adam_params / per_head): {exc}") from exc
+    return {n: found[n] for n in names}
 
 
 # ------------------------------------------------------------------ where each matrix's elements are
@@ -218,16 +166,12 @@ def plan_rounds(matrices: list[Matrix], world: int, cap: int) -> list[Round]:
 # ------------------------------------------------------------------ the orthogonalization
 def orthogonalize(u: torch.Tensor, head_split, mcfg) -> torch.Tensor:
     """Newton-Schulz of one matrix, whole or per head block, in ``ns_dtype``, back in ``u``'s dtype: the
-    reference's :func:`~polyaccel.ops.reference.muon.orthogonalized_update`, through the registry's
-    ``newton_schulz`` op where one is registered (a device's fast builder)."""
-    ns = getattr(ops, "newton_schulz", None)
-    if ns is None:
-        return ref_muon.orthogonalized_update(u, split=head_split, ns_dtype=mcfg.ns_dtype, ns_steps=mcfg.ns_steps,
-                                              ns_coefficients=mcfg.ns_coefficients, eps=mcfg.eps)
+    reference's :func:`~polyaccel.ops.reference.muon.orthogonalized_update`, with the iteration through the
+    registry's ``newton_schulz`` (the device's fastest builder)."""
     blocks = ref_muon.split_heads(u, head_split)
-    if mcfg.ns_dtype != torch.float16:
+    if mcfg.ns_dtype != torch.float16:  # float16 is cast inside newton_schulz, after the scaling
         blocks = blocks.to(mcfg.ns_dtype)
-    out = ns(blocks, steps=mcfg.ns_steps, coefficients=mcfg.ns_coefficients, eps=mcfg.eps)
+    out = ops.newton_schulz(blocks, steps=mcfg.ns_steps, coefficients=mcfg.ns_coefficients, eps=mcfg.eps)
     return ref_muon.join_heads(out, head_split, u.shape).to(u.dtype)
 
 
