@@ -25,6 +25,7 @@ import torch
 from . import ops
 from .errors import InvalidArgument, OpError
 from .ops import contract
+from .optim_state import load_state_dict_keeping_dtypes
 
 
 def _state_dtype(p: torch.Tensor) -> torch.dtype:
@@ -52,6 +53,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
             contract.check_eps(name, group["eps"])
         if "min_coeff" in group:
             contract.check_trust_bounds(name, group["min_coeff"], group["max_coeff"])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, keeping float32 states of 16-bit parameters float32 (torch would cast them to bf16)."""
+        load_state_dict_keeping_dtypes(self, super().load_state_dict, state_dict)
 
     def _init_state(self, p: torch.Tensor, capturable: bool) -> dict:
         st = self.state[p]
@@ -160,4 +165,6 @@ class FusedLamb(_FusedOptimizer):
                        min_coeff=group["min_coeff"])
 
 
-__all__ = ["FusedAdam", "FusedLamb", "FusedLion"]
+from .optim_muon import Muon, MuonWithAuxAdam  # noqa: E402 -- the Muon front-ends, re-exported
+
+__all__ = ["FusedAdam", "FusedLamb", "FusedLion", "Muon", "MuonWithAuxAdam"]

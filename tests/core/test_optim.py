@@ -138,3 +138,17 @@ def test_capturable_passes_the_device_step_tensor_and_matches(opt_cls):
     assert [v for is_tensor, v in seen if not is_tensor] == [1.0, 2.0, 3.0, 4.0, 5.0]  # default: a number
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_load_state_dict_keeps_fp32_states_of_bf16_params():
+    """torch's load_state_dict casts states to the param's dtype; the fp32 moments of bf16 params must stay fp32."""
+    a = make_params(torch.bfloat16)
+    opt_a = FusedAdam(a, lr=1e-2)
+    run_steps([(a, opt_a)], steps=2)
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_b = FusedAdam(b, lr=1e-2)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    for pa, pb in zip(a, b, strict=True):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert opt_b.state[pb][name].dtype == torch.float32
+            assert torch.equal(opt_b.state[pb][name], opt_a.state[pa][name])
