@@ -32,7 +32,7 @@ HELP = "train a small HF Llama/GPT-2 with ZeRO across ranks (the main job)"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .model import MODELS, ModelSpec
-    from .options import DTYPES, STAGES, TrainOptions
+    from .options import DEFAULT_LR, DTYPES, OPTIMIZERS, STAGES, TrainOptions
 
     d = TrainOptions()
     m = ModelSpec()
@@ -69,7 +69,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--offload", action="store_true",
                    help="offload optimizer state to host memory (and parameters too with --stage 3)")
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")
-    g.add_argument("--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr})")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
+                   help="adamw: AdamW for every parameter; muon: Muon (momentum, then Newton-Schulz "
+                        "orthogonalization of each hidden matrix, whole, once per step, under every ZeRO stage, "
+                        "offload and --tp) with AdamW for the embeddings, head, norms and biases "
+                        f"(default {d.optimizer})")
+    g.add_argument("--lr", type=float, default=None,
+                   help="learning rate: AdamW's, or with --optimizer muon the hidden matrices' "
+                        f"(default {DEFAULT_LR['adamw']} for adamw, {DEFAULT_LR['muon']} for muon)")
+    g.add_argument("--adam-lr", type=float, default=None,
+                   help=f"--optimizer muon: AdamW's lr for the parameters Muon leaves to it (default {d.adam_lr})")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"default {d.weight_decay}")
     g.add_argument("--grad-clip", type=float, default=d.grad_clip,
                    help=f"gradient clipping norm, 0 for none (default {d.grad_clip})")

@@ -20,6 +20,10 @@ from .model import ModelSpec
 MOE_MODELS = ("mixtral",)
 
 DTYPES = ("fp32", "bf16", "fp16")
+#: ``--optimizer``: AdamW everywhere, or Muon for the hidden matrices with AdamW (``--adam-lr``) for the rest
+OPTIMIZERS = ("adamw", "muon")
+#: ``--lr`` when not given, per optimizer (Muon's orthogonalized update wants a larger step)
+DEFAULT_LR = {"adamw": 3e-3, "muon": 0.02}
 STAGES = (1, 2, 3)
 #: file (in the save directory) that maps a checkpoint tag to the run that wrote it
 META_PREFIX = "train-meta-"
@@ -34,6 +38,8 @@ class TrainOptions:
     grad_accum: int = 1
     lr: float = 3e-3
     weight_decay: float = 0.0
+    optimizer: str = "adamw"
+    adam_lr: float = 3e-3  # --optimizer muon: the lr of the parameters Muon leaves to AdamW
     grad_clip: float = 1.0
     stage: int = 2
     offload: bool = False
@@ -79,6 +85,10 @@ class TrainOptions:
             "optimizer": {"type": "AdamW", "params": {
                 "lr": self.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": self.weight_decay}},
         }
+        if self.optimizer == "muon":  # the same AdamW settings for the embeddings, head, norms and biases
+            cfg["optimizer"] = {"type": "muon", "params": {
+                "lr": self.lr, "weight_decay": self.weight_decay, "adam_lr": self.adam_lr,
+                "adam_betas": [0.9, 0.95], "adam_eps": 1e-8, "adam_weight_decay": self.weight_decay}}
         if self.tp > 1:
             cfg["tensor_parallel"] = {"autotp_size": self.tp}
         if self.model.name in MOE_MODELS:  # AutoEP runs the experts (grouped_mm), at ep 1 too
@@ -168,7 +178,13 @@ def options_from_args(args, accelerator) -> TrainOptions:
     """Validate parsed arguments against each other and the selected accelerator."""
     spec = ModelSpec(name=args.model, hidden_size=args.hidden_size, num_layers=args.layers,
                      num_heads=args.heads, max_positions=max(256, args.seq_len)).validate()
-    _check_hyperparameters(args)
+    optimizer = getattr(args, "optimizer", "adamw")
+    lr = args.lr if getattr(args, "lr", None) is not None else DEFAULT_LR.get(optimizer, DEFAULT_LR["adamw"])
+    adam_lr = getattr(args, "adam_lr", None)
+    if adam_lr is None:
+        adam_lr = DEFAULT_LR["adamw"]
+    _check_hyperparameters(args, lr)
+    _check_optimizer(optimizer, adam_lr, args)
     _check_dtype(args.dtype, accelerator)
     _check_checkpoint_flags(args)
     nproc = _nproc(args.nproc, accelerator)
@@ -189,7 +205,8 @@ def options_from_args(args, accelerator) -> TrainOptions:
     _positive("--log-every", log_every)
     return TrainOptions(
         model=spec, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
-        lr=args.lr, weight_decay=args.weight_decay, grad_clip=args.grad_clip, stage=args.stage,
+        lr=lr, weight_decay=args.weight_decay, optimizer=optimizer, adam_lr=adam_lr, grad_clip=args.grad_clip,
+        stage=args.stage,
         offload=args.offload, tp=tp, ep=ep, dtype=args.dtype, seed=args.seed, nproc=nproc, threads=threads,
         accelerator=accelerator.name, text=args.text, save=args.save, save_every=args.save_every,
         resume=args.resume, resume_tag=resume_tag, init_from=init_from, start_step=start_step, log_every=log_every,
@@ -197,7 +214,7 @@ def options_from_args(args, accelerator) -> TrainOptions:
     )
 
 
-def _check_hyperparameters(args) -> None:
+def _check_hyperparameters(args, lr: float) -> None:
     """Step counts, sizes, optimizer numbers and the ZeRO stage."""
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
                         ("--grad-accum", args.grad_accum)):
@@ -205,14 +222,24 @@ def _check_hyperparameters(args) -> None:
     _positive("--seq-len", args.seq_len, 2)
     if args.seq_len > 8192:
         raise ConfigError(f"--seq-len {args.seq_len}: at most 8192 for this small model")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise ConfigError(f"--lr {args.lr}: must be a positive finite number (e.g. 3e-3)")
+    if not (math.isfinite(lr) and lr > 0):
+        raise ConfigError(f"--lr {lr}: must be a positive finite number (e.g. 3e-3)")
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         raise ConfigError(f"--weight-decay {args.weight_decay}: must be a finite number >= 0")
     if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
         raise ConfigError(f"--grad-clip {args.grad_clip}: must be >= 0 (0 turns clipping off)")
     if args.stage not in STAGES:
         raise ConfigError(f"--stage {args.stage}: choose one of {', '.join(map(str, STAGES))}")
+
+
+def _check_optimizer(optimizer: str, adam_lr: float, args) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if not (math.isfinite(adam_lr) and adam_lr > 0):
+        raise ConfigError(f"--adam-lr {adam_lr}: must be a positive finite number (e.g. 3e-3)")
+    if optimizer != "muon" and getattr(args, "adam_lr", None) is not None:
+        raise ConfigError("--adam-lr is the lr of the parameters Muon leaves to AdamW: it needs --optimizer muon "
+                          "(with AdamW, --lr sets every parameter's)")
 
 
 def _check_dtype(dtype: str, accelerator) -> None:

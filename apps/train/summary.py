@@ -38,6 +38,12 @@ def _ep_rows(result: dict) -> list[tuple[str, str]]:
                                 f"{g['plugin'] or '-'}, on {g['device_type']})")]
 
 
+def _optimizer_row(result: dict) -> str:
+    if result.get("optimizer") == "muon":
+        return f"muon ({result.get('muon_matrices')} matrices; AdamW for the rest)"
+    return "adamw"
+
+
 def summary_rows(result: dict) -> list[tuple[str, str]]:
     plugin = result["plugin"] + (" (emulated)" if result.get("emulated") else "")
     offload = "off"
@@ -58,6 +64,7 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
                   f"{result['parameters']:,} parameters"),
         ("ZeRO", f"stage {result['stage']}, offload {offload}, dtype {result['dtype']}, "
                  f"grad accum {result['grad_accum']}"),
+        ("optimizer", _optimizer_row(result)),
         *_tp_rows(result),
         *_ep_rows(result),
         ("steps", f"{result['start_step']} -> {result['steps']}"

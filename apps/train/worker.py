@@ -111,6 +111,12 @@ def optimizer_builders(engine, acc, opts: TrainOptions) -> list[dict]:
              "device_type": device_type}]
 
 
+def _muon_matrices(engine) -> int | None:
+    """How many matrices Muon steps (``--optimizer muon``; None with AdamW)."""
+    choices = getattr(engine, "muon_choices", None)
+    return None if choices is None else sum(1 for c in choices.values() if c.muon)
+
+
 def tp_plan_counts(engine) -> dict | None:
     """The AutoTP plan's counts (column / row / vocab / replicated) of the model the engine trains."""
     from polyaccel.engines.autotp import get_plan
@@ -260,6 +266,8 @@ def _report(engine, opts: TrainOptions, acc, device, world: int, n_params: int, 
         "ep": opts.ep,
         "ep_plan": ep_summary(engine, acc.device_type),
         "dtype": opts.dtype,
+        "optimizer": opts.optimizer,
+        "muon_matrices": _muon_matrices(engine),
         "grad_accum": opts.grad_accum,
         "start_step": opts.start_step,
         "steps": opts.steps,
