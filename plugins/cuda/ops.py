@@ -149,6 +149,14 @@ _TABLE = (
          TRITON_KERNEL_PRIORITY, triton_compatible,
          "Triton down grouped GEMM with the router weight in its epilogue (k=1: scattered to the token rows), "
          "backward gathering grad_out on load, bf16/fp16; other dtypes take the unfused ops"),
+    _Row("newton_schulz", "triton_newton_schulz", ".kernels.newton_schulz", "newton_schulz", "triton",
+         TRITON_KERNEL_PRIORITY, triton_compatible,
+         "Triton Newton-Schulz: bf16/fp16 GEMMs with fp32 accumulation, batched, 3 launches an iteration "
+         "(X X^T and b A + c A A on the upper tiles only); fp32/fp64 go to the reference"),
+    _Row("fused_muon", "triton_fused_muon", ".kernels.newton_schulz", "fused_muon", "triton",
+         TRITON_KERNEL_PRIORITY, triton_compatible,
+         "Muon step: torch momentum and update around the Triton Newton-Schulz, one batched call per block "
+         "shape"),
     _Row("grouped_mm", "torch_grouped_mm", ".kernels.grouped_mm", "torch_grouped_mm", "torch",
          TORCH_GROUPED_MM_PRIORITY, torch_grouped_mm_compatible,
          "torch._grouped_mm (CUTLASS, bf16) with the rows past the last offset zeroed; "

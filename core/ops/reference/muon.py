@@ -111,12 +111,20 @@ def check_split(name: str, i: int, shape, split) -> None:
                               "with dim 0 or 1 and heads dividing that dim")
 
 
+def ns_input(blocks: torch.Tensor, ns_dtype: torch.dtype, eps: float = NS_EPS) -> torch.Tensor:
+    """``blocks`` in the iteration's dtype: a plain cast, except that float16 (whose range a large update
+    overflows) gets the blocks scaled to unit Frobenius norm in fp32 first; :func:`newton_schulz` then
+    scales the rounded blocks again (by a norm within rounding of 1)."""
+    if ns_dtype != torch.float16 or blocks.dtype == torch.float16:
+        return blocks.to(ns_dtype)
+    b32 = blocks.float()
+    return (b32 / _frobenius(b32).clamp(min=eps)).to(torch.float16)
+
+
 def orthogonalized_update(update: torch.Tensor, *, split=None, ns_dtype=torch.bfloat16, ns_steps=NS_STEPS,
                           ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS) -> torch.Tensor:
     """Newton-Schulz of one (m, n) update, whole or per head block, in ``ns_dtype``; back in ``update``'s dtype."""
-    blocks = split_heads(update, split)
-    if ns_dtype != torch.float16:
-        blocks = blocks.to(ns_dtype)  # float16 is cast inside newton_schulz, after the scaling
+    blocks = ns_input(split_heads(update, split), ns_dtype, eps)
     out = newton_schulz(blocks, steps=ns_steps, coefficients=ns_coefficients, eps=eps)
     return join_heads(out, split, update.shape).to(update.dtype)
 
