@@ -4,7 +4,7 @@
 #   bash benchmarks/zero_device_run.sh OUTDIR STEP...
 # Steps: peers220m peers1b iso220m iso3r isooff phases2 overlap2 overlap1 memory memoff memsnap overlap3 profile1 profile3
 #        profile3b profile3o profile3g verify
-#        ckpt
+#        ckpt largest
 set -u
 OUT=${1:?usage: zero_device_run.sh OUTDIR STEP...}
 shift
@@ -44,6 +44,7 @@ for step in "$@"; do
     verify) run verify python3 verify_cuda.py --skip-large --out "$OUT/verify.json" ;;
     profile3g) run profile3g python3 zero_profile.py --stage 3 --granularity 60000000 ;;
     ckpt) run ckpt python3 activation_checkpoint_gpu.py --out "$OUT/ckpt.json" ;;
+    largest) run largest python3 zero_largest.py --budget $((LIMIT - 15)) --out "$OUT/largest.json" ;;
     *) echo "unknown step $step" ;;
   esac
 done
