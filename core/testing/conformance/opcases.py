@@ -23,6 +23,8 @@ OP_DTYPES = {
     "swiglu": FLOATS,
     "grouped_mm": FLOATS,
     "gather_sum": FLOATS,
+    "newton_schulz": FLOATS,  # checks in opcases_muon
+    "fused_muon": FLOATS,
 }
 #: odd sizes, including zero-size tensors, for the multi-tensor ops
 LIST_SHAPES = [(7,), (0,), (1,), (3, 5), (5, 0), (33,), (130,), (2, 3, 17), (1031,)]

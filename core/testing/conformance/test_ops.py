@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from polyaccel.errors import PolyaccelError
-from polyaccel.testing.conformance import opcases
+from polyaccel.testing.conformance import opcases, opcases_muon
 
 
 @dataclass(frozen=True)
@@ -127,5 +127,9 @@ def _check(op_case: OpCase, fn, device, fp8: bool) -> None:
         opcases.check_grouped_mm(fn, device, op_case.dtype)
     elif op_case.op == "gather_sum":
         opcases.check_gather_sum(fn, device, op_case.dtype)
+    elif op_case.op == "newton_schulz":
+        opcases_muon.check_newton_schulz(fn, device, op_case.dtype)
+    elif op_case.op == "fused_muon":
+        opcases_muon.check_fused_muon(fn, device, op_case.dtype)
     else:  # pragma: no cover - op_cases() only yields ops with a check
         pytest.fail(f"no check for op {op_case.op!r}")
