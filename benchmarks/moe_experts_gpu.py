@@ -82,13 +82,19 @@ def fused_chain(ops, c, leaves):
 
 
 def unfused_chain(ops, c, leaves):
-    from polyaccel.ops.reference.moe_experts import routed_tokens
+    """AutoEP's unfused path: DispatchRows (its backward a gather_sum), run_experts, gather_sum."""
+    from polyaccel.engines.autoep.moe import run_experts
+    from polyaccel.engines.autoep.permute import DispatchRows
 
     x, wts, gu, dn = leaves
-    routed = x.index_select(0, routed_tokens(c["index"]))
-    gate, up = ops.grouped_mm(routed, gu.transpose(1, 2), c["offsets"]).chunk(2, dim=-1)
-    y = ops.grouped_mm(ops.swiglu(gate, up), dn.transpose(1, 2), c["offsets"])
-    return ops.gather_sum(y, c["index"], wts)
+    index = c["index"]
+    inverse = index.reshape(-1)
+    order = torch.empty_like(inverse)
+    order[inverse] = torch.arange(inverse.numel(), device=inverse.device)
+    routed = DispatchRows.apply(x, order, inverse, index.shape[1])
+    counts = torch.diff(c["offsets"], prepend=c["offsets"].new_zeros(1))
+    y = run_experts(routed, gu.transpose(1, 2), dn.transpose(1, 2), counts)
+    return ops.gather_sum(y, index, wts)
 
 
 def reference_chain(c, leaves):
@@ -154,6 +160,16 @@ def run_row(ops, E, T, k, args, device) -> dict:
     r["peak_fused_mb"] = peak_mb(step(fused_chain))
     r["peak_unfused_mb"] = peak_mb(step(unfused_chain))
     r["speedup"] = r["fwd_bwd_unfused_ms"] / r["fwd_bwd_fused_ms"]
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, chain in (("fused", fused_chain), ("unfused", unfused_chain)):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step(chain)()
+                torch.cuda.synchronize()
+            print(f"== {name} E={E} T={T} k={k} (3 steps)")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
     return r
 
 
@@ -165,12 +181,16 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--ref-rows", type=int, default=8192, help="fp64 reference only where T*k <= this")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true", help="print a kernel table of fwd+bwd, fused and unfused")
     args = p.parse_args(argv)
     rows = [tuple(int(v) for v in r.split(",")) for r in args.rows] if args.rows else ROWS
 
     from polyaccel import ops
 
     device = torch.device("cuda")
+    # the plugin's fused builders rank below the reference (not chosen by default): force them here
+    ops.override("moe_gate_up", "triton_moe_gate_up")
+    ops.override("moe_down_combine", "triton_moe_down_combine")
     print(f"torch {torch.__version__}; moe_gate_up builder {ops.registry.chosen('moe_gate_up', 'cuda').name}, "
           f"grouped_mm builder {ops.registry.chosen('grouped_mm', 'cuda').name}; H={args.hidden} F={args.ffn} bf16")
     head = (f"{'E':>3} {'T':>6} {'k':>2} | {'gate_up f/u ms':>15} {'down f/u ms':>13} | {'fwd+bwd f/u ms':>15} "

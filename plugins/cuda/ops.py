@@ -39,6 +39,12 @@ TORCH_FUSED_ADAM_PRIORITY = 50
 #: the other Triton kernels; torch._grouped_mm ranks above Triton's grouped_mm where it runs
 TRITON_KERNEL_PRIORITY = 50
 TORCH_GROUPED_MM_PRIORITY = 60
+#: the fused expert-MLP kernels rank below the reference, so they are not chosen by default: on the H200
+#: (benchmarks/moe_experts_gpu.py, 2026-12-04) their forward + backward took 1.1-1.3x the time of the unfused
+#: chain (torch._grouped_mm + the Triton passes), the Triton GEMMs reaching 0.8 of CUTLASS's rate. Correct and
+#: conformance-checked; ``polyaccel.ops.override("moe_gate_up", "triton_moe_gate_up")`` (and
+#: ``moe_down_combine``) selects them, and AutoEP then takes the fused path (lower peak memory)
+TRITON_MOE_PRIORITY = -10
 
 #: torch's fused CUDA Adam/AdamW kernel per dtype group; foreach where its preconditions do not hold
 torch_fused_adam = torch_optim.fused_adam
@@ -142,11 +148,11 @@ _TABLE = (
     _Row("gather_sum", "triton_gather_sum", ".kernels.gather_sum", "gather_sum", "triton", TRITON_KERNEL_PRIORITY,
          triton_compatible, "Triton gather-sum: one pass over the rows forward, one backward (weights' gradient "
                             "included), no atomics, autograd-aware"),
-    _Row("moe_gate_up", "triton_moe_gate_up", ".kernels.moe_experts", "moe_gate_up", "triton", TRITON_KERNEL_PRIORITY,
+    _Row("moe_gate_up", "triton_moe_gate_up", ".kernels.moe_experts", "moe_gate_up", "triton", TRITON_MOE_PRIORITY,
          triton_compatible, "Triton fused dispatch + gate/up grouped GEMM + SwiGLU epilogue (x gathered by row on "
                             "load), bf16/fp16; other dtypes take the unfused ops"),
     _Row("moe_down_combine", "triton_moe_down_combine", ".kernels.moe_experts", "moe_down_combine", "triton",
-         TRITON_KERNEL_PRIORITY, triton_compatible,
+         TRITON_MOE_PRIORITY, triton_compatible,
          "Triton down grouped GEMM with the router weight in its epilogue (k=1: scattered to the token rows), "
          "backward gathering grad_out on load, bf16/fp16; other dtypes take the unfused ops"),
     _Row("newton_schulz", "triton_newton_schulz", ".kernels.newton_schulz", "newton_schulz", "triton",

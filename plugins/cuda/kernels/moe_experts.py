@@ -79,15 +79,14 @@ def _configs(shapes):
 
 
 #: the gate/up tile holds two accumulators (gate and up), so its BN is half a plain GEMM's
-GATE_UP_CONFIGS = _configs([(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4),
-                            (128, 128, 32, 8, 4), (64, 128, 64, 4, 3)])
+GATE_UP_CONFIGS = _configs([(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 64, 64, 8, 3), (64, 128, 64, 4, 4),
+                            (128, 128, 32, 8, 4)])
 #: the down-projection backward's tiles share one BN: its per-row partial dots have one column per column tile
 DGRAD_BN = 128
-DGRAD_CONFIGS = _configs([(128, DGRAD_BN, 64, 8, 3), (64, DGRAD_BN, 64, 4, 4), (128, DGRAD_BN, 32, 8, 4),
-                          (128, DGRAD_BN, 64, 4, 4)])
-DOWN_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
-                         (64, 64, 64, 4, 4)])
-WGRAD_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3)])
+DGRAD_CONFIGS = _configs([(128, DGRAD_BN, 64, 4, 3), (128, DGRAD_BN, 64, 8, 3), (64, DGRAD_BN, 64, 4, 4),
+                          (128, DGRAD_BN, 32, 8, 4)])
+DOWN_CONFIGS = _configs([(128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4)])
+WGRAD_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 3)])
 #: the one tile used under the interpreter when none is given
 INTERPRET_CONFIG = TileConfig(32, 32, 32, 4, 1)
 
@@ -129,11 +128,12 @@ def _gate_up_fwd_kernel(x_ptr, tok_ptr, w_ptr, gu_ptr, h_ptr, off_ptr, N, K, F, 
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    my_e, my_start, my_end, my_first, my_mt = _tile_of(pid, off_ptr, N, E, tl.cdiv(F, BN), BM)
+    n_tiles = tl.cdiv(F, BN)
+    my_e, my_start, my_end, my_first, _ = _tile_of(pid, off_ptr, N, E, n_tiles, BM)
     if my_e >= 0:
         local = pid - my_first
-        n_idx = local // my_mt
-        m_idx = local % my_mt
+        n_idx = local % n_tiles  # column tile fastest: neighbours share the (gathered) row tile in L2
+        m_idx = local // n_tiles
         rows = my_start + m_idx * BM + tl.arange(0, BM).to(tl.int64)
         cols = n_idx * BN + tl.arange(0, BN).to(tl.int64)
         ks = tl.arange(0, BK)
@@ -185,11 +185,12 @@ def _down_fwd_kernel(h_ptr, w_ptr, out_ptr, dst_ptr, scale_ptr, off_ptr, N, K, H
                      HAS_DST: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """out[dst[r]] = scale[r] * (h[r] @ w[e]) (each part optional), the product rounded before the scale."""
     pid = tl.program_id(0).to(tl.int64)
-    my_e, my_start, my_end, my_first, my_mt = _tile_of(pid, off_ptr, N, E, tl.cdiv(H, BN), BM)
+    n_tiles = tl.cdiv(H, BN)
+    my_e, my_start, my_end, my_first, _ = _tile_of(pid, off_ptr, N, E, n_tiles, BM)
     if my_e >= 0:
         local = pid - my_first
-        n_idx = local // my_mt
-        m_idx = local % my_mt
+        n_idx = local % n_tiles
+        m_idx = local // n_tiles
         rows = my_start + m_idx * BM + tl.arange(0, BM).to(tl.int64)
         cols = n_idx * BN + tl.arange(0, BN).to(tl.int64)
         ks = tl.arange(0, BK)
@@ -234,11 +235,11 @@ def _down_dgrad_kernel(g_ptr, tok_ptr, w_ptr, dh_ptr, scale_ptr, h_ptr, part_ptr
     """acc = g[tok[r]] @ w[e] (w: w2[e]^T, a strided view); dh[r] = scale[r] * acc; part[r, tile] = dot(h[r], acc)."""
     pid = tl.program_id(0).to(tl.int64)
     n_tiles = tl.cdiv(F, BN)
-    my_e, my_start, my_end, my_first, my_mt = _tile_of(pid, off_ptr, N, E, n_tiles, BM)
+    my_e, my_start, my_end, my_first, _ = _tile_of(pid, off_ptr, N, E, n_tiles, BM)
     if my_e >= 0:
         local = pid - my_first
-        n_idx = local // my_mt
-        m_idx = local % my_mt
+        n_idx = local % n_tiles
+        m_idx = local // n_tiles
         rows = my_start + m_idx * BM + tl.arange(0, BM).to(tl.int64)
         cols = n_idx * BN + tl.arange(0, BN).to(tl.int64)
         ks = tl.arange(0, BK)
@@ -415,7 +416,8 @@ def gathered_wgrad(a, b, off64, experts: int, *, a_idx=None, b_idx=None, b_scale
     """
     rows = (a_idx if a_idx is not None else b_idx if b_idx is not None else a).shape[0]
     k, m = a.shape[1], b.shape[1]
-    if like is not None and like.shape == (experts, k, m) and like.is_non_overlapping_and_dense():
+    if like is not None and like.shape == (experts, k, m) and (like.is_contiguous()
+                                                               or like.transpose(1, 2).is_contiguous()):
         dw = torch.empty_like(like, dtype=a.dtype)
     else:
         dw = torch.empty(experts, k, m, dtype=a.dtype, device=a.device)
@@ -457,25 +459,31 @@ class _GateUp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, index, tok, off64, config):
         gu, h = gate_up_forward(x, tok, w1, off64, config=config)
-        ctx.save_for_backward(x, w1, index, tok, off64, gu)
+        ctx.save_for_backward(x, w1, index, tok, off64)
+        # kept on ctx rather than saved, so the backward can let it go once SwiGLU's gradient is taken (the
+        # peak of the backward then holds gu or its gradient, not both; gu is no output, so no reference cycle)
+        ctx.gu = gu
         ctx.config = config
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        x, w1, index, tok, off64, gu = ctx.saved_tensors
+        x, w1, index, tok, off64 = ctx.saved_tensors
+        gu, ctx.gu = ctx.gu, None
         f = w1.shape[2] // 2
-        gate, up = gu[:, :f], gu[:, f:]
-        d_gate, _ = swiglu_backward(dh.contiguous(), gate, up)
-        d_gu = halves_of(d_gate, _)
+        d_gate, d_up = swiglu_backward(dh.contiguous(), gu[:, :f], gu[:, f:])
+        del gu
+        d_gu = halves_of(d_gate, d_up)
         if d_gu is None:
-            d_gu = torch.cat((d_gate, _), dim=-1)
+            d_gu = torch.cat((d_gate, d_up), dim=-1)
+        del d_gate, d_up
         dx = dw1 = None
-        if ctx.needs_input_grad[0]:
-            d_routed = ops.grouped_mm(d_gu, w1.transpose(1, 2), off64)
-            dx = gather_sum_forward(d_routed, index, None)
         if ctx.needs_input_grad[1]:
             dw1 = gathered_wgrad(x, d_gu, off64, w1.shape[0], a_idx=tok, like=w1, config=ctx.config)
+        if ctx.needs_input_grad[0]:
+            d_routed = ops.grouped_mm(d_gu, w1.transpose(1, 2), off64)
+            del d_gu
+            dx = gather_sum_forward(d_routed, index, None)
         return dx, dw1, None, None, None, None
 
 
