@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from polyaccel.errors import PolyaccelError
-from polyaccel.testing.conformance import opcases, opcases_muon
+from polyaccel.testing.conformance import opcases, opcases_moe, opcases_muon
 
 
 @dataclass(frozen=True)
@@ -131,5 +131,9 @@ def _check(op_case: OpCase, fn, device, fp8: bool) -> None:
         opcases_muon.check_newton_schulz(fn, device, op_case.dtype)
     elif op_case.op == "fused_muon":
         opcases_muon.check_fused_muon(fn, device, op_case.dtype)
+    elif op_case.op == "moe_gate_up":
+        opcases_moe.check_moe_gate_up(fn, device, op_case.dtype)
+    elif op_case.op == "moe_down_combine":
+        opcases_moe.check_moe_down_combine(fn, device, op_case.dtype)
     else:  # pragma: no cover - op_cases() only yields ops with a check
         pytest.fail(f"no check for op {op_case.op!r}")
