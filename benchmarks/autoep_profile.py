@@ -1,10 +1,10 @@
 """Profile AutoEP's MoE layer (ep 1, bf16, forward + backward) and print where device time goes.
 
-    python benchmarks/autoep_profile.py [--experts 8] [--tokens 32768] [--topk 2] [--rows 25] [--hf] [--unfused]
+    python benchmarks/autoep_profile.py [--experts 8] [--tokens 32768] [--topk 2] [--rows 25] [--hf] [--fused]
 
-Uses ``autoep_gpu.py``'s block and step (AutoEP's default path: the fused expert ops where the
-plugin provides them); ``--hf`` profiles the HF eager block as well, ``--unfused`` AutoEP with
-``fused_experts=False``.
+Uses ``autoep_gpu.py``'s block and step (AutoEP's default path: the fused expert ops only where the
+registry chooses a plugin's builder of them); ``--hf`` profiles the HF eager block as well,
+``--fused`` AutoEP forced onto the plugin's fused expert builders (``autoep_gpu.FusedAutoEP``).
 """
 
 from __future__ import annotations
@@ -23,19 +23,19 @@ def main() -> int:
     ap.add_argument("--ffn", type=int, default=1536)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--hf", action="store_true", help="profile the HF eager block too")
-    ap.add_argument("--unfused", action="store_true", help="profile AutoEP with fused_experts=False too")
+    ap.add_argument("--fused", action="store_true", help="profile AutoEP on the fused expert builders too")
     args = ap.parse_args()
 
     import polyaccel
-    from autoep_gpu import autoep_block, hf_block, train_step
+    from autoep_gpu import FusedAutoEP, autoep_block, hf_block, train_step
     from torch.profiler import ProfilerActivity, profile
 
     acc = polyaccel.get_accelerator()
     device = acc.device()
     eager = hf_block(args.experts, args.topk, args.hidden, args.ffn, "eager", device)
     blocks = {"autoep": autoep_block(eager)}
-    if args.unfused:
-        blocks["autoep unfused"] = autoep_block(eager, fused=False)
+    if args.fused:
+        blocks["autoep fused"] = FusedAutoEP(autoep_block(eager))
     if args.hf:
         blocks["hf eager"] = eager
     g = torch.Generator().manual_seed(1)

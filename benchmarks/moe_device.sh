@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One device call for the fused expert ops (issue 31): install, then
-#   1. moe_experts_gpu.py: fused vs unfused expert MLP per row (correctness vs fp64, ms, peak MB) -> experts.log/.json
-#   2. autoep_gpu.py: the 8 rows, AutoEP (fused by default) vs HF eager / HF grouped_mm / AutoEP unfused
-#      -> autoep.log, autoep.json
-#   3. autoep_profile.py on the k=E row (E=8, 32k tokens, top-8), the default path and the unfused one -> profile.log
+#   1. moe_experts_gpu.py: the fused builders (forced by override) vs AutoEP's unfused chain, expert MLP alone,
+#      per row: errors vs fp64, ms per part and fwd+bwd, peak MB -> experts.log/.json
+#   2. autoep_gpu.py: the 8 rows, AutoEP's default path vs HF eager / HF grouped_mm, plus AutoEP forced onto the
+#      fused builders (the 'fused' columns) -> autoep.log, autoep.json
+#   3. autoep_profile.py on the k=E row (E=8, 32k tokens, top-8): the default path and the fused one -> profile.log
+# The fused builders rank below the reference (not chosen by default; plugins/cuda/ops.py TRITON_MOE_PRIORITY):
+# step 1's 'x' column and step 2's 'x dflt' column are the numbers that would change that.
 # Usage: bash benchmarks/moe_device.sh OUTDIR [steps]     (LIMIT scales the timeouts: LIMIT=1 default)
 set -u
 OUT=${1:?usage: moe_device.sh OUTDIR [steps]}
@@ -17,5 +20,5 @@ timeout 300 python3 moe_experts_gpu.py --steps "$STEPS" --out "$OUT/experts.json
 echo "moe_experts_gpu: exit $?"; cat "$OUT/experts.log"
 timeout 420 python3 autoep_gpu.py --steps "$STEPS" --out "$OUT/autoep.json" >"$OUT/autoep.log" 2>&1
 echo "autoep_gpu: exit $?"; cat "$OUT/autoep.log"
-timeout 180 python3 autoep_profile.py --experts 8 --tokens 32768 --topk 8 --unfused >"$OUT/profile.log" 2>&1
-echo "autoep_profile: exit $?"; head -45 "$OUT/profile.log"
+timeout 180 python3 autoep_profile.py --experts 8 --tokens 32768 --topk 8 --fused >"$OUT/profile.log" 2>&1
+echo "autoep_profile: exit $?"; head -70 "$OUT/profile.log"
