@@ -293,6 +293,9 @@ def main(argv=None) -> list[dict]:
                       f"{r['fused_vs_hf_eager']:>6.2f}x {mb(r['autoep_fused_peak_bytes']):>11} "
                       f"{r['fused_max_abs_diff']:>10.2e}" + ("  (default path: fused)" if r["fused"] else ""),
                       flush=True)
+                if args.out:  # after every row: a run cut short keeps what it measured
+                    with open(args.out, "w") as f:
+                        json.dump(rows, f, indent=1)
     if rows:
         print(f"expert GEMMs ran on grouped_mm builder {rows[0]['gemm_builder']!r}; targets: >= 2x HF eager "
               "tokens/s, GEMM fraction >= 0.80 of torch._grouped_mm")
