@@ -50,14 +50,12 @@ class HostStepper:
         self._group = group
         group.optimizer.begin_step()
         self.transfer.start_upload(group.partitioner.master.numel(), compute_dtype)
+        self.transfer.defer_settle = True  # backward's kernels must not wait for the uploads: joined in finish
         self.active = True
 
     def submit(self, ranges: list[tuple[int, int]]) -> None:
         """Step and upload these master ranges once the copy down just issued has landed."""
-        event = None
-        if self.has_events:
-            event = self.accelerator.Event()
-            event.record()
+        event = self.transfer.copy_event("down") if self.has_events else None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyaccel-host-step")
         self._futures.append(self._pool.submit(self._run, ranges, event))
@@ -82,9 +80,12 @@ class HostStepper:
             self.wait()
         finally:
             self.active = False
+            self.transfer.defer_settle = False
+            self.transfer.settle()  # the next forward reads the uploaded parameters
 
     def close(self) -> None:
         self.active = False
+        self.transfer.defer_settle = False
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

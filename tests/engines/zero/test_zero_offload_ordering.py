@@ -70,28 +70,61 @@ class AsyncEvent:
 
     def record(self, stream=None):
         self.mark = self.mode.issued
+        if stream is not None:
+            stream.recorded += 1
 
     def synchronize(self):
         if not self.broken:
             self.mode.synchronize(self.mark)
 
+    def query(self):
+        return self.mark is not None and self.mode.completed >= self.mark
 
-def _async_transfer(mode: AsyncCopies, broken: bool = False):
+
+class FakeStream:
+    """A copy stream of the fake device: its copies join the one queue of AsyncCopies (so an event still marks
+    a position in it); it counts what was run on it, waited for and recorded."""
+
+    def __init__(self):
+        self.entered = self.waits = self.recorded = 0
+
+    def wait_stream(self, other):
+        self.waits += 1
+
+
+def _async_transfer(mode: AsyncCopies, broken: bool = False, streams: list | None = None):
+    import contextlib
+
     from polyaccel.engines.zero import offload
 
     class Syncing:
         def __init__(self, accelerator):
             self._accelerator = accelerator
+            self.compute = FakeStream()
 
         def synchronize(self):
             if not broken:
                 mode.synchronize()
 
         def has(self, capability):
+            if capability == "streams":
+                return streams is not None
             return capability == "events" or self._accelerator.has(capability)
 
         def Event(self):
             return AsyncEvent(mode, broken)
+
+        def Stream(self, device=None):
+            streams.append(FakeStream())
+            return streams[-1]
+
+        def current_stream(self, index=None):
+            return self.compute
+
+        @contextlib.contextmanager
+        def stream(self, s):
+            s.entered += 1
+            yield
 
         def __getattr__(self, name):
             return getattr(self._accelerator, name)
@@ -269,3 +302,57 @@ def test_a_gradient_after_its_bucket_was_stepped_is_refused_with_the_fix(overlap
             torch.testing.assert_close(full[name], p.detach(), rtol=1e-12, atol=1e-12)
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap_step", "step_after_backward"])
+@pytest.mark.parametrize("name", ["stage 1", "stage 2", "stage 3"])
+def test_copy_streams_and_device_side_conversion_equal_the_synchronous_path(monkeypatch, name, overlap):
+    """bf16 compute, fp32 master: uploads go up as fp32 in pieces (three elements here) and are converted on the
+    device, every copy on a copy stream of its own direction; the result equals the cpu plugin's own run."""
+    from polyaccel.engines.zero import engine as engine_module
+    from polyaccel.engines.zero import host_step, offload
+
+    zero = {**ZERO[name], "offload_optimizer": {"device": "cpu", "overlap_step": overlap}}
+
+    def train():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        import polyaccel
+
+        config = {"bf16": {"enabled": True}, "optimizer": {"type": "adamw", "params": {"lr": 1e-2}},
+                  "zero_optimization": {"reduce_bucket_size": 100, **zero}}
+        engine = polyaccel.initialize(model, config=config)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        try:
+            for _ in range(3):
+                x = torch.randn(5, 12, generator=g).bfloat16()
+                loss = engine(x).float().square().mean()
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            return losses, {k: v.clone() for k, v in engine.full_state_dict().items()}
+        finally:
+            engine.destroy()
+
+    plain_losses, plain = train()
+    mode = AsyncCopies()
+    streams: list[FakeStream] = []
+    transfer, buffers = _async_transfer(mode, streams=streams)
+    monkeypatch.setattr(engine_module, "HostTransfer", transfer)
+    monkeypatch.setattr(engine_module, "HostBuffers", buffers)
+    monkeypatch.setattr(offload, "UPLOAD_PIECE", 3)
+    original_run = host_step.HostStepper._run
+
+    def run_with_async_copies(self, ranges, event):  # the worker thread's copies are asynchronous too
+        with mode:
+            original_run(self, ranges, event)
+
+    monkeypatch.setattr(host_step.HostStepper, "_run", run_with_async_copies)
+    with mode:
+        losses, got = train()
+    assert mode.deferred["down"] > 0 and mode.deferred["up"] > 0 and mode.violations == []
+    assert len(streams) == 2 and all(s.entered and s.waits and s.recorded for s in streams)
+    assert losses == plain_losses
+    for key, p in plain.items():
+        assert got[key].dtype == p.dtype and torch.equal(got[key], p), key
