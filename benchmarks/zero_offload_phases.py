@@ -5,7 +5,11 @@
 Times (device-synchronised, median of the timed steps) forward, backward (with the gradient
 reductions and the copies to the host), the host optimizer step and the upload of the
 updated parameters; then, on a buffer as large as the model, each host-side piece alone:
-copy down, fp32 += bf16 on the host, fp32 -> bf16 on the host, copy up, and the host Adam.
+copy down, fp32 += bf16 on the host, fp32 -> bf16 on the host, copy up, and the host Adam, with
+the host's memory bandwidth (an fp32 copy, read + write) and the host Adam's GB/s against it
+(28 bytes an element: p, g, m, v read, p, m, v written). With ``--overlap`` it also prints, per
+bucket of the last step, when the worker thread stepped it relative to the start of backward and
+when backward ended (is the host step running under backward, and how much is left after it).
 """
 
 from __future__ import annotations
@@ -67,6 +71,16 @@ def main() -> int:
         setattr(obj, name, timed_call)
 
     part = engine.partitioner
+    timeline: list[tuple[str, float, float]] = []  # (what, start, end) of the last step, perf_counter seconds
+    if args.overlap:
+        stepper = engine.stepper
+        run_bucket = stepper._run
+
+        def timed_run(ranges, event):
+            t0 = time.perf_counter()
+            run_bucket(ranges, event)
+            timeline.append((f"bucket {ranges[0][0]}..{ranges[-1][1]}", t0, time.perf_counter()))
+        stepper._run = timed_run
     if not args.overlap:  # the slices run on a worker thread during backward otherwise
         wrap(part, "end_backward", "end of backward (reductions, copies down, host adds)")
         wrap(part, "reduce_at_boundary", "reduce at boundary")
@@ -91,6 +105,12 @@ def main() -> int:
         for k, v in this_step.items():
             phases.setdefault(k, []).append(v)
         this_step.clear()
+        if i == args.steps - 1 and timeline:
+            print(f"last step's host step per bucket, ms from the start of backward (backward ended at "
+                  f"{(t2 - t1) * 1e3:.1f}, the step at {(t3 - t1) * 1e3:.1f}):")
+            for what, a, b in timeline:
+                print(f"  {what:40s} {(a - t1) * 1e3:7.1f} .. {(b - t1) * 1e3:7.1f}")
+        timeline.clear()
         if i >= 1:
             for k, v in (("forward", t1 - t0), ("backward (all)", t2 - t1), ("step (all)", t3 - t2),
                          ("whole step", t3 - t0)):
@@ -113,7 +133,15 @@ def main() -> int:
     m, v, g = torch.zeros(n), torch.zeros(n), torch.randn(n)
     adam = lambda: torch._fused_adamw_([pin32], [g], [m], [v], [], [torch.tensor(1.0)], lr=1e-4, beta1=0.9,  # noqa: E731
                                        beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
-    print(f"{'host fused AdamW (torch, fp32)':55s} {timed(adam, sync):8.1f} ms")
+    adam_ms = timed(adam, sync)
+    print(f"{'host fused AdamW (torch, fp32)':55s} {adam_ms:8.1f} ms")
+    src32 = torch.randn(n)
+    copy_ms = timed(lambda: host32.copy_(src32), sync)
+    bw = 8 * n / copy_ms / 1e6
+    print(f"{'host memory bandwidth (fp32 copy, read + write)':55s} {copy_ms:8.1f} ms = {bw:6.1f} GB/s "
+          f"({torch.get_num_threads()} threads)")
+    print(f"{'host AdamW traffic (28 B/element)':55s} {28 * n / adam_ms / 1e6:8.1f} GB/s = "
+          f"{28 * n / adam_ms / 1e6 / bw:.2f}x the copy bandwidth")
     engine.destroy()
     return 0
 
