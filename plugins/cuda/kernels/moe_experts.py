@@ -28,6 +28,13 @@ tensor), ``d_x`` as ``grouped_mm`` of that with ``w1^T`` (through the op registr
 fastest plain grouped GEMM there) summed per token by ``gather_sum``'s kernel, and ``d_w1 =
 x[tok]^T d_gu`` gathering on load.
 
+The weight-gradient kernel is the slow part (H200: 180-360 TF/s against about 700 for
+``torch._grouped_mm``, ``benchmarks/moe_tiles_gpu.py --wgrad``). Gathering the rows first and
+handing them to ``torch._grouped_mm`` was measured too: forward + backward 0.78-0.92x of the unfused
+chain instead of 0.66-0.92x, but the copies (and CUTLASS's own of a transposed operand) raised the
+peak above the unfused path's (8.1 GB against 5.2 at E = 8, 32k tokens, top-8), so the in-place
+kernel stays: the fused path's one advantage is its lower peak.
+
 Saved for backward: ``x`` (the caller's, kept anyway), ``tok``, ``gu`` [N, 2F] and ``h`` [N,
 F]; the unfused path also keeps the routed copy of ``x`` and the down GEMM's output, each
 [N, H], so the peak is lower.
