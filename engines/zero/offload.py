@@ -135,8 +135,8 @@ class HostTransfer:
 
         On one device it happens at once. Across devices ``src`` is converted to ``dst``'s dtype on its own
         device first; a fresh slice is then copied straight into ``dst`` asynchronously, otherwise into a
-        staging buffer whose addition waits for :meth:`flush`. The device memory of ``src`` can be freed
-        as soon as the caller drops it (stream order)."""
+        staging buffer whose addition waits for :meth:`flush`. The caller may drop ``src`` at once: the
+        transfer keeps what the copy reads referenced until the copy has passed it."""
         src = src.reshape(-1)
         if not src.numel():
             return
