@@ -40,7 +40,7 @@ TORCH_FUSED_ADAM_PRIORITY = 50
 TRITON_KERNEL_PRIORITY = 50
 TORCH_GROUPED_MM_PRIORITY = 60
 #: the fused expert-MLP kernels rank below the reference, so they are not chosen by default: on the H200
-#: (benchmarks/moe_experts_gpu.py, 2026-12-04) their forward + backward took 1.1-1.3x the time of the unfused
+#: (benchmarks/moe_experts_gpu.py, 2026-12-04) their forward + backward took 1.1-1.5x the time of the unfused
 #: chain (torch._grouped_mm + the Triton passes), the Triton GEMMs reaching 0.8 of CUTLASS's rate. Correct and
 #: conformance-checked; ``polyaccel.ops.override("moe_gate_up", "triton_moe_gate_up")`` (and
 #: ``moe_down_combine``) selects them, and AutoEP then takes the fused path (lower peak memory)
