@@ -57,6 +57,10 @@ def predicted_layers(system: str, hidden: int, host_bytes: float) -> int:
     return max(1, int((host_bytes / HOST_BYTES[system] - llama_params(0, hidden)) // per_layer))
 
 
+class _BudgetOut(Exception):
+    """A trial was cut short by the end of the budget, not by its own timeout."""
+
+
 @dataclass
 class Trial:
     system: str
@@ -365,6 +369,11 @@ def main(argv=None) -> int:
     avail = mem_available()
     print(f"host memory available {avail / 2**30:.1f} GiB" if avail else "host memory available: unknown", flush=True)
     t_end = time.monotonic() + args.budget
+
+    def limited():
+        """The arguments with the trial timeout cut to what is left of the budget (a trial never outlives it)."""
+        return argparse.Namespace(**{**vars(args), "trial_timeout": max(1.0, min(args.trial_timeout,
+                                                                               t_end - time.monotonic()))})
     trials: list[Trial] = []
     results = {}
     # one start for all (so a budget of one trial each still times every system at one size): 90% of the
@@ -379,15 +388,25 @@ def main(argv=None) -> int:
         skipped = []
 
         def trial(layers, system=system, skipped=skipped):
-            t = run_trial(args, system, layers)
+            lim = limited()
+            t = run_trial(lim, system, layers)
+            if t.why.startswith("timeout") and lim.trial_timeout < args.trial_timeout:
+                t.why = f"cut: the budget ran out after {t.wall_s:.0f} s (says nothing about this size)"
+                show(t)
+                raise _BudgetOut
             trials.append(t)
             show(t)
             if t.why.startswith("skipped"):
                 skipped.append(t.why)
             return t.ok
 
-        good, bad = search(trial, start, args.resolution, args.max_layers,
-                           lambda skipped=skipped, end=share_end: bool(skipped) or time.monotonic() > end)
+        try:
+            good, bad = search(trial, start, args.resolution, args.max_layers,
+                               lambda skipped=skipped, end=share_end: bool(skipped) or time.monotonic() > end)
+        except _BudgetOut:
+            done = [t for t in trials if t.system == system]
+            good = max((t.layers for t in done if t.ok), default=0)
+            bad = min((t.layers for t in done if not t.ok and t.layers > good), default=None)
         results[system] = {"largest_layers": good, "largest_params": llama_params(good, args.hidden) if good else 0,
                            "smallest_failing_layers": bad, "skipped": skipped[0] if skipped else None}
     trained = [s for s in systems if results[s]["largest_layers"]]
@@ -395,8 +414,8 @@ def main(argv=None) -> int:
     at_common = {}
     for s in trained:
         done = [t for t in trials if t.system == s and t.layers == common and t.ok]
-        if not done and time.monotonic() < t_end:
-            t = run_trial(args, s, common)
+        if not done and time.monotonic() < t_end - 5:
+            t = run_trial(limited(), s, common)
             trials.append(t)
             show(t)
             done = [t] if t.ok else []
