@@ -47,6 +47,8 @@ def newton_schulz(x, *, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS
     """
     if x.dim() < 2:
         raise OpArgumentError(f"newton_schulz: x must be a batch of matrices (..., m, n), got shape {tuple(x.shape)}")
+    if x.numel() == 0:  # nothing to orthogonalize (and no batch size to infer for the flattening below)
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
     a, b, c = coefficients
     tall = x.shape[-2] > x.shape[-1]
     X = x.mT if tall else x

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from polyaccel.errors import OpArgumentError
 from polyaccel.ops import reference as ref
 
-from . import fuzz_moe
+from . import fuzz_moe, fuzz_muon
 from .fuzz_layouts import Buffers, Layout, TensorSpec, draw_layout, draw_shape, draw_specials, dtype_name, host64
 from .fuzz_outcome import COMPARED, REFUSED, attempt, close, fail, unchanged
 from .opcases import _codes
@@ -666,6 +666,8 @@ def op_fuzzers() -> dict[str, OpFuzz]:
         "swiglu": OpFuzz(lambda dtypes, fp8: swiglu_cases(dtypes), run_swiglu),
         "grouped_mm": OpFuzz(lambda dtypes, fp8: grouped_mm_cases(dtypes), run_grouped_mm),
         "gather_sum": OpFuzz(lambda dtypes, fp8: gather_sum_cases(dtypes), run_gather_sum),
+        "newton_schulz": OpFuzz(lambda dtypes, fp8: fuzz_muon.newton_schulz_cases(dtypes), fuzz_muon.run_newton_schulz),
+        "fused_muon": OpFuzz(lambda dtypes, fp8: fuzz_muon.fused_muon_cases(dtypes), fuzz_muon.run_fused_muon),
         "moe_gate_up": OpFuzz(lambda dtypes, fp8: fuzz_moe.moe_gate_up_cases(dtypes), fuzz_moe.run_moe),
         "moe_down_combine": OpFuzz(lambda dtypes, fp8: fuzz_moe.moe_down_combine_cases(dtypes), fuzz_moe.run_moe),
     }
