@@ -254,7 +254,7 @@ class HostTransfer:
             if self._up_used + n > self._up_numel:
                 raise RuntimeError("HostTransfer.upload beyond the round started by start_upload")
             self._up_used += n
-            self._upload_one(d.view(-1), h.reshape(-1))
+            self._upload_one(d, h.reshape(-1))
             uploaded = True
         if uploaded and (event := self.copy_event("up")) is not None:
             self._up_done = event
@@ -262,17 +262,25 @@ class HostTransfer:
                 self.settle()
 
     def _upload_one(self, d: torch.Tensor, h: torch.Tensor) -> None:
+        """``d.copy_(h)`` across, ``h`` flat: as it is when the dtypes agree, else through a device buffer of
+        ``h``'s dtype (pieces of ``UPLOAD_PIECE`` where ``d`` is contiguous) converted on the device."""
         if d.dtype == h.dtype:
             with self._on_copy_stream("up", d):
-                d.copy_(h, non_blocking=True)
+                d.copy_(h.view_as(d), non_blocking=True)
             return
+        flat = d.view(-1) if d.is_contiguous() else None
+        step = min(UPLOAD_PIECE, h.numel()) if flat is not None else h.numel()
         with self._on_copy_stream("up", d):
             # allocated on the copy stream: the allocator reuses it only after the stream has passed its use
-            piece = torch.empty(min(UPLOAD_PIECE, h.numel()), dtype=h.dtype, device=d.device)
-            for lo in range(0, h.numel(), piece.numel()):
-                hi = min(lo + piece.numel(), h.numel())
-                piece[:hi - lo].copy_(h[lo:hi], non_blocking=True)
-                d[lo:hi].copy_(piece[:hi - lo])
+            piece = torch.empty(step, dtype=h.dtype, device=d.device)
+            if flat is None:
+                piece.copy_(h, non_blocking=True)
+                d.copy_(piece.view_as(d))
+            else:
+                for lo in range(0, h.numel(), step):
+                    hi = min(lo + step, h.numel())
+                    piece[:hi - lo].copy_(h[lo:hi], non_blocking=True)
+                    flat[lo:hi].copy_(piece[:hi - lo])
             del piece
 
     def copy_to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

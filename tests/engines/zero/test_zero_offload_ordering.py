@@ -356,3 +356,27 @@ def test_copy_streams_and_device_side_conversion_equal_the_synchronous_path(monk
     assert losses == plain_losses
     for key, p in plain.items():
         assert got[key].dtype == p.dtype and torch.equal(got[key], p), key
+
+
+def test_an_upload_into_a_non_contiguous_device_tensor_is_converted_whole(monkeypatch):
+    from polyaccel.engines.zero import offload
+
+    mode = AsyncCopies()
+    transfer_cls, buffers_cls = _async_transfer(mode, streams=[])
+    import polyaccel
+
+    acc = polyaccel.get_accelerator()
+    host = buffers_cls(acc)
+    t = transfer_cls(host, acc, torch.device("cpu"))
+    monkeypatch.setattr(offload, "UPLOAD_PIECE", 4)
+    master = host.empty(30, torch.float32)
+    master.copy_(torch.randn(30))
+    dense = torch.zeros(30, dtype=torch.bfloat16)
+    strided = torch.zeros(6, 5, dtype=torch.bfloat16).t()  # 5 x 6, not contiguous
+    with mode:
+        t.start_upload(60, torch.bfloat16)
+        t.upload([(dense, master), (strided, master)])
+        mode.synchronize()
+    assert mode.violations == [] and mode.deferred["up"] == 30 // 4 + 1 + 1
+    assert torch.equal(dense, master.bfloat16())
+    assert torch.equal(strided, master.bfloat16().view(5, 6))
