@@ -180,3 +180,50 @@ def test_muon_config_defaults_and_a_pattern_the_rule_refuses():
     with pytest.raises(ConfigError, match="optimizer.params.*nothing_matches"):
         polyaccel.initialize(build_model("llama", torch.float64),
                              {"optimizer": {"type": "muon", "params": {"muon_params": ["nothing_matches*"]}}})
+
+
+# ------------------------------------------------------------------ fp16 loss scaling
+def fp16_runs(rank: int, world: int, powers: list) -> dict:
+    """fp16 Muon on one rank: a dynamic scale that starts far too high (the first steps overflow) and a static
+    one, each fed the same batch until a step applies, so both apply the same sequence of batches."""
+    import polyaccel
+
+    torch.set_num_threads(1)
+    out = {}
+    for power in powers:
+        fp16 = {"enabled": True, "hysteresis": 1}
+        fp16.update({"initial_scale_power": power} if power is not None else {"loss_scale": 1024.0})
+        cfg = {**muon_config(1, micro=2, ns_dtype="fp32"), "fp16": fp16}
+        engine = polyaccel.initialize(build_model("llama", torch.float32, edge=False), cfg)
+        before = (engine.partitioner.master.clone(), engine.optimizer.state["exp_avg"].clone())
+        first_skip = None
+        for step in range(6):
+            while True:
+                engine.backward(loss_of(engine, global_batch(step, 1)))
+                if engine.step():
+                    break
+                if first_skip is None:  # a skipped step leaves the master weights and the momentum alone
+                    first_skip = (torch.equal(engine.partitioner.master, before[0]),
+                                  torch.equal(engine.optimizer.state["exp_avg"], before[1]))
+        out[power] = {"skipped": engine.skipped_steps, "first_skip": first_skip,
+                      "master": engine.partitioner.master.clone()}
+        engine.destroy()
+    return out
+
+
+def test_fp16_overflow_skips_the_muon_step_and_later_steps_are_full_size():
+    got = run_ranks(fp16_runs, 1, [24, None], timeout=120)[0]
+    dynamic, static = got[24], got[None]
+    assert dynamic["skipped"] >= 5 and static["skipped"] == 0
+    assert dynamic["first_skip"] == (True, True)
+    moved = (static["master"] - build_model_master()).abs().max().item()
+    assert moved > 0.03, "six steps of lr 0.02 moved the weights"
+    # the same six updates, whatever scale the gradients carried (unscaled before the momentum); what is left
+    # is fp16 rounding of the differently scaled gradients (about 1e-3 here)
+    assert (dynamic["master"] - static["master"]).abs().max().item() < 5e-3
+
+
+def build_model_master() -> torch.Tensor:
+    """The initial weights in the engine's flat order (reverse registration), fp16-rounded as the engine holds."""
+    model = build_model("llama", torch.float32, edge=False)
+    return torch.cat([p.detach().half().float().reshape(-1) for p in reversed(list(model.parameters()))])
