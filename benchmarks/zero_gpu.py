@@ -41,6 +41,9 @@ CONFIGS = [
 GRANULAR = {"stage3_module_granularity_threshold": 60_000_000}
 
 
+# --muon rows: ZeRO's Muon (bf16 Newton-Schulz, 5 steps) with the AdamW rows' settings for its auxiliary Adam
+MUON_PARAMS = {"lr": 0.02, "weight_decay": 0.01, "adam_lr": 1e-4, "adam_weight_decay": 0.01}
+
 SIZES = {  # Llama shapes: 219.7M and 0.95B parameters
     "220m": {"layers": 12, "hidden": 1024},
     "1b": {"layers": 16, "hidden": 2048},
@@ -92,6 +95,8 @@ def row_names(args, peers) -> list[str]:
         if args.only and args.only not in name:
             continue
         names.append(f"polyaccel {name}")
+        if args.muon:
+            names.append(f"polyaccel {name} muon")
         if zero["stage"] == 3 and args.granular:
             names.append(f"polyaccel {name} (layer granularity)")
         names.extend(f"{peer} {name}" for peer in peers if peer != "fsdp2" or fsdp2_unsupported(zero) is None)
@@ -194,6 +199,13 @@ def report(args, peers, rows, n_params=None) -> None:
             if ours and theirs and theirs["step_ms"] and theirs["peak_gib"]:
                 print(f"{name:45s} vs {peer:9s} time {ours['step_ms'] / theirs['step_ms']:5.2f}  "
                       f"memory {ours['peak_gib'] / theirs['peak_gib']:5.2f}")
+    if args.muon:
+        print("\nmuon / adamw, polyaccel (time: the Muon step's share of the AdamW step; target <= 1.25 at stage 1)")
+        for name, _ in CONFIGS:
+            ours, adamw = by_name.get(f"polyaccel {name} muon"), by_name.get(f"polyaccel {name}")
+            if ours and adamw:
+                memory = f"memory {ours['peak_gib'] / adamw['peak_gib']:5.2f}" if adamw["peak_gib"] else ""
+                print(f"{name:45s} time {ours['step_ms'] / adamw['step_ms']:5.2f}  {memory}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"params": n_params, "args": vars(args), "rows": rows}, f, indent=1)
@@ -216,6 +228,9 @@ def main() -> int:
                     help="run every row in a fresh process (peaks then cannot include memory an earlier row left)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="with --isolate: run every row this many times (interleaved) and report the mean step time")
+    ap.add_argument("--muon", action="store_true",
+                    help="after each polyaccel row, the same row with optimizer.type muon (Muon on the hidden "
+                         "matrices, AdamW on the rest) and its time against the AdamW row")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # --isolate's child: run this row only
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -325,6 +340,9 @@ def main() -> int:
             return zero_step, engine.destroy, {"engine": "polyaccel", "optimizer_builder": engine.optimizer_builder}
 
         measure(f"polyaccel {name}", polyaccel_row)
+        if args.muon:
+            muon = {**config, "optimizer": {"type": "muon", "params": MUON_PARAMS}}
+            measure(f"polyaccel {name} muon", lambda c=muon: polyaccel_row(c))
         if zero["stage"] == 3 and args.granular:
             granular = {**config, "zero_optimization": {**zero, **GRANULAR}}
             measure(f"polyaccel {name} (layer granularity)", lambda c=granular: polyaccel_row(c))
