@@ -54,7 +54,8 @@ def test_bf16_params_accumulate_momentum_in_fp32():
 
 
 def _per_head_pair(make_block_opt, ns_dtype):
-    """A (0, 3) and a (1, 4) split stepped 3 times beside ``make_block_opt`` over the head blocks as separate params."""
+    """A (0, 3) and a (1, 4) split stepped 3 times beside ``make_block_opt`` over the head blocks as separate params;
+    returns (ours, the blocks' results joined, the starting weights)."""
     q, o = torch.randn(12, 10, dtype=torch.float64), torch.randn(10, 12, dtype=torch.float64)
     ours = [torch.nn.Parameter(q.clone()), torch.nn.Parameter(o.clone())]
     opt = Muon([{"params": ours, "head_splits": [(0, 3), (1, 4)]}], lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype)
@@ -68,16 +69,17 @@ def _per_head_pair(make_block_opt, ns_dtype):
             p.grad = g.clone()
         opt.step()
         ref.step()
-    return ours, torch.cat([b.detach() for b in q_blocks], 0), torch.cat([b.detach() for b in o_blocks], 1)
+    joined = [torch.cat([b.detach() for b in q_blocks], 0), torch.cat([b.detach() for b in o_blocks], 1)]
+    return ours, joined, [q, o]
 
 
 def test_per_head_split_orthogonalizes_each_head_block_as_its_own_matrix():
     """A (0, h) split orthogonalizes row blocks and a (1, h) split column blocks, each as its own matrix:
     exactly (iterating in float64) the unsplit step on the blocks as separate parameters."""
-    ours, q_want, o_want = _per_head_pair(lambda ps: Muon(ps, lr=0.05, weight_decay=0.1, ns_dtype=torch.float64),
-                                          torch.float64)
-    torch.testing.assert_close(ours[0].detach(), q_want, rtol=0, atol=1e-12)
-    torch.testing.assert_close(ours[1].detach(), o_want, rtol=0, atol=1e-12)
+    ours, want, _ = _per_head_pair(lambda ps: Muon(ps, lr=0.05, weight_decay=0.1, ns_dtype=torch.float64),
+                                   torch.float64)
+    torch.testing.assert_close(ours[0].detach(), want[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(ours[1].detach(), want[1], rtol=0, atol=1e-12)
     # and it is not the whole-matrix update
     whole = [torch.nn.Parameter(ours[0].detach().clone())]
     whole[0].grad = torch.randn(12, 10, dtype=torch.float64)
@@ -93,11 +95,8 @@ def test_per_head_split_matches_torch_muon_on_each_head_block():
     iteration, as batched and one-by-one bf16 products may round differently (over 300 draws the gap was
     at most 0.34% of the parameters' change; a whole-matrix step is tens of percent away)."""
     torch.manual_seed(1234)
-    q0, o0 = torch.randn(12, 10, dtype=torch.float64), torch.randn(10, 12, dtype=torch.float64)
-    torch.manual_seed(1234)
-    ours, q_want, o_want = _per_head_pair(lambda ps: torch.optim.Muon(ps, lr=0.05, weight_decay=0.1),
-                                          torch.bfloat16)
-    for got, want, start in ((ours[0], q_want, q0), (ours[1], o_want, o0)):
+    ours, wants, starts = _per_head_pair(lambda ps: torch.optim.Muon(ps, lr=0.05, weight_decay=0.1), torch.bfloat16)
+    for got, want, start in zip(ours, wants, starts, strict=True):
         change = torch.linalg.vector_norm(want - start)
         assert torch.linalg.vector_norm(got.detach() - want) <= 2e-2 * change
 

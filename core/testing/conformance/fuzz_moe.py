@@ -17,13 +17,9 @@ from hypothesis import strategies as st
 from polyaccel.ops import reference as ref
 
 from .fuzz_layouts import Buffers, Layout, TensorSpec, draw_layout, dtype_name, host64
-from .fuzz_outcome import COMPARED, REFUSED, attempt, close, fail, unchanged
+from .fuzz_outcome import COMPARED, REFUSED, attempt, close, fail, pretty_repr, unchanged
 
 SEEDS = st.integers(0, 2**31 - 1)
-
-
-def _pretty(self, p, cycle):
-    p.text(repr(self))
 
 
 @dataclass(frozen=True)
@@ -45,7 +41,7 @@ class MoeCase:
         return (f"{self.op} | tokens {self.tokens} k {self.k} rows per expert {list(self.counts)} | {self.rows_in!r} "
                 f"| {self.weight!r} | {w} | index/offsets {dtype_name(self.int_dtype)} | seed {self.seed}")
 
-    _repr_pretty_ = _pretty
+    _repr_pretty_ = pretty_repr
 
 
 def _draw(draw, op: str, dtypes) -> MoeCase:

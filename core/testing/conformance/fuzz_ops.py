@@ -23,16 +23,12 @@ from polyaccel.ops import reference as ref
 
 from . import fuzz_moe, fuzz_muon
 from .fuzz_layouts import Buffers, Layout, TensorSpec, draw_layout, draw_shape, draw_specials, dtype_name, host64
-from .fuzz_outcome import COMPARED, REFUSED, attempt, close, fail, unchanged
+from .fuzz_outcome import COMPARED, REFUSED, attempt, close, fail, pretty_repr, unchanged
 from .opcases import _codes
 
 SEEDS = st.integers(0, 2**31 - 1)
 #: magnitudes of the random values (absolute tolerances scale with them)
 SCALES = (1.0, 1e-3, 30.0)
-
-
-def _pretty(self, p, cycle):  # hypothesis prints a falsifying example through this
-    p.text(repr(self))
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -106,7 +102,7 @@ class OptimizerCase:
             parts.append(f"must refuse: {self.refuse}")
         return " | ".join(parts)
 
-    _repr_pretty_ = _pretty
+    _repr_pretty_ = pretty_repr
 
 
 @st.composite
@@ -227,7 +223,7 @@ class QuantizeCase:
         return (f"quantize(x, mode={self.mode!r}, group_size={self.group_size}, symmetric={self.symmetric}) | "
                 f"{self.x!r} | values scale {self.scale:g} shift {self.shift:g}{zeros}, seed {self.seed}")
 
-    _repr_pretty_ = _pretty
+    _repr_pretty_ = pretty_repr
 
 
 #: mostly contiguous inputs (at storage offsets); a strided one must be refused
@@ -383,7 +379,7 @@ class DequantizeCase:
             text += f" | must refuse: {self.miscount} count is not the number of groups"
         return text + f" | seed {self.seed}"
 
-    _repr_pretty_ = _pretty
+    _repr_pretty_ = pretty_repr
 
 
 _MISCOUNT = st.sampled_from(("",) * 7 + ("scales", "zero points") + ("",) * 7)
@@ -455,7 +451,7 @@ class SwigluCase:
         halves = " (gate, up = h.chunk(2, -1) of one contiguous tensor)" if self.halves else ""
         return f"swiglu{halves} | {self.gate!r} | {self.up!r} | {self.grad_out!r} | seed {self.seed}"
 
-    _repr_pretty_ = _pretty
+    _repr_pretty_ = pretty_repr
 
 
 NAN_ONLY = (math.nan,)
@@ -533,7 +529,7 @@ class GroupedMmCase:
         return (f"grouped_mm | rows per expert {list(self.counts)} | {self.x!r} | {self.weight!r} | "
                 f"offsets: {dtype_name(self.offsets_dtype)} {self.offsets!r} | seed {self.seed}")
 
-    _repr_pretty_ = _pretty
+    _repr_pretty_ = pretty_repr
 
 
 @st.composite
@@ -593,7 +589,7 @@ class GatherSumCase:
         return (f"gather_sum | {self.rows!r} | index: {dtype_name(self.index_dtype)} {self.index!r} | {w} | "
                 f"seed {self.seed}")
 
-    _repr_pretty_ = _pretty
+    _repr_pretty_ = pretty_repr
 
 
 @st.composite

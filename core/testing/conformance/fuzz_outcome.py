@@ -23,6 +23,11 @@ class CaseFailure(AssertionError):
     """One drawn case broke the op's contract; the message says how."""
 
 
+def pretty_repr(self, p, cycle):
+    """A case's ``_repr_pretty_``: hypothesis prints a falsifying example through it, as the case's repr."""
+    p.text(repr(self))
+
+
 def fail(problem: str):
     raise CaseFailure(problem)
 

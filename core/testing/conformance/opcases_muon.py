@@ -43,7 +43,7 @@ NS_CASES = [
 ]
 
 
-def _relative_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+def relative_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """Per matrix: ||got - want||_F / ||want||_F (float64; 0 where both are zero)."""
     diff = torch.linalg.vector_norm(got.double() - want, dim=(-2, -1))
     norm = torch.linalg.vector_norm(want, dim=(-2, -1))
@@ -53,7 +53,7 @@ def _relative_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 def _check_matrices(got, want, bound: float, where: str) -> None:
     if got.numel() == 0:
         return
-    rel = _relative_errors(got.detach().cpu(), want)
+    rel = relative_errors(got.detach().cpu(), want)
     worst = float(rel.max())
     assert math.isfinite(worst) and worst <= bound, (
         f"{where}: relative Frobenius error {worst:.3e} of a matrix exceeds {bound:g}")
@@ -106,11 +106,11 @@ def _muon_inputs(dtype, state_dtype):
     return params, bufs
 
 
-def _check_param(got, want, start, dtype, bound, where) -> None:
-    """The update ``got - start`` within ``bound`` of the reference's (relative Frobenius), plus the rounding of
-    ``dtype`` on the parameter itself."""
+def param_excess(got, want, start, dtype, bound) -> str:
+    """Why the update ``got - start`` is outside ``bound`` of the reference's (relative Frobenius), plus the
+    rounding of ``dtype`` on the parameter itself; "" when it is inside."""
     if want.numel() == 0:
-        return
+        return ""
     got64, want64, start64 = got.detach().cpu().double(), want, start.double()
     rtol, atol = (0.0, 0.0) if dtype == torch.float64 else {
         torch.float32: (2e-6, 1e-7), torch.bfloat16: (2 ** -8, 1e-5), torch.float16: (2 ** -11, 1e-5)}[dtype]
@@ -118,8 +118,15 @@ def _check_param(got, want, start, dtype, bound, where) -> None:
     rounding = float(torch.linalg.vector_norm(atol + rtol * want64.abs()))
     step = float(torch.linalg.vector_norm(want64 - start64))
     allowed = bound * step + rounding + 1e-12
-    assert err <= allowed, (f"{where}: the parameter is {err:.3e} off the reference (Frobenius); allowed "
-                            f"{allowed:.3e} ({bound:g} of the update's {step:.3e} plus {dtype} rounding)")
+    if err <= allowed:
+        return ""
+    return (f"the parameter is {err:.3e} off the reference (Frobenius); allowed {allowed:.3e} "
+            f"({bound:g} of the update's {step:.3e} plus {dtype} rounding)")
+
+
+def _check_param(got, want, start, dtype, bound, where) -> None:
+    excess = param_excess(got, want, start, dtype, bound)
+    assert not excess, f"{where}: {excess}"
 
 
 def check_fused_muon(fn, device: torch.device, dtype: torch.dtype) -> None:
