@@ -165,14 +165,31 @@ def plan_rounds(matrices: list[Matrix], world: int, cap: int) -> list[Round]:
 
 # ------------------------------------------------------------------ the orthogonalization
 def orthogonalize(u: torch.Tensor, head_split, mcfg) -> torch.Tensor:
-    """Newton-Schulz of one matrix, whole or per head block, in ``ns_dtype``, back in ``u``'s dtype: the
-    reference's :func:`~polyaccel.ops.reference.muon.orthogonalized_update`, with the iteration through the
-    registry's ``newton_schulz`` (the device's fastest builder)."""
-    blocks = ref_muon.split_heads(u, head_split)
-    if mcfg.ns_dtype != torch.float16:  # float16 is cast inside newton_schulz, after the scaling
-        blocks = blocks.to(mcfg.ns_dtype)
-    out = ops.newton_schulz(blocks, steps=mcfg.ns_steps, coefficients=mcfg.ns_coefficients, eps=mcfg.eps)
-    return ref_muon.join_heads(out, head_split, u.shape).to(u.dtype)
+    """Newton-Schulz of one matrix, whole or per head block, in ``ns_dtype``, back in ``u``'s dtype."""
+    return orthogonalize_many([u], [head_split], mcfg)[0]
+
+
+def orthogonalize_many(us: list[torch.Tensor], head_splits, mcfg) -> list[torch.Tensor]:
+    """Newton-Schulz of each matrix in ``us`` (whole or per head block), back in its dtype: the reference's
+    :func:`~polyaccel.ops.reference.muon.orthogonalized_update` per matrix, with the iteration through the
+    registry's ``newton_schulz`` (the device's fastest builder).
+
+    Blocks of one shape go to the op as one batch: the iteration is per matrix, so batching changes no
+    result, and one call of many small matrices runs near the GEMM rate where one call each is bound by
+    launches."""
+    blocks = [ref_muon.split_heads(u, s) for u, s in zip(us, head_splits, strict=True)]
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for k, b in enumerate(blocks):
+        by_shape.setdefault(tuple(b.shape[-2:]), []).append(k)
+    out: list[torch.Tensor | None] = [None] * len(us)
+    for shape, ks in by_shape.items():
+        parts = [ref_muon.ns_input(blocks[k].reshape(-1, *shape), mcfg.ns_dtype, mcfg.eps) for k in ks]
+        batch = parts[0] if len(parts) == 1 else torch.cat(parts)
+        done = ops.newton_schulz(batch, steps=mcfg.ns_steps, coefficients=mcfg.ns_coefficients, eps=mcfg.eps)
+        for k, o in zip(ks, done.split([p.shape[0] for p in parts]), strict=True):
+            o = o.reshape(blocks[k].shape)
+            out[k] = ref_muon.join_heads(o, head_splits[k], us[k].shape).to(us[k].dtype)
+    return out
 
 
 # ------------------------------------------------------------------ the optimizer
@@ -253,41 +270,54 @@ class MuonPartitionOptimizer(PartitionOptimizer):
                            weight_decay=wd, step=self.step_count, adam_w_mode=True, bias_correction=True)
 
     def _round(self, rnd: Round, pieces, grad: torch.Tensor) -> None:
-        """Momentum and ``u`` of this rank's pieces, the matrices to their owners, orthogonalized, applied."""
+        """Momentum and ``u`` of this rank's pieces, the matrices to their owners, orthogonalized, applied.
+
+        The element-wise work is one ``torch._foreach_*`` call per kind over all the round's pieces
+        (the same operations as one call per piece, in the same order per element)."""
         mc, world, dtype = self.mcfg, self.coll.world, self.master.dtype
         c = rnd.chunk
         send = torch.zeros(world * c, dtype=dtype, device=self.master.device)
-        for lo, hi, m, elem in pieces:
-            buf, g = self.state["exp_avg"][lo:hi], grad[lo:hi].to(dtype)
-            buf.lerp_(g, 1 - mc.momentum)
-            dst = send[m.owner * c + m.offset + elem:][:hi - lo]
+        if pieces:
+            bufs = [self.state["exp_avg"][lo:hi] for lo, hi, _, _ in pieces]
+            grads = [grad[lo:hi].to(dtype) for lo, hi, _, _ in pieces]
+            dsts = [send[m.owner * c + m.offset + elem:][:hi - lo] for lo, hi, m, elem in pieces]
+            torch._foreach_lerp_(bufs, grads, 1 - mc.momentum)
             if mc.nesterov:
-                torch.lerp(g, buf, mc.momentum, out=dst)
+                torch._foreach_copy_(dsts, grads)
+                torch._foreach_lerp_(dsts, bufs, mc.momentum)  # = lerp(g, buf, momentum)
             else:
-                dst.copy_(buf)
+                torch._foreach_copy_(dsts, bufs)
         send = send.to(self.comm_device)
         if world > 1:
             mine = torch.empty(c, dtype=dtype, device=self.comm_device)
             self.coll.reduce_scatter(mine, send)
         else:
             mine = send
-        for m in rnd.matrices:
-            if m.owner == self.coll.rank:
-                view = mine[m.offset:m.offset + m.numel].view(m.shape)
-                view.copy_(self._orthogonalized(view, m))
-                self.orthogonalized += 1
+        owned = [m for m in rnd.matrices if m.owner == self.coll.rank]
+        views = [mine[m.offset:m.offset + m.numel].view(m.shape) for m in owned]
+        whole = [(v, m) for v, m in zip(views, owned, strict=True) if m.tp is None]
+        if whole:
+            done = orthogonalize_many([v for v, _ in whole], [m.head_split for _, m in whole], self.mcfg)
+            torch._foreach_copy_([v for v, _ in whole], done)
+        for v, m in zip(views, owned, strict=True):
+            if m.tp is not None:
+                v.copy_(self._tensor_parallel_orthogonalized(v, m))
+        self.orthogonalized += len(owned)
         if world > 1:
             self.coll.all_gather(send, mine)
         full = send.to(self.master.device)
         lr = self.lr
+        apply: dict[tuple[float, float], tuple[list, list]] = {}
         for lo, hi, m, elem in pieces:
-            o = full[m.owner * c + m.offset + elem:][:hi - lo]
-            self.master[lo:hi].mul_(1 - lr * m.weight_decay).add_(o, alpha=-lr * m.lr_scale)
+            ps, os_ = apply.setdefault((m.weight_decay, m.lr_scale), ([], []))
+            ps.append(self.master[lo:hi])
+            os_.append(full[m.owner * c + m.offset + elem:][:hi - lo])
+        for (wd, scale), (ps, os_) in apply.items():
+            torch._foreach_mul_(ps, 1 - lr * wd)
+            torch._foreach_add_(ps, os_, alpha=-lr * scale)
 
-    def _orthogonalized(self, u: torch.Tensor, m: Matrix) -> torch.Tensor:
-        """The owner's work on one matrix: assembled over the tensor group first when it is split there."""
-        if m.tp is None:
-            return orthogonalize(u, m.head_split, self.mcfg)
+    def _tensor_parallel_orthogonalized(self, u: torch.Tensor, m: Matrix) -> torch.Tensor:
+        """The owner's work on a matrix split over the tensor group: assembled there first."""
         tc, sp = self.tensor_coll, m.tp
         longest = max(sp.local_length(r) for r in range(sp.degree))
         other = m.shape[1 - sp.axis]

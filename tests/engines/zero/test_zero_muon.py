@@ -29,14 +29,15 @@ CASES = {
 
 
 def _count_orthogonalizations(monkeypatch_target):
+    """Record the shape of every matrix the engine hands to Newton-Schulz (one list per batched call)."""
     calls = []
-    real = monkeypatch_target.orthogonalize
+    real = monkeypatch_target.orthogonalize_many
 
-    def counting(u, head_split, mcfg):
-        calls.append(tuple(u.shape))
-        return real(u, head_split, mcfg)
+    def counting(us, head_splits, mcfg):
+        calls.extend(tuple(u.shape) for u in us)
+        return real(us, head_splits, mcfg)
 
-    monkeypatch_target.orthogonalize = counting
+    monkeypatch_target.orthogonalize_many = counting
     return calls, real
 
 
@@ -53,7 +54,7 @@ def train_cases(rank: int, world: int, names: list[str]) -> dict:
         try:
             losses = train_engine(engine, STEPS, rank, gas=gas)
         finally:
-            muon.orthogonalize = real
+            muon.orthogonalize_many = real
         opt = engine.optimizer
         params = engine.full_state_dict()  # a collective in stage 3
         out[name] = {
