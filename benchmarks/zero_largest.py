@@ -110,8 +110,10 @@ def search(trial, start: int, resolution: int = 1, max_layers: int | None = None
 
 # ------------------------------------------------------------------------------------------- child side
 def build_model(layers: int, hidden: int, seq: int, dtype):
-    """The Llama model on the host in ``dtype``, built on the meta device and initialised in place (normal,
-    std 0.02; norms 1), which is much cheaper than the module-by-module init at billions of parameters."""
+    """The Llama model on the host in ``dtype``, built on the meta device and filled in place: norms 1, every
+    other parameter from one pool of normal(0, 0.02) values, tiled at an offset that moves per parameter.
+    A pool costs one random draw of 2**22 values; drawing each of billions of parameters took minutes of a
+    trial's time. The values only need the scale of a real initialisation, so the loss stays finite."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -124,12 +126,17 @@ def build_model(layers: int, hidden: int, seq: int, dtype):
         model = LlamaForCausalLM(cfg).to(dtype)
     model = model.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(0)
+    pool = torch.empty(1 << 22).normal_(0.0, 0.02, generator=gen).to(dtype)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for k, (name, p) in enumerate(model.named_parameters()):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+                continue
+            flat, shift = p.view(-1), (k * 7919) % pool.numel()
+            rolled = torch.cat([pool[shift:], pool[:shift]])
+            for lo in range(0, flat.numel(), rolled.numel()):
+                part = flat[lo:lo + rolled.numel()]
+                part.copy_(rolled[:part.numel()])
         fresh = type(model.model.rotary_emb)(config=cfg)  # the rotary frequencies, left empty by to_empty
         for name, b in fresh.named_buffers():
             getattr(model.model.rotary_emb, name).copy_(b)
@@ -191,6 +198,14 @@ def _fsdp2_step(model, args, device):
     return step
 
 
+PHASE = "[trial] phase "
+
+
+def _phase(name: str, t0: float) -> None:
+    """Tell the parent where the trial is (a timeout then names the phase it cut short)."""
+    print(f"{PHASE}{name} at {time.monotonic() - t0:.0f} s", flush=True)
+
+
 def child(args) -> int:
     """One trial: build, train ``--steps`` steps, write the result JSON (the parent reads host memory)."""
     import resource
@@ -198,6 +213,7 @@ def child(args) -> int:
     import torch
 
     result = {"ok": False, "why": ""}
+    t_start = time.monotonic()
 
     def write():
         result["ru_maxrss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -218,10 +234,14 @@ def child(args) -> int:
         dtype = torch.float32 if args.child == "fsdp2" else torch.bfloat16  # FSDP2's sharded params are its master
         make = {"polyaccel": _polyaccel_step, "deepspeed": _deepspeed_step,
                 "fsdp2": lambda m, a: _fsdp2_step(m, a, device)}[args.child]
-        step = make(build_model(args.layers, args.hidden, args.seq, dtype), args)
+        _phase("build", t_start)
+        model = build_model(args.layers, args.hidden, args.seq, dtype)
+        _phase("initialize", t_start)
+        step = make(model, args)
         gen = torch.Generator().manual_seed(1)
         times, losses = [], []
-        for _ in range(args.steps):
+        for k in range(args.steps):
+            _phase(f"step {k + 1} of {args.steps}", t_start)
             ids = torch.randint(0, VOCAB, (args.batch, args.seq), generator=gen).to(device)
             sync()
             t0 = time.perf_counter()
@@ -283,8 +303,10 @@ def run_trial(args, system: str, layers: int) -> Trial:
                "--hidden", str(args.hidden), "--seq", str(args.seq), "--batch", str(args.batch),
                "--steps", str(args.steps), "--out", out]
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        # the child's output goes to a file: a pipe nobody reads fills up under a chatty system's logging and
+        # stalls the child until its timeout
+        log = open(os.path.join(tmp, "trial.log"), "w+")  # noqa: SIM115 - closed after the child is done
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:  # the kernel's OOM killer should take the trial, not this process
             with open(f"/proc/{proc.pid}/oom_score_adj", "w") as f:
                 f.write("1000")
@@ -304,8 +326,14 @@ def run_trial(args, system: str, layers: int) -> Trial:
                 os.killpg(proc.pid, signal.SIGKILL)
                 break
             time.sleep(0.1)
-        tail = proc.communicate()[0] or ""
+        proc.wait()
+        log.seek(0)
+        tail = log.read()
+        log.close()
         wall = time.monotonic() - t0
+        phases = [line[len(PHASE):] for line in tail.splitlines() if line.startswith(PHASE)]
+        if killed and phases:
+            killed += f" (cut in {phases[-1]})"
         if killed:
             return Trial(system, layers, params, False, killed, host_peak_gib=peak / 2**30, wall_s=wall)
         if not os.path.exists(out):
@@ -340,7 +368,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-layers", type=int, default=None, help="top of the ladder (a pass there ends the search)")
     ap.add_argument("--resolution", type=int, default=2, help="bisect down to this many layers (default 2)")
     ap.add_argument("--budget", type=float, default=230.0, help="seconds for the whole search (default 230)")
-    ap.add_argument("--trial-timeout", type=float, default=120.0, help="seconds per trial (default 120)")
+    ap.add_argument("--trial-timeout", type=float, default=240.0,
+                    help="seconds per trial (default 240; a 6B trial takes minutes to build, offload and step)")
     ap.add_argument("--host-margin-gib", type=float, default=3.0,
                     help="a trial fails (host OOM) when available host memory falls below this (default 3)")
     ap.add_argument("--quick", action="store_true", help="a tiny ladder on the CPU, polyaccel only (seconds)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import random
+import re
 import sys
 from types import SimpleNamespace
 
@@ -58,6 +59,11 @@ def test_a_trial_over_its_time_or_the_host_margin_fails_with_the_reason():
     assert not t.ok and t.why.startswith("timeout after")
     t = zero_largest.run_trial(_args(host_margin_gib=1e9), "polyaccel", 1)
     assert not t.ok and t.why.startswith("host OOM: available host memory fell")
+
+
+def test_a_timeout_names_the_phase_it_cut_short():
+    t = zero_largest.run_trial(_args(trial_timeout=15.0, steps=100_000), "polyaccel", 1)
+    assert not t.ok and re.fullmatch(r"timeout after 15 s \(cut in step \d+ of 100000 at \d+ s\)", t.why), t.why
 
 
 def test_quick_ladder_trains_and_reports(tmp_path, capsys):
