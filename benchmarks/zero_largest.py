@@ -223,6 +223,7 @@ def child(args) -> int:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(29600 + os.getpid() % 300))):
         os.environ.setdefault(key, value)
+    acc, has_mem = None, False
     try:
         import polyaccel
         import polyaccel.comm
@@ -260,7 +261,11 @@ def child(args) -> int:
         if msg.startswith("RuntimeError: skipped:") or "not importable" in low or "no module named" in low:
             result["why"] = "skipped: " + msg.split("skipped: ")[-1]
         elif "out of memory" in low and ("cuda" in low or "device" in low or "gpu" in low):
-            result["why"] = f"device OOM: {msg}"
+            # a refused page-locked host allocation raises the same CUDA error as a full device: tell them apart
+            # by how much of the device was in use
+            used = acc.max_memory_allocated() / acc.total_memory() if has_mem else 1.0
+            result["why"] = (f"device OOM: {msg}" if used > 0.5 else
+                             f"host OOM (a pinned allocation, device peak {used:.0%} of its memory): {msg}")
         elif "out of memory" in low or "cannot allocate memory" in low or "hostalloc" in low:
             result["why"] = f"host OOM: {msg}"
         else:

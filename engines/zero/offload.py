@@ -3,8 +3,12 @@
 Buffers come from the selected accelerator: page-locked allocations (``empty_pinned``) when
 it claims ``pinned``, else ordinary host memory registered in place with the device runtime
 (``register_host_memory``) when it claims ``host_register``, else plain host memory (the
-cpu plugin, where host memory *is* device memory). Nothing here calls
-``torch.Tensor.pin_memory`` directly.
+cpu plugin, where host memory *is* device memory). Buffers of ``REGISTER_FROM_BYTES`` or more
+are registered in place wherever the accelerator claims ``host_register``, even if it can pin:
+a pinned allocation may be rounded up by the runtime's allocator (torch's caching host allocator
+rounds every block to a power of two: a 19 GB fp32 master of a 4.8B-parameter model takes 32 GiB,
+and four such buffers outgrow a 128 GiB host) and is made as a pinned copy of a pageable buffer
+(twice the memory while it copies). Nothing here calls ``torch.Tensor.pin_memory`` directly.
 """
 
 from __future__ import annotations
@@ -13,6 +17,12 @@ import contextlib
 import threading
 
 import torch
+
+
+#: buffers of at least this many bytes are registered in place rather than pinned (see the module docstring);
+#: below it a registration's fixed cost (a runtime call per buffer, kept until :meth:`HostBuffers.release`)
+#: outweighs what rounding can waste
+REGISTER_FROM_BYTES = 64 << 20
 
 
 class HostBuffers:
@@ -34,6 +44,8 @@ class HostBuffers:
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         how = self.how
+        if how == "pinned" and numel * dtype.itemsize >= REGISTER_FROM_BYTES and self.accelerator.has("host_register"):
+            how = "registered"
         if how == "pinned":
             return self.accelerator.empty_pinned((numel,), dtype)
         buf = torch.empty(numel, dtype=dtype)

@@ -171,6 +171,41 @@ def test_host_buffers_use_the_accelerator_contract(monkeypatch):
     assert HostBuffers(acc, pin=False).how == "pageable"
 
 
+class _PinningAndRegistering(_Registering):
+    """An accelerator stand-in that can both pin and register."""
+
+    def __init__(self):
+        super().__init__()
+        self.pinned = []
+
+    def has(self, cap):
+        return cap in ("pinned", "host_register")
+
+    def empty_pinned(self, shape, dtype):
+        t = torch.empty(shape, dtype=dtype)
+        self.pinned.append(t.data_ptr())
+        return t
+
+
+def test_large_host_buffers_are_registered_not_pinned():
+    """A pinned allocation may be rounded up by the runtime (a power of two in torch's host allocator): from
+    REGISTER_FROM_BYTES on, a buffer is allocated at its size and registered in place; smaller ones are pinned."""
+    from polyaccel.engines.zero import offload
+
+    acc = _PinningAndRegistering()
+    host = offload.HostBuffers(acc)
+    big_numel = offload.REGISTER_FROM_BYTES // 2 + 3  # bf16: just over the threshold, not a power of two
+    small = host.empty(1000, torch.float32)
+    big = host.empty(big_numel, torch.bfloat16)
+    below = host.empty(offload.REGISTER_FROM_BYTES // 4 - 1, torch.float32)
+    assert host.how == "pinned"
+    assert acc.pinned == [small.data_ptr(), below.data_ptr()] and acc.registered == [big.data_ptr()]
+    assert big.numel() == big_numel and big.dtype == torch.bfloat16
+    assert big.untyped_storage().nbytes() == big_numel * 2
+    host.release()
+    assert acc.unregistered == [big.data_ptr()]
+
+
 def _tiny():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).double()
