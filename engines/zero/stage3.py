@@ -189,11 +189,15 @@ class ShardedParameters(Partitioner):
         world, rank, compute_dtype, device = self.world, self.rank, self.compute_dtype, self.device
         self.layout = ShardLayout([n for n, _ in trainable], [tuple(p.shape) for _, p in trainable], world)
         self.infos: dict[int, _Info] = {}
-        for idx, (name, p) in enumerate(list(trainable) + list(frozen)):
-            n = p.numel()
-            s = -(-n // world)
-            if self.offload_param:
-                shard = host.empty(s, compute_dtype)
+        named = list(trainable) + list(frozen)
+        sizes = [-(-p.numel() // world) for _, p in named]
+        # offloaded shards are views of one host buffer: one allocation at its exact size (see offload.HostBuffers
+        # on what a runtime's pinned allocator rounds a block up to) and one registration
+        homes = host.empty(sum(sizes), compute_dtype).split(sizes) if self.offload_param else None
+        for idx, (name, p) in enumerate(named):
+            n, s = p.numel(), sizes[idx]
+            if homes is not None:
+                shard = homes[idx]
             else:
                 shard = torch.empty(s, dtype=compute_dtype, device=device)
             flat = F.pad(p.detach().reshape(-1), (0, s * world - n))
