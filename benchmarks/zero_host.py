@@ -1,0 +1,121 @@
+"""Where a ZeRO step's host time goes at world size 1: synchronising calls, launches, Python.
+
+    python benchmarks/zero_host.py [--stage 3] [--size 220m] [--offload] [--steps 4] [--rows 25]
+
+Per step it prints the host time until ``engine.step()`` returns (nothing synchronised inside the
+step) and the time until the device is done; the runtime calls by count (launches, copies,
+synchronisations: every ``cudaStreamSynchronize`` stops the host from running ahead of the device);
+and each synchronising call site (``torch.cuda.set_sync_debug_mode``'s warnings, grouped by the
+stack within polyaccel) with how often it ran per step. Then the Python functions by own time
+(cProfile) over the same steps. Runs on the cpu plugin too (no device rows there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import pstats
+import time
+import traceback
+import warnings
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", type=int, default=3)
+    ap.add_argument("--size", default="220m")
+    ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=25)
+    args = ap.parse_args()
+
+    import polyaccel
+    import torch
+    from zero_gpu import SIZES, batches, build
+
+    for key, value in SIZES[args.size].items():
+        setattr(args, key, value)
+    zero = {"stage": args.stage, "reduce_bucket_size": 50_000_000}
+    if args.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    engine = polyaccel.initialize(build(args), {"bf16": {"enabled": True}, "zero_optimization": zero,
+                                                "optimizer": {"type": "adamw", "params": {"lr": 1e-4}}})
+    acc = polyaccel.get_accelerator()
+    cuda = acc.device().type == "cuda"
+    data = [ids.to(acc.device()) for ids in batches(args, 3 + 3 * args.steps)]
+
+    def step(ids):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+
+    for ids in data[:3]:
+        step(ids)
+    acc.synchronize()
+
+    # 1. host time vs device time per step
+    host, full = [], []
+    for ids in data[3:3 + args.steps]:
+        t0 = time.perf_counter()
+        step(ids)
+        t1 = time.perf_counter()
+        acc.synchronize()
+        host.append((t1 - t0) * 1e3)
+        full.append((time.perf_counter() - t0) * 1e3)
+    print(f"stage {args.stage} {args.size}{' offload' if args.offload else ''}: host until step() returns "
+          f"{sorted(host)[len(host) // 2]:.1f} ms, until the device is done {sorted(full)[len(full) // 2]:.1f} ms")
+
+    # 2. runtime calls and device time by the profiler
+    if cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for ids in data[3 + args.steps:3 + 2 * args.steps]:
+                step(ids)
+            acc.synchronize()
+        calls = collections.Counter()
+        for e in prof.key_averages():
+            if e.key.startswith("cuda") or e.key.startswith("cu"):
+                calls[e.key] += e.count
+        print("runtime calls per step:", ", ".join(f"{k} {v / args.steps:.0f}" for k, v in calls.most_common(8)))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
+
+        # 3. synchronising call sites
+        sites = collections.Counter()
+
+        def on_warning(message, category, filename, lineno, file=None, line=None):
+            frames = [f for f in traceback.extract_stack()[:-1] if "polyaccel" in f.filename or "engines" in f.filename]
+            where = " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
+            sites[f"{str(message)[:60]} @ {where or filename + ':' + str(lineno)}"] += 1
+
+        old = warnings.showwarning
+        warnings.showwarning = on_warning
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = on_warning
+            for ids in data[3 + args.steps:3 + 2 * args.steps]:
+                step(ids)
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = old
+        print("synchronising call sites (per step):")
+        for site, n in sites.most_common(20):
+            print(f"  {n / args.steps:5.1f}  {site}")
+
+    # 4. Python time
+    pr = cProfile.Profile()
+    pr.enable()
+    for ids in data[3 + 2 * args.steps:]:
+        step(ids)
+    acc.synchronize()
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(args.rows)
+    engine.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
