@@ -30,6 +30,8 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--trace", default=None, help="write the profiled steps' Chrome trace here (.json.gz) and print "
+                                                  "where the device sat idle, and what the host ran meanwhile")
     args = ap.parse_args()
 
     import polyaccel
@@ -47,10 +49,15 @@ def main() -> int:
     cuda = acc.device().type == "cuda"
     data = [ids.to(acc.device()) for ids in batches(args, 3 + 3 * args.steps)]
 
+    from torch.profiler import record_function
+
     def step(ids):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
+        with record_function("phase:forward"):
+            loss = engine(input_ids=ids, labels=ids).loss
+        with record_function("phase:backward"):
+            engine.backward(loss)
+        with record_function("phase:step"):
+            engine.step()
 
     for ids in data[:3]:
         step(ids)
@@ -82,6 +89,9 @@ def main() -> int:
                 calls[e.key] += e.count
         print("runtime calls per step:", ", ".join(f"{k} {v / args.steps:.0f}" for k, v in calls.most_common(8)))
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
+            idle_report(args.trace, args.steps)
 
         # 3. synchronising call sites
         sites = collections.Counter()
@@ -115,6 +125,45 @@ def main() -> int:
     pstats.Stats(pr).sort_stats("tottime").print_stats(args.rows)
     engine.destroy()
     return 0
+
+
+def idle_report(path: str, steps: int, rows: int = 15) -> None:
+    """From a Chrome trace: the device's busy and idle time, the idle time by the phase the host was in when
+    each gap began, and the longest gaps with the innermost host operation running at their start."""
+    import gzip
+    import json
+
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    device = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
+    if not device:
+        return
+    busy, gaps, end = 0.0, [], device[0][0]
+    for lo, hi in device:
+        if lo > end:
+            gaps.append((end, lo))
+        busy += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    span = end - device[0][0]
+
+    def running(t):
+        ops = [e for e in host if e["ts"] <= t < e["ts"] + e["dur"]]
+        phase = next((e["name"] for e in ops if e["name"].startswith("phase:")), "-")
+        inner = min((e for e in ops if not e["name"].startswith("phase:")), key=lambda e: e["dur"], default=None)
+        return phase, inner["name"] if inner else "-"
+
+    phases = [e for e in host if e["name"].startswith("phase:")]
+    by_phase = collections.Counter()
+    for lo, hi in gaps:
+        by_phase[next((e["name"] for e in phases if e["ts"] <= lo < e["ts"] + e["dur"]), "-")] += hi - lo
+    print(f"device busy {busy / 1e3 / steps:.1f} ms per step of a {span / 1e3 / steps:.1f} ms span; idle by the "
+          "host's phase at the gap's start: " + ", ".join(f"{k} {v / 1e3 / steps:.1f} ms" for k, v in by_phase.items()))
+    print("longest idle gaps (us, host phase, innermost host op):")
+    for lo, hi in sorted(gaps, key=lambda g: g[0] - g[1])[:rows]:
+        phase, op = running(lo)
+        print(f"  {hi - lo:8.0f}  {phase:16s} {op}")
 
 
 if __name__ == "__main__":

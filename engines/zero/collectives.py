@@ -37,7 +37,10 @@ class Collectives:
         return comm().all_gather_into_tensor(out, inp, group=self.group, async_op=async_op)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """All-reduce a copy of ``t`` on the comm device; returns it on ``t``'s device."""
+        """All-reduce a copy of ``t`` on the comm device; returns it on ``t``'s device. In a group of one the copy
+        is the result: no trip to the comm device and back (each direction would wait for the device)."""
+        if self.world == 1:
+            return t.detach().clone()
         c = comm()
         work = t.detach().to(self.device, copy=True)
         c.all_reduce(work, op=c.ReduceOp.MAX if op == "max" else c.ReduceOp.SUM, group=self.group)

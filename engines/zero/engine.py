@@ -137,7 +137,7 @@ class ZeroEngine:
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self.last_grad_norm: float | None = None
+        self._grad_norm: float | torch.Tensor | None = None  # see last_grad_norm
         #: True when the last optimizer boundary was skipped (fp16 overflow: nothing applied, the scale lowered)
         self.last_step_skipped = False
         self._last_step_applied = False
@@ -396,11 +396,18 @@ class ZeroEngine:
             if g.grad_sum is not None:  # partial gradients of a replicated parameter: summed over that dimension
                 g.partitioner.grad.copy_(g.grad_sum.all_reduce(g.partitioner.grad))
         self.global_steps += 1
-        # the global squared norm, from the partitions' (an element held by several ranks outside its partition
-        # group, a parameter replicated over tensor ranks, counts once); not finite exactly when some rank's
-        # gradients overflowed, so one all-reduce serves the loss scaler too
-        sq = torch.tensor([sum(self._squared_norm(g) / g.copies for g in self.groups)], dtype=torch.float64)
-        total = float(self.coll.all_reduce(sq).item())
+        total = self._global_squared_norm()
+        if self.scaler.enabled or self.config.gradient_clipping > 0:
+            scale = self._host_scale(float(total.item()))
+        else:  # nothing in this step depends on the norm: it stays on the device until asked for, so the host goes
+            # on queueing the step's work instead of waiting for backward to finish (see last_grad_norm)
+            self._grad_norm, scale = total, 1.0
+        self._apply_all(scale)
+        return self._last_step_applied
+
+    def _host_scale(self, total: float) -> float | None:
+        """The gradient scale of this step from the global squared norm read on the host (loss scaling,
+        clipping); None when fp16 overflowed and the step is skipped (the scale lowered, gradients dropped)."""
         scale = 1.0
         if self.scaler.enabled:
             used = self.scaler.scale  # the scale this step's gradients carry
@@ -409,14 +416,20 @@ class ZeroEngine:
             if overflow:
                 self.skipped_steps += 1
                 self.last_step_skipped = True
-                self.last_grad_norm = math.inf
+                self._grad_norm = math.inf
                 self.zero_grad()
-                return False
+                return None
             scale = 1.0 / used
         norm = math.sqrt(total) * scale
-        self.last_grad_norm = norm
+        self._grad_norm = norm
         if self.config.gradient_clipping > 0:
             scale *= min(1.0, self.config.gradient_clipping / (norm + 1e-6))
+        return scale
+
+    def _apply_all(self, scale: float | None) -> None:
+        """The optimizer step of every group with the gradients scaled by ``scale`` (None: skipped)."""
+        if scale is None:
+            return
         if self.stepper.active:  # stepped and uploaded bucket by bucket during backward
             self.stepper.finish()
             self.groups[0].partitioner.publish()
@@ -425,17 +438,33 @@ class ZeroEngine:
                 self._apply(g, scale)
         self.zero_grad()
         self._last_step_applied = True
-        return True
 
-    def _squared_norm(self, g) -> float:
-        """The squared norm of a group's gradient partition: as the transfer saw it arrive, when it knows it
-        exactly (an offloaded partition is then never reduced on the host), else from the partition."""
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last optimizer boundary (see :meth:`get_global_grad_norm`). Kept on the
+        device when the step did not need it; reading it then waits for that step's backward."""
+        if isinstance(self._grad_norm, torch.Tensor):
+            self._grad_norm = math.sqrt(float(self._grad_norm.item()))
+        return self._grad_norm
+
+    def _global_squared_norm(self) -> torch.Tensor:
+        """The global squared gradient norm as a float64 tensor of one element, where the partitions are: the sum
+        of the groups' (an element held by several ranks outside its partition group, a parameter replicated over
+        tensor ranks, counts once), all-reduced. Not finite exactly when some rank's gradients overflowed, so one
+        all-reduce serves the loss scaler too."""
+        total = sum(self._squared_norm(g) / g.copies for g in self.groups)
+        return self.coll.all_reduce(total.reshape(1).to(self.coll.device))
+
+    def _squared_norm(self, g) -> torch.Tensor:
+        """The squared norm of a group's gradient partition (a float64 scalar tensor): as the transfer saw it
+        arrive, when it knows it exactly (an offloaded partition is then never reduced on the host), else from
+        the partition."""
         part = g.partitioner
         if g.grad_sum is None:
             known = self.transfer.squared_norm(part.grad)
             if known is not None:
                 return known
-        return float(torch.linalg.vector_norm(part.grad, dtype=torch.float64).square())
+        return torch.linalg.vector_norm(part.grad, dtype=torch.float64).square()
 
     def _apply(self, g, scale: float) -> None:
         """Optimizer step and write-back of one group. With the optimizer offloaded and an element-wise

@@ -131,11 +131,10 @@ class HostTransfer:
         sq = torch.linalg.vector_norm(src, dtype=wide).double().square()
         self._sq[key] = sq if self._sq.get(key) is None else self._sq[key] + sq
 
-    def squared_norm(self, base: torch.Tensor) -> float | None:
-        """Squared norm of everything written into ``base`` since :meth:`reset_norms`, or None when unknown
-        (nothing written, or a write added to earlier contents)."""
-        sq = self._sq.get(id(base))
-        return None if sq is None else float(sq)
+    def squared_norm(self, base: torch.Tensor) -> torch.Tensor | None:
+        """Squared norm (a float64 scalar tensor where the data was) of everything written into ``base`` since
+        :meth:`reset_norms`, or None when unknown (nothing written, or a write added to earlier contents)."""
+        return self._sq.get(id(base))
 
     def reset_norms(self) -> None:
         self._sq.clear()
