@@ -158,7 +158,7 @@ def fused_muon(params, grads, momentum_buffers, *, lr, momentum, weight_decay, n
                ns_dtype=torch.bfloat16, lr_adjustment="original", head_splits=None):
     """``fused_muon`` through the best builder for the tensors' device type.
 
-    Semantics and signature: :func:`polyaccel.ops.reference.fused_muon` (docs/plugin-authoring.md, docs/muon.md).
+    Semantics and signature: :func:`polyaccel.ops.reference.fused_muon` (docs/plugin-authoring.md, docs/zero-muon.md).
     """
     contract_muon.check_fused_muon(params, grads, momentum_buffers, lr=lr, momentum=momentum,
                                    weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps,

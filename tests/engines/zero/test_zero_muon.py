@@ -23,7 +23,9 @@ CASES = {
     "s1": ({"stage": 1}, 1),
     "s2": ({"stage": 2}, 1),
     "s3": ({"stage": 3}, 1),
+    "s1-offload": ({"stage": 1, "offload": True}, 1),
     "s2-offload": ({"stage": 2, "offload": True}, 1),
+    "s3-offload": ({"stage": 3, "offload": True}, 1),
     "s1-gas4": ({"stage": 1, "gas": 4}, 4),
 }
 
