@@ -187,6 +187,8 @@ class ShardedParameters(Partitioner):
         """Keep this rank's shard of every parameter (trainable ones first, in the partition layout); empty
         ``param.data`` except for persistent parameters (at most ``threshold`` elements)."""
         world, rank, compute_dtype, device = self.world, self.rank, self.compute_dtype, self.device
+        # what a released parameter holds: one empty tensor for all (a new one per release is an allocator call)
+        self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         self.layout = ShardLayout([n for n, _ in trainable], [tuple(p.shape) for _, p in trainable], world)
         self.infos: dict[int, _Info] = {}
         named = list(trainable) + list(frozen)
@@ -206,7 +208,7 @@ class ShardedParameters(Partitioner):
             info = _Info(name, p, s, shard, persistent, idx if idx < len(trainable) else None, idx)
             self.infos[id(p)] = info
             if not persistent:
-                p.data = torch.empty(0, dtype=compute_dtype, device=device)
+                p.data = self._empty
             elif world == 1 and not self.offload_param:  # one storage: the shard is the whole parameter
                 p.data = shard[:n].view(p.shape)
 
@@ -353,7 +355,7 @@ class ShardedParameters(Partitioner):
         if info.persistent or info.active > 0 or info.inflight is not None or info.held:
             return
         if info.param.numel():
-            info.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+            info.param.data = self._empty
 
     def _fetch(self, module, backward: bool = False) -> list[_Info]:
         infos = self._module_params[id(module)]
@@ -610,7 +612,7 @@ class ShardedParameters(Partitioner):
         persistent = [i for i in self.infos.values() if i.persistent and i.index is not None and i.numel]
         if persistent:
             for i in persistent:
-                i.param.data = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+                i.param.data = self._empty
             self._materialise(persistent)
 
     def full_params(self) -> dict[str, torch.Tensor]:
