@@ -4,7 +4,7 @@
 #   bash benchmarks/zero_device_run.sh OUTDIR STEP...
 # Steps: peers220m peers1b iso220m iso3r isooff phases2 overlap2 overlap1 memory memoff memsnap overlap3 profile1 profile3
 #        profile3b profile3o profile3g verify
-#        ckpt largest
+#        ckpt largest host w1 iso1b
 set -u
 OUT=${1:?usage: zero_device_run.sh OUTDIR STEP...}
 shift
@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 LIMIT=${LIMIT:-240}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || echo "polyaccel install failed"
 if [ -d .wheels ]; then
-  python3 -m pip install -q --no-index --find-links .wheels deepspeed >>"$OUT/install.log" 2>&1 || echo "deepspeed install failed"
+  python3 -m pip install -q --no-index --no-deps .wheels/*.whl >>"$OUT/install.log" 2>&1 || echo "deepspeed install failed"
 fi
 cd benchmarks
 run() {  # name, command...
@@ -45,6 +45,11 @@ for step in "$@"; do
     profile3g) run profile3g python3 zero_profile.py --stage 3 --granularity 60000000 ;;
     ckpt) run ckpt python3 activation_checkpoint_gpu.py --out "$OUT/ckpt.json" ;;
     largest) run largest python3 zero_largest.py --budget $((LIMIT - 15)) --out "$OUT/largest.json" ;;
+    host) for s in 1 3; do run host$s python3 zero_host.py --stage $s --steps 3 --rows 12 --trace "$OUT/trace$s.json.gz"; done ;;
+    w1) run w1 python3 zero_gpu.py --isolate --rounds 3 --only "=stage 1,=stage 3" --no-granular --peers '' --steps 8 \
+          --out "$OUT/w1.json" ;;
+    iso1b) run iso1b python3 zero_gpu.py --isolate --rounds 2 --size 1b --only "stage 3" --no-granular --peers fsdp2 \
+             --steps 5 --out "$OUT/iso1b.json" ;;
     *) echo "unknown step $step" ;;
   esac
 done

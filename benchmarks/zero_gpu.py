@@ -86,13 +86,21 @@ def run(step_fn, data, device, sync):
 BASELINE = "torch AdamW(fused) fp32 + bf16 autocast"
 
 
+def wanted(args, name: str) -> bool:
+    """Whether ``--only`` selects configuration ``name``: any of its comma-separated items is part of the name, or
+    is the whole name where the item starts with '='."""
+    if not args.only:
+        return True
+    return any(name == item[1:] if item.startswith("=") else item in name for item in args.only.split(","))
+
+
 def row_names(args, peers) -> list[str]:
     """The rows ``main`` runs for these arguments, in order (``--isolate`` runs each in its own process)."""
     from zero_peers import fsdp2_unsupported
 
     names = [BASELINE]
     for name, zero in CONFIGS:
-        if args.only and args.only not in name:
+        if not wanted(args, name):
             continue
         names.append(f"polyaccel {name}")
         if args.muon:
@@ -221,7 +229,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per row, after 3 warm-up steps")
     ap.add_argument("--bucket", type=int, default=50_000_000)
     ap.add_argument("--peers", default="deepspeed,fsdp2", help="comma-separated peers to run ('' for none)")
-    ap.add_argument("--only", default=None, help="run only the configurations whose name contains this")
+    ap.add_argument("--only", default=None,
+                    help="run only the configurations whose name contains this (several: comma-separated; an item "
+                         "starting with '=' must be the whole name, e.g. '=stage 1,=stage 3')")
     ap.add_argument("--no-granular", dest="granular", action="store_false",
                     help="skip the extra stage-3 rows with decoder layers gathered whole")
     ap.add_argument("--isolate", action="store_true",
@@ -322,7 +332,7 @@ def main() -> int:
 
     measure(BASELINE, torch_row)
     for name, zero in CONFIGS:
-        if args.only and args.only not in name:
+        if not wanted(args, name):
             continue
         zero = {"reduce_bucket_size": args.bucket, **zero}
         config = {"bf16": {"enabled": True}, "zero_optimization": zero,
