@@ -44,7 +44,7 @@ from .schedule import END_BACKWARD, END_FORWARD, GatherSchedule
 
 class _Info:
     __slots__ = ("name", "param", "shape", "numel", "shard_size", "shard", "persistent", "index", "active",
-                 "inflight", "order", "held")
+                 "inflight", "order", "held", "whole")
 
     def __init__(self, name, param, shard_size, shard, persistent, index, order):
         self.name = name
@@ -62,6 +62,9 @@ class _Info:
         self.held = False
         self.inflight = None
         self.order = order  # position among all parameters, the same on every rank
+        # where the shard is the whole parameter on the device (world size 1): the stored shard, or the master's
+        # elements, in the parameter's shape, so that a gather is one cast (see ShardedParameters._launch_gather)
+        self.whole = None
 
 
 class _Gather:
@@ -222,6 +225,10 @@ class ShardedParameters(Partitioner):
                 self.master[off:off + info.shard_size].copy_(info.shard)
                 if derive_shards:
                     info.shard = None
+        if self._gathers_in_place:
+            for info in self.infos.values():
+                source = info.shard if info.shard is not None else self._master_piece(info)
+                info.whole = source[:info.numel].view(info.shape)
         self._grad = GradientPartition(setup.alloc_master, self.layout.partition_size,
                                        setup.grad_dtype or setup.master_dtype, self.device)
 
@@ -299,16 +306,21 @@ class ShardedParameters(Partitioner):
         pass over what a gather sends."""
         if info.shard is not None:
             return info.shard
+        return self._master_piece(info).to(self.compute_dtype)
+
+    def _master_piece(self, info: _Info) -> torch.Tensor:
+        """A trainable parameter's shard of the master partition (a view)."""
         off = self.layout.part_offsets[info.index]
-        return self.master[off:off + info.shard_size].to(self.compute_dtype)
+        return self.master[off:off + info.shard_size]
 
     def _launch_gather(self, infos: list[_Info], async_op: bool) -> _Gather | None:
         infos = [i for i in infos if i.inflight is None and i.param.numel() != i.numel]
         if not infos:
             return None
         if self._gathers_in_place:
+            dtype = self.compute_dtype
             for i in infos:
-                i.param.data = self._shard(i)[:i.numel].view(i.shape)
+                i.param.data = i.whole.to(dtype)
             return None
         total = sum(i.shard_size for i in infos)
         if self.check_schedule:
@@ -560,6 +572,8 @@ class ShardedParameters(Partitioner):
         for info in self.infos.values():
             if info.shard is None:
                 info.shard = self._shard(info).clone()
+                if info.whole is not None:  # (a view of the master would keep it alive)
+                    info.whole = info.shard[:info.numel].view(info.shape)
         self.master = None
         self._grad.release()
 
