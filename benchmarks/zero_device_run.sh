@@ -4,7 +4,7 @@
 #   bash benchmarks/zero_device_run.sh OUTDIR STEP...
 # Steps: peers220m peers1b iso220m iso3r isooff phases2 overlap2 overlap1 memory memoff memsnap overlap3 profile1 profile3
 #        profile3b profile3o profile3g verify
-#        ckpt largest host w1 iso1b
+#        ckpt largest host w1 w1b iso1b
 set -u
 OUT=${1:?usage: zero_device_run.sh OUTDIR STEP...}
 shift
@@ -48,6 +48,8 @@ for step in "$@"; do
     host) for s in 1 3; do run host$s python3 zero_host.py --stage $s --steps 3 --rows 12 --trace "$OUT/trace$s.json.gz"; done ;;
     w1) run w1 python3 zero_gpu.py --isolate --rounds 3 --only "=stage 1,=stage 3" --no-granular --peers '' --steps 8 \
           --out "$OUT/w1.json" ;;
+    w1b) run w1b python3 zero_gpu.py --isolate --rounds 2 --size 1b --only "=stage 1,=stage 3" --no-granular \
+           --peers fsdp2 --steps 5 --out "$OUT/w1b.json" ;;
     iso1b) run iso1b python3 zero_gpu.py --isolate --rounds 2 --size 1b --only "stage 3" --no-granular --peers fsdp2 \
              --steps 5 --out "$OUT/iso1b.json" ;;
     *) echo "unknown step $step" ;;
