@@ -179,6 +179,7 @@ class ShardedParameters(Partitioner):
         self.check_schedule = cfg.stage3_check_schedule and self.world > 1
         self._shard_parameters(trainable, frozen, setup.host, cfg.stage3_param_persistence_threshold)
         # with the master partition on the device a shard is cast from it where needed (see _shard)
+        self._in_place = self._gathers_in_place
         self._partition_master(setup, derive_shards=not (self.offload_optimizer or self.offload_param))
         self._hook_modules(model, cfg)
         self._hook_gradients()
@@ -225,7 +226,7 @@ class ShardedParameters(Partitioner):
                 self.master[off:off + info.shard_size].copy_(info.shard)
                 if derive_shards:
                     info.shard = None
-        if self._gathers_in_place:
+        if self._in_place:
             for info in self.infos.values():
                 source = info.shard if info.shard is not None else self._master_piece(info)
                 info.whole = source[:info.numel].view(info.shape)
@@ -371,6 +372,14 @@ class ShardedParameters(Partitioner):
 
     def _fetch(self, module, backward: bool = False) -> list[_Info]:
         infos = self._module_params[id(module)]
+        if self._in_place:  # no communication, no prefetch (nor its trace): each parameter is one cast
+            dtype = self.compute_dtype
+            for info in infos:
+                if info.param.numel() != info.numel:
+                    info.param.data = info.whole.to(dtype)
+                if backward:
+                    info.held = info.index is not None and info.numel > 0
+            return infos
         if backward and self._sync_reductions and not self.check_schedule:
             self._reduce_complete_everywhere()
         self._record(module)
