@@ -528,19 +528,20 @@ class ShardedParameters(Partitioner):
         self._reduce_scatter(entries, out, inp.view(-1))
 
     def _settle(self, entries: list[_Info], out: torch.Tensor) -> None:
-        col, every_fresh = 0, True
+        col, every_fresh, grad = 0, True, self.grad
         for info in entries:
             s = info.shard_size
             off = self.layout.part_offsets[info.index]
             fresh = info.index in self._unwritten  # the first gradient since zero_grad overwrites
             self._unwritten.discard(info.index)
-            self.transfer.add_later(self.grad[off:off + s], out[col:col + s], self.grad, fresh, track=False)
+            piece = out if len(entries) == 1 else out[col:col + s]
+            self.transfer.add_later(grad[off:off + s], piece, grad, fresh, track=False)
             every_fresh = every_fresh and fresh
             col += s
         # the norm on the way down only for a partition on the host, which should never have to reduce it; one
         # on the device is reduced once at the step (one kernel, not four launches per bucket)
         if self.offload_optimizer:
-            self.transfer.track(self.grad, out[:col], every_fresh)
+            self.transfer.track(grad, out[:col], every_fresh)
         if self.on_settle is not None:
             ranges = []
             for info in sorted(entries, key=lambda i: self.layout.part_offsets[i.index]):
