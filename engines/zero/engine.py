@@ -49,10 +49,10 @@ class ParamGroup:
 
 
 def _pack_saved(packers, t: torch.Tensor):
-    """Saved-tensor pack hook over every stage-3 group: a parameter reference where one recognises ``t``."""
+    """Saved-tensor pack hook over several stage-3 groups: a parameter reference where one recognises ``t``."""
     for pack in packers:
         ref = pack(t)
-        if ref is not None:
+        if ref is not t:
             return ref
     return t
 
@@ -131,7 +131,9 @@ class ZeroEngine:
         if packers:
             from .stage3 import unpack_saved
 
-            self._saved_tensor_hooks = (partial(_pack_saved, packers), unpack_saved)
+            # called for every tensor autograd saves in forward: one group's hook is installed as it is
+            pack = packers[0] if len(packers) == 1 else partial(_pack_saved, packers)
+            self._saved_tensor_hooks = (pack, unpack_saved)
         first = self.groups[0]
         self.partitioner, self.optimizer = first.partitioner, first.optimizer
         self.global_steps = 0

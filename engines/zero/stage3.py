@@ -442,11 +442,11 @@ class ShardedParameters(Partitioner):
             return output
         return self._wrap_outputs(module, output)
 
-    def pack_saved(self, t: torch.Tensor) -> _SavedParam | None:
-        """A reference in place of ``t`` when ``t`` is (a view of) a parameter gathered for a running forward
-        (see :class:`_SavedParam`); None for any other tensor."""
+    def pack_saved(self, t: torch.Tensor) -> _SavedParam | torch.Tensor:
+        """The saved-tensor pack hook: a reference in place of ``t`` when ``t`` is (a view of) a parameter gathered
+        for a running forward (see :class:`_SavedParam`); ``t`` itself otherwise."""
         if not self._in_forward or not t.numel() or t.layout is not torch.strided or t.is_nested:
-            return None  # (a parameter is a plain strided tensor; sparse and nested ones have no single storage)
+            return t  # (a parameter is a plain strided tensor; sparse and nested ones have no single storage)
         ptr = t.untyped_storage().data_ptr()
         off = t.storage_offset()
         for info in self._in_forward.values():  # (parameters of one gather may share a storage: match the range)
@@ -454,7 +454,7 @@ class ShardedParameters(Partitioner):
             if (p.numel() and p.dtype == t.dtype and p.untyped_storage().data_ptr() == ptr
                     and p.storage_offset() <= off < p.storage_offset() + p.numel()):
                 return _SavedParam(info, t)
-        return None
+        return t
 
     def _wrap_outputs(self, module, output):
         tensors = _tensors_needing_grad(output, [])
