@@ -118,3 +118,28 @@ def test_each_matrix_orthogonalized_once_per_optimizer_step(results, name):
     n = len(got[0]["matrices"])
     assert n == 14  # 7 matrices in each of the 2 decoder layers
     assert sum(g["calls"] for g in got) == n * STEPS, name
+
+
+def test_the_reference_takes_muon_with_aux_adam_steps(choices):
+    """The op-by-op reference above is single-process ``polyaccel.optim.MuonWithAuxAdam`` with the same settings
+    (10 steps, fp64, within 1e-10): so each ZeRO case equals ``MuonWithAuxAdam`` too."""
+    from muon_testlib import HP
+    from polyaccel.optim import MuonWithAuxAdam
+
+    ref_losses, ref_params = _reference(1, choices)
+    model = build_model("llama", torch.float64)
+    opt = MuonWithAuxAdam(model, per_head=True, lr=HP["lr"], momentum=HP["momentum"], weight_decay=HP["weight_decay"],
+                          nesterov=HP["nesterov"], adjust_lr_fn=HP["lr_adjustment"], ns_dtype=torch.float64,
+                          adam_lr=HP["adam_lr"], adam_betas=HP["adam_betas"], adam_eps=HP["adam_eps"],
+                          adam_weight_decay=HP["adam_weight_decay"])
+    muon_names = {n for n, c in choices.items() if c.muon}
+    grouped = {id(p): g["use_muon"] for g in opt.param_groups for p in g["params"]}
+    assert {n for n, p in model.named_parameters() if grouped.get(id(p))} == muon_names, "the same split"
+    for step in range(STEPS):
+        loss = loss_of(model, global_batch(step, WORLD))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert abs(loss.item() - ref_losses[step]) <= 1e-10 * max(1.0, abs(ref_losses[step])), step
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref_params[name], rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
