@@ -37,7 +37,9 @@ runs of the partition that share it (see :mod:`.weight_decay`), one call without
   ``engine.step(boundary=True|False)``: a trainer that decides where its accumulation windows end
   (Accelerate, Lightning) says so: True steps now (a short last window), False only counts.
 - For trainers: ``engine.get_global_grad_norm()`` (the last boundary's norm before clipping,
-  ``inf`` when it was skipped, None before the first), ``engine.was_step_applied()`` and
+  ``inf`` when it was skipped, None before the first; without clipping or fp16 the step itself never
+  waits for the device, so the norm is read, and the host waits for that step's backward, only when
+  asked for), ``engine.was_step_applied()`` and
   ``engine.last_step_skipped`` (the last boundary overflowed in fp16: nothing applied).
 - ``engine.zero_grad()``, ``engine.train(mode=True)`` / ``engine.eval()`` (the module's mode).
 - ``engine.save_checkpoint(dir, tag=None, client_state=None) -> tag`` (collective; default tag
