@@ -63,7 +63,7 @@ class _Info:
         self.inflight = None
         self.order = order  # position among all parameters, the same on every rank
         # where the shard is the whole parameter on the device (world size 1): the stored shard, or the master's
-        # elements, in the parameter's shape, so that a gather is one cast (see ShardedParameters._launch_gather)
+        # elements, in the parameter's shape, so that a gather is one cast (see ShardedParameters._gather_in_place)
         self.whole = None
 
 
@@ -178,8 +178,10 @@ class ShardedParameters(Partitioner):
         self.offload_optimizer = cfg.offload_optimizer.enabled
         self.check_schedule = cfg.stage3_check_schedule and self.world > 1
         self._shard_parameters(trainable, frozen, setup.host, cfg.stage3_param_persistence_threshold)
+        # world size 1 with the shards on the device: each shard is its whole parameter, so a gather is a view or
+        # a cast from the master, with no communication to overlap
+        self._in_place = self.world == 1 and not self.offload_param
         # with the master partition on the device a shard is cast from it where needed (see _shard)
-        self._in_place = self._gathers_in_place
         self._partition_master(setup, derive_shards=not (self.offload_optimizer or self.offload_param))
         self._hook_modules(model, cfg)
         self._hook_gradients()
@@ -294,12 +296,6 @@ class ShardedParameters(Partitioner):
             self._hooks.append(model.register_forward_hook(self._end_forward))
 
     # ------------------------------------------------------------------ gather
-    @property
-    def _gathers_in_place(self) -> bool:
-        """World size 1 with the shards on the device: each shard is its whole parameter, so a gather is a view
-        (or a cast from the master) with no communication to overlap."""
-        return self.world == 1 and not self.offload_param
-
     def _shard(self, info: _Info) -> torch.Tensor:
         """A parameter's shard in the compute dtype: stored, or (``derive_shards``: the master partition is on
         the device) cast from the master where it is needed. Keeping a 16-bit copy of every trainable shard
@@ -318,10 +314,8 @@ class ShardedParameters(Partitioner):
         infos = [i for i in infos if i.inflight is None and i.param.numel() != i.numel]
         if not infos:
             return None
-        if self._gathers_in_place:
-            dtype = self.compute_dtype
-            for i in infos:
-                i.param.data = i.whole.to(dtype)
+        if self._in_place:
+            self._gather_in_place(infos)
             return None
         total = sum(i.shard_size for i in infos)
         if self.check_schedule:
@@ -337,6 +331,12 @@ class ShardedParameters(Partitioner):
         for i in infos:
             i.inflight = g
         return g
+
+    def _gather_in_place(self, infos: list[_Info]) -> None:
+        """World size 1 with the shards on the device: each parameter is its whole shard, cast."""
+        dtype = self.compute_dtype
+        for i in infos:
+            i.param.data = i.whole.to(dtype)
 
     def _agree(self, row: tuple[int, int, int]) -> None:
         """Agree with every rank on the next gather (or end of forward or backward): see :mod:`.schedule`;
@@ -373,11 +373,9 @@ class ShardedParameters(Partitioner):
     def _fetch(self, module, backward: bool = False) -> list[_Info]:
         infos = self._module_params[id(module)]
         if self._in_place:  # no communication, no prefetch (nor its trace): each parameter is one cast
-            dtype = self.compute_dtype
-            for info in infos:
-                if info.param.numel() != info.numel:
-                    info.param.data = info.whole.to(dtype)
-                if backward:
+            self._gather_in_place([i for i in infos if i.param.numel() != i.numel])
+            if backward:
+                for info in infos:
                     info.held = info.index is not None and info.numel > 0
             return infos
         if backward and self._sync_reductions and not self.check_schedule:
@@ -408,7 +406,7 @@ class ShardedParameters(Partitioner):
         trace entry is looked at about once per iteration."""
         if not self._trace_done or self.prefetch_budget <= 0 or self._cursor > len(self._trace):
             return
-        if self._gathers_in_place:  # nothing to overlap; an early "gather" would only hold the parameter longer
+        if self._in_place:  # nothing to overlap; an early "gather" would only hold the parameter longer
             return
         self._outstanding = [g for g in self._outstanding if not g.done]
         inflight = sum(g.numel for g in self._outstanding)
