@@ -18,7 +18,6 @@ import threading
 
 import torch
 
-
 #: buffers of at least this many bytes are registered in place rather than pinned (see the module docstring);
 #: below it a registration's fixed cost (a runtime call per buffer, kept until :meth:`HostBuffers.release`)
 #: outweighs what rounding can waste

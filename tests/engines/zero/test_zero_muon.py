@@ -142,4 +142,5 @@ def test_the_reference_takes_muon_with_aux_adam_steps(choices):
         opt.zero_grad(set_to_none=True)
         assert abs(loss.item() - ref_losses[step]) <= 1e-10 * max(1.0, abs(ref_losses[step])), step
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), ref_params[name], rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(p.detach(), ref_params[name], rtol=1e-10, atol=1e-10,
+                                   msg=lambda m, n=name: f"{n}: {m}")
