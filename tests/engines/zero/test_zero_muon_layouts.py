@@ -124,18 +124,24 @@ def load_at(rank: int, world: int, ckpt: str, stage: int):
     engine = polyaccel.initialize(build_model("llama", torch.float64, seed=7), muon_config(stage, micro=2 // world))
     engine.load_checkpoint(ckpt)
     after = _train(engine, 5, 5, world)
+    params = engine.full_state_dict()  # a collective in stage 3
     engine.destroy()
-    return after
+    return after, params
 
 
-def test_checkpoint_saved_at_world_2_stage_1_continues_at_world_1_stage_3(tmp_path):
+@pytest.mark.parametrize("saved, loaded", [((2, 1), (1, 3)), ((1, 3), (2, 2))],
+                         ids=["world2-stage1-to-world1-stage3", "world1-stage3-to-world2-stage2"])
+def test_checkpoint_continues_at_another_world_size_and_stage(tmp_path, saved, loaded):
     ckpt = str(tmp_path / "ckpt")
-    first = run_ranks(save_at, 2, ckpt, 1, timeout=120)[0]
-    after = run_ranks(load_at, 1, ckpt, 3, timeout=120)[0]
+    first = run_ranks(save_at, saved[0], ckpt, saved[1], timeout=120)[0]
+    after, params = run_ranks(load_at, loaded[0], ckpt, loaded[1], timeout=120)[0]
     model = build_model("llama", torch.float64)
-    ref, _ = reference_loop(model, lambda m, step: loss_of(m, global_batch(step, 2)), STEPS, _choices(model))
+    ref, ref_params = reference_loop(model, lambda m, step: loss_of(m, global_batch(step, 2)), STEPS,
+                                     _choices(model))
     for step, (a, b) in enumerate(zip(first + after, ref, strict=True)):
         assert abs(a - b) <= 1e-10 * max(1.0, abs(b)), f"step {step}: {a} vs uninterrupted {b}"
+    for name, want in ref_params.items():  # the Muon momentum came through: the weights end where they would
+        torch.testing.assert_close(params[name], want, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ------------------------------------------------------------------ config errors
