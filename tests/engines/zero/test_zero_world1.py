@@ -70,3 +70,23 @@ def test_stage3_in_place_equals_stage1_in_bf16():
     assert three[2] == pytest.approx(one[2], rel=1e-6)
     for name, want in one[1].items():
         assert torch.equal(three[1][name], want), name
+
+
+def test_destroy_frees_the_master_of_in_place_gathers():
+    """Stage 3 in a world of one keeps parameter-shaped views of the master for its gathers: destroy re-points them
+    at the parameters' own copies, so the master's memory really goes back."""
+    import gc
+    import weakref
+
+    import polyaccel
+
+    engine = polyaccel.initialize(build_model("llama", torch.float32), zero_config(3, **{"bf16": {"enabled": True}}))
+    loss = loss_of(engine, global_batch(0, 1))
+    engine.backward(loss)
+    engine.step()
+    master = weakref.ref(engine.partitioner.master)
+    infos = list(engine.partitioner.infos.values())
+    engine.destroy()
+    gc.collect()
+    assert master() is None, "something still holds the master partition"
+    assert all(i.whole.dtype == torch.bfloat16 for i in infos if i.numel)
