@@ -455,6 +455,8 @@ class ShardedParameters(Partitioner):
         return t
 
     def _wrap_outputs(self, module, output):
+        if isinstance(output, torch.Tensor):  # (most modules: no structure to walk and rebuild)
+            return _PreBackward.apply(self, module, output)[0] if output.requires_grad else output
         tensors = _tensors_needing_grad(output, [])
         if not tensors:
             return output
