@@ -85,7 +85,7 @@ def main() -> int:
             acc.synchronize()
         calls = collections.Counter()
         for e in prof.key_averages():
-            if e.key.startswith("cuda") or e.key.startswith("cu"):
+            if e.key.startswith("cu"):  # runtime and driver calls
                 calls[e.key] += e.count
         print("runtime calls per step:", ", ".join(f"{k} {v / args.steps:.0f}" for k, v in calls.most_common(8)))
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
@@ -101,16 +101,13 @@ def main() -> int:
             where = " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
             sites[f"{str(message)[:60]} @ {where or filename + ':' + str(lineno)}"] += 1
 
-        old = warnings.showwarning
-        warnings.showwarning = on_warning
         torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # (restores showwarning too)
             warnings.simplefilter("always")
             warnings.showwarning = on_warning
             for ids in data[3 + args.steps:3 + 2 * args.steps]:
                 step(ids)
         torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = old
         print("synchronising call sites (per step):")
         for site, n in sites.most_common(20):
             print(f"  {n / args.steps:5.1f}  {site}")

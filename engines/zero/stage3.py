@@ -177,10 +177,10 @@ class ShardedParameters(Partitioner):
         self.offload_param = cfg.offload_param.enabled
         self.offload_optimizer = cfg.offload_optimizer.enabled
         self.check_schedule = cfg.stage3_check_schedule and self.world > 1
-        self._shard_parameters(trainable, frozen, setup.host, cfg.stage3_param_persistence_threshold)
         # world size 1 with the shards on the device: each shard is its whole parameter, so a gather is a view or
         # a cast from the master, with no communication to overlap
         self._in_place = self.world == 1 and not self.offload_param
+        self._shard_parameters(trainable, frozen, setup.host, cfg.stage3_param_persistence_threshold)
         # with the master partition on the device a shard is cast from it where needed (see _shard)
         self._partition_master(setup, derive_shards=not (self.offload_optimizer or self.offload_param))
         self._hook_modules(model, cfg)
@@ -215,7 +215,7 @@ class ShardedParameters(Partitioner):
             self.infos[id(p)] = info
             if not persistent:
                 p.data = self._empty
-            elif world == 1 and not self.offload_param:  # one storage: the shard is the whole parameter
+            elif self._in_place:  # one storage: the shard is the whole parameter
                 p.data = shard[:n].view(p.shape)
 
     def _partition_master(self, setup: PartitionSetup, derive_shards: bool) -> None:
@@ -372,20 +372,19 @@ class ShardedParameters(Partitioner):
 
     def _fetch(self, module, backward: bool = False) -> list[_Info]:
         infos = self._module_params[id(module)]
-        if self._in_place:  # no communication, no prefetch (nor its trace): each parameter is one cast
+        # in place each parameter is one cast: no communication, and no prefetch (nor its trace), which would have
+        # nothing to overlap and would only hold parameters longer
+        if self._in_place:
             self._gather_in_place([i for i in infos if i.param.numel() != i.numel])
-            if backward:
-                for info in infos:
-                    info.held = info.index is not None and info.numel > 0
-            return infos
-        if backward and self._sync_reductions and not self.check_schedule:
-            self._reduce_complete_everywhere()
-        self._record(module)
-        self._materialise(infos)
+        else:
+            if backward and self._sync_reductions and not self.check_schedule:
+                self._reduce_complete_everywhere()
+            self._record(module)
+            self._materialise(infos)
+            self._prefetch()
         if backward:
             for info in infos:
                 info.held = info.index is not None and info.numel > 0
-        self._prefetch()
         return infos
 
     def _record(self, module) -> None:
@@ -405,8 +404,6 @@ class ShardedParameters(Partitioner):
         prefetched elements are outstanding. ``_ahead`` remembers how far prefetching got, so each
         trace entry is looked at about once per iteration."""
         if not self._trace_done or self.prefetch_budget <= 0 or self._cursor > len(self._trace):
-            return
-        if self._in_place:  # nothing to overlap; an early "gather" would only hold the parameter longer
             return
         self._outstanding = [g for g in self._outstanding if not g.done]
         inflight = sum(g.numel for g in self._outstanding)
@@ -534,8 +531,7 @@ class ShardedParameters(Partitioner):
             off = self.layout.part_offsets[info.index]
             fresh = info.index in self._unwritten  # the first gradient since zero_grad overwrites
             self._unwritten.discard(info.index)
-            piece = out if len(entries) == 1 else out[col:col + s]
-            self.transfer.add_later(grad[off:off + s], piece, grad, fresh, track=False)
+            self.transfer.add_later(grad[off:off + s], out[col:col + s], grad, fresh, track=False)
             every_fresh = every_fresh and fresh
             col += s
         # the norm on the way down only for a partition on the host, which should never have to reduce it; one
