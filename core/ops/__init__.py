@@ -32,6 +32,7 @@ from .calls import (
     quantize,
     resolve,
     swiglu,
+    weighted_swiglu,
 )
 from .reference.quantize import QuantizedTensor
 from .registry import ANY_DEVICE, Candidate, OpBuilder, OpRegistry
@@ -53,5 +54,5 @@ __all__ = [
     "ANY_DEVICE", "Candidate", "OpBuilder", "OpRegistry", "QuantizedTensor", "dequantize", "explain",
     "fused_adam", "fused_lamb", "fused_lion", "fused_muon", "gather_sum", "grouped_mm", "moe_down_combine",
     "moe_gate_up", "newton_schulz", "override", "provides", "quantize", "registry",
-    "resolve", "swiglu",
+    "resolve", "swiglu", "weighted_swiglu",
 ]

@@ -107,6 +107,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _RUNTIME.ops.resolve("swiglu", gate.device.type)(gate, up)
 
 
+def weighted_swiglu(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``weighted_swiglu`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.weighted_swiglu` (docs/plugin-authoring.md).
+    """
+    return _RUNTIME.ops.resolve("weighted_swiglu", gate.device.type)(gate, up, weights)
+
+
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``grouped_mm`` through the best builder for the tensors' device type.
 

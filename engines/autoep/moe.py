@@ -24,6 +24,12 @@ the reverse all-to-all stays ``gather_sum``). Routers that weight the rows befor
 path is the ops' reference, so both give the same numbers (bit for bit on the reference
 builders).
 
+Where every token goes to every expert (top-k equal to the number of experts, ep 1, weights
+applied after the experts), there is nothing to route: the experts are one dense SwiGLU MLP
+whose hidden width is all experts' side by side, its hidden rows scaled by the router weights.
+Steps 2 and 4-5 then run as two plain matrix products around ``weighted_swiglu``, with no
+dispatch, no grouped GEMM and no combine (``dense_when_all_chosen=False`` keeps the routed path).
+
 Dropless: no capacity, every assignment is computed. With ep 1 no collective is issued.
 
 Gradients: an expert parameter's local gradient already sums the contributions of every
@@ -112,7 +118,9 @@ class GroupedExperts(torch.nn.Module):
 
         With ``index`` ([tokens, k], as ``gather_sum`` takes it), ``x`` holds the token rows
         instead and the result is each token's k slots summed with ``weights``: the fused
-        expert ops (:func:`run_fused_experts`).
+        expert ops (:func:`run_fused_experts`). With ``weights`` alone ([tokens, E_local]),
+        ``x`` holds the token rows, every token goes to every expert and the result is their
+        weighted sum (:func:`run_dense_experts`; ``counts`` is not read).
 
         Called on every rank in every forward (with no rows too), so hooks that gather the
         parameters around a module's forward (ZeRO stage 3) see the same calls everywhere.
@@ -120,6 +128,8 @@ class GroupedExperts(torch.nn.Module):
         w1, w2 = self.weights()
         if index is not None:
             return run_fused_experts(x, index, w1, w2, counts, weights)
+        if weights is not None:
+            return run_dense_experts(x, w1, w2, weights)
         return run_experts(x, w1, w2, counts)
 
     def extra_repr(self) -> str:
@@ -156,6 +166,23 @@ def run_fused_experts(x: torch.Tensor, index: torch.Tensor, w1: torch.Tensor, w2
     return ops.moe_down_combine(ops.moe_gate_up(x, index, w1, offsets), w2, offsets, index, weights)
 
 
+def run_dense_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Every token through every expert, summed with ``weights`` [T, E]: ``sum_e weights[:, e] * expert_e(x)``.
+
+    The gate/up projection of all experts is one ``[T, H] x [H, E*2F]`` product and the down
+    projection one ``[T, E*F] x [E*F, H]`` product (its inner dimension sums over the experts);
+    ``weighted_swiglu`` applies the router weights to the hidden rows in between. ``w1`` and ``w2``
+    are in grouped_mm's orientation; a layout that cannot be viewed that way is copied (the
+    weights, not the activations).
+    """
+    T, H = x.shape
+    E, _, F2 = w1.shape
+    gu = x @ w1.permute(1, 0, 2).reshape(H, E * F2)  # [T, E*2F]: expert e's gate and up at columns e*2F...
+    gate, up = GateUpHalves.apply(gu.view(T * E, F2))
+    h = ops.weighted_swiglu(gate, up, weights.reshape(T * E))
+    return h.view(T, E * (F2 // 2)) @ w2.reshape(E * (F2 // 2), H)
+
+
 def fused_experts_provided(device_type: str) -> bool:
     """Whether the plugin serving ``device_type`` provides both fused expert ops (not just their reference)."""
     return ops.provides("moe_gate_up", device_type) and ops.provides("moe_down_combine", device_type)
@@ -185,6 +212,8 @@ class AutoEPMoE(torch.nn.Module):
         self.last_dispatch: dict | None = None
         #: the fused expert ops: None = where the device's plugin provides them, True/False = always/never
         self.fused_experts: bool | None = None
+        #: every token to every expert as one dense MLP (see the module docstring); False keeps the routed path
+        self.dense_when_all_chosen = True
 
     @property
     def router(self) -> torch.nn.Module:
@@ -222,9 +251,19 @@ class AutoEPMoE(torch.nn.Module):
             return False
         return self.fused_experts or fused_experts_provided(x.device.type)
 
+    def _uses_dense(self, k: int) -> bool:
+        return (self.dense_when_all_chosen and self.fused_experts is not True and k == self.num_experts
+                and self.ep_size == 1 and self.routing.score_apply == "post")
+
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         T, k = idx.shape
         E, ep = self.num_experts, self.ep_size
+        if self._uses_dense(k):
+            counts = torch.full((E,), T, dtype=torch.int64, device=x.device)
+            self.last_dispatch = {"counts": counts, "received": counts, "send": None, "recv": None}
+            w = weights.to(x.dtype)
+            per_expert = w.new_zeros(T, E).scatter(1, idx, w)
+            return self.local_experts(x, counts, None, per_expert)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # expert-major; within an expert, token order
         inverse = inverse_permutation(order)

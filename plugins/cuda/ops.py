@@ -1,9 +1,9 @@
 """Op builders of the cuda plugin (device type "cuda"), in one table.
 
 Triton kernels for the multi-tensor optimizers (fused_adam, fused_lion, fused_lamb) above
-torch's fused Adam, and for quantize/dequantize, swiglu, grouped_mm (also torch._grouped_mm),
-gather_sum and the fused expert MLP (moe_gate_up, moe_down_combine). The plugin's
-``polyaccel_op_builders`` hook returns :func:`builders`.
+torch's fused Adam, and for quantize/dequantize, swiglu, weighted_swiglu, grouped_mm (also
+torch._grouped_mm), gather_sum and the fused expert MLP (moe_gate_up, moe_down_combine). The
+plugin's ``polyaccel_op_builders`` hook returns :func:`builders`.
 
 Importing this module loads neither Triton nor a kernel: a loader imports its kernel module on
 first use, and the ``compatible`` checks are cheap questions about the accelerator serving
@@ -142,6 +142,10 @@ _TABLE = (
          triton_compatible, "Triton group-wise dequantize (int8, int4; fp8 on compute capability 8.9+)"),
     _Row("swiglu", "triton_swiglu", ".kernels.swiglu", "swiglu", "triton", TRITON_KERNEL_PRIORITY,
          triton_compatible, "Triton SwiGLU: one fused forward and one fused backward kernel, autograd-aware"),
+    _Row("weighted_swiglu", "triton_weighted_swiglu", ".kernels.swiglu", "weighted_swiglu", "triton",
+         TRITON_KERNEL_PRIORITY, triton_compatible,
+         "Triton SwiGLU scaled by a weight per row: one fused forward, one backward per row with the weights' "
+         "gradient, autograd-aware"),
     _Row("grouped_mm", "triton_grouped_mm", ".kernels.grouped_mm", "grouped_mm", "triton", TRITON_KERNEL_PRIORITY,
          triton_compatible, "Triton grouped GEMM, one launch for all experts, 64-bit offsets, bf16/fp16/fp32, "
                             "autograd-aware"),

@@ -6,7 +6,16 @@ from .moe_experts import moe_down_combine, moe_gate_up
 from .muon import fused_muon, newton_schulz
 from .optimizers import fused_adam, fused_lamb, fused_lion
 from .quantize import QuantizedTensor, dequantize, quantize
-from .swiglu import make_swiglu, swiglu, swiglu_backward, swiglu_forward
+from .swiglu import (
+    make_swiglu,
+    make_weighted_swiglu,
+    swiglu,
+    swiglu_backward,
+    swiglu_forward,
+    weighted_swiglu,
+    weighted_swiglu_backward,
+    weighted_swiglu_forward,
+)
 
 #: op name -> the function of this package that defines it
 REFERENCE_OPS = {
@@ -16,6 +25,7 @@ REFERENCE_OPS = {
     "quantize": "quantize",
     "dequantize": "dequantize",
     "swiglu": "swiglu",
+    "weighted_swiglu": "weighted_swiglu",
     "grouped_mm": "grouped_mm",
     "gather_sum": "gather_sum",
     "moe_gate_up": "moe_gate_up",
@@ -38,6 +48,7 @@ __all__ = [
     "grouped_mm",
     "make_gather_sum",
     "make_swiglu",
+    "make_weighted_swiglu",
     "moe_down_combine",
     "moe_gate_up",
     "newton_schulz",
@@ -46,6 +57,9 @@ __all__ = [
     "swiglu",
     "swiglu_backward",
     "swiglu_forward",
+    "weighted_swiglu",
+    "weighted_swiglu_backward",
+    "weighted_swiglu_forward",
 ]
 
 

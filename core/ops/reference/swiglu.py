@@ -97,3 +97,84 @@ swiglu.__doc__ = """SwiGLU, `silu(gate) * up`, differentiable; returns a new ten
     Build a builder's function with `make_swiglu(forward, backward)` (from
     `polyaccel.ops.reference`): it supplies the argument checks and the autograd wiring.
     """
+
+
+# ------------------------------------------------------------------------- weighted_swiglu
+def check_weighted_swiglu_args(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor) -> None:
+    check_swiglu_args(gate, up)
+    if gate.dim() != 2:
+        raise OpArgumentError(f"weighted_swiglu: gate and up must be 2-D [rows, F], got {tuple(gate.shape)}")
+    if weights.dim() != 1 or weights.shape[0] != gate.shape[0] or not weights.is_floating_point():
+        raise OpArgumentError(f"weighted_swiglu: weights must be a 1-D floating-point tensor of one weight per row "
+                              f"({gate.shape[0]}), got {weights.dtype}{tuple(weights.shape)}")
+    if weights.device != gate.device:
+        raise OpArgumentError(f"weighted_swiglu: weights are on {weights.device} but gate is on {gate.device}")
+
+
+def weighted_swiglu_forward(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    g = upcast(gate)
+    return (g * torch.sigmoid(g) * upcast(up) * upcast(weights).unsqueeze(1)).to(gate.dtype)
+
+
+def weighted_swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor,
+                             need_d_weights: bool):
+    """Return (d_gate, d_up, d_weights or None) for ``out = silu(gate) * up * weights[:, None]``."""
+    g, u, go, w = upcast(gate), upcast(up), upcast(grad_out), upcast(weights).unsqueeze(1)
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    gw = go * w
+    d_gate = gw * u * sig * (1 + g * (1 - sig))
+    d_up = gw * silu
+    d_weights = (go * silu * u).sum(dim=1).to(weights.dtype) if need_d_weights else None
+    return d_gate.to(gate.dtype), d_up.to(up.dtype), d_weights
+
+
+def make_weighted_swiglu(forward, backward):
+    """Build an autograd-aware weighted_swiglu op from a forward and a backward kernel.
+
+    ``forward(gate, up, weights) -> out`` and ``backward(grad_out, gate, up, weights, need_d_weights)
+    -> (d_gate, d_up, d_weights or None)`` compute the reference's math (:func:`weighted_swiglu_forward`,
+    :func:`weighted_swiglu_backward`) any way they like; ``grad_out`` arrives contiguous. The returned
+    ``weighted_swiglu(gate, up, weights)`` checks its arguments and saves the inputs for backward.
+    """
+
+    class _WeightedSwiGLU(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, gate, up, weights):
+            ctx.save_for_backward(gate, up, weights)
+            return forward(gate, up, weights)
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            gate, up, weights = ctx.saved_tensors
+            return backward(grad_out.contiguous(), gate, up, weights, ctx.needs_input_grad[2])
+
+    def weighted_swiglu(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        check_weighted_swiglu_args(gate, up, weights)
+        return _WeightedSwiGLU.apply(gate, up, weights)
+
+    return weighted_swiglu
+
+
+weighted_swiglu = make_weighted_swiglu(weighted_swiglu_forward, weighted_swiglu_backward)
+weighted_swiglu.__doc__ = """SwiGLU with one weight per row, `silu(gate) * up * weights[:, None]`; differentiable.
+
+    Called as `fn(gate, up, weights)`: `gate` and `up` are `[N, F]` of one dtype and device,
+    floating point; `weights` is `[N]`, floating point (any float dtype), on that device.
+    The result is `[N, F]` in `gate`'s dtype; math in fp32 for 16-bit inputs. With
+    `sig = sigmoid(gate)` and `w = weights[:, None]`:
+
+        out       = gate * sig * up * w
+        d_gate    = grad_out * w * up * sig * (1 + gate * (1 - sig))
+        d_up      = grad_out * w * gate * sig
+        d_weights = sum over F of grad_out * gate * sig * up        (in `weights`' dtype)
+
+    What it is for: a MoE layer whose every token goes to every expert (top-k equal to the
+    number of experts) is a dense MLP whose hidden rows are scaled by the router weights;
+    this op applies them without a pass of their own. As for `swiglu`, where `gate` and
+    `up` are the two halves of one contiguous `[N, 2F]` tensor a builder may return
+    `d_gate` and `d_up` as the halves of one new `[N, 2F]` tensor (`halves_of`).
+
+    Build a builder's function with `make_weighted_swiglu(forward, backward)` (from
+    `polyaccel.ops.reference`): it supplies the argument checks and the autograd wiring.
+    """

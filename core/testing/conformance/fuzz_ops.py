@@ -446,10 +446,12 @@ class SwigluCase:
     grad_out: TensorSpec
     halves: bool  # gate and up are h.chunk(2, -1) of one contiguous [N, 2F] tensor
     seed: int
+    weights: TensorSpec | None = None  # weighted_swiglu's one weight per row
 
     def __repr__(self) -> str:
         halves = " (gate, up = h.chunk(2, -1) of one contiguous tensor)" if self.halves else ""
-        return f"swiglu{halves} | {self.gate!r} | {self.up!r} | {self.grad_out!r} | seed {self.seed}"
+        op, w = ("swiglu", "") if self.weights is None else ("weighted_swiglu", f" | {self.weights!r}")
+        return f"{op}{halves} | {self.gate!r} | {self.up!r}{w} | {self.grad_out!r} | seed {self.seed}"
 
     _repr_pretty_ = pretty_repr
 
@@ -458,10 +460,10 @@ NAN_ONLY = (math.nan,)
 
 
 @st.composite
-def swiglu_cases(draw, dtypes: tuple[torch.dtype, ...]) -> SwigluCase:
+def swiglu_cases(draw, dtypes: tuple[torch.dtype, ...], weighted: bool = False) -> SwigluCase:
     dtype = draw(st.sampled_from(dtypes))
     halves = draw(st.sampled_from((False, False, True)))
-    shape = draw_shape(draw, two_dims=True) if halves else draw_shape(draw)
+    shape = draw_shape(draw, two_dims=True) if halves or weighted else draw_shape(draw)
     if halves:
         h = Layout.contiguous((shape[0], 2 * shape[1]))
         gate_l = Layout(shape, h.strides, 0, h.storage)
@@ -470,8 +472,12 @@ def swiglu_cases(draw, dtypes: tuple[torch.dtype, ...]) -> SwigluCase:
         gate_l, up_l = draw_layout(draw, shape), draw_layout(draw, shape)
     numel = math.prod(shape)
     spec = lambda role, lay: TensorSpec(role, lay, dtype, draw_specials(draw, numel, NAN_ONLY, 1))  # noqa: E731
+    weights = None
+    if weighted:
+        weights = TensorSpec("weights", draw_layout(draw, shape[:1]), draw(st.sampled_from(dtypes)),
+                             draw_specials(draw, shape[0], NAN_ONLY, 1))
     return SwigluCase(spec("gate", gate_l), spec("up", up_l), spec("grad_out", draw_layout(draw, shape)), halves,
-                      draw(SEEDS))
+                      draw(SEEDS), weights)
 
 
 def run_swiglu(case: SwigluCase, device: torch.device) -> str:
@@ -492,14 +498,25 @@ def run_swiglu(case: SwigluCase, device: torch.device) -> str:
         gate = bufs.make(case.gate).detach().requires_grad_(True)
         up = bufs.make(case.up).detach().requires_grad_(True)
         leaves = [gate, up]
+    weights = None
+    if case.weights is not None:
+        weights = bufs.make(case.weights).detach().requires_grad_(True)
+        leaves.append(weights)
     grad_out = bufs.make(case.grad_out)
     g64, u64 = host64(gate).requires_grad_(True), host64(up).requires_grad_(True)
     go64 = host64(grad_out)
 
-    out = forward_backward(lambda: ops.swiglu(gate, up), grad_out, bufs)
+    if weights is None:
+        out = forward_backward(lambda: ops.swiglu(gate, up), grad_out, bufs)
+    else:
+        out = forward_backward(lambda: ops.weighted_swiglu(gate, up, weights), grad_out, bufs)
     if out is None:
         return f"{REFUSED}: {bufs.refusal}"
-    want = ref.swiglu(g64, u64)
+    if weights is None:
+        want = ref.swiglu(g64, u64)
+    else:
+        w64 = host64(weights).requires_grad_(True)
+        want = ref.weighted_swiglu(g64, u64, w64)
     want.backward(go64)
     dtype = case.gate.dtype
     if out.dtype != dtype:
@@ -507,6 +524,10 @@ def run_swiglu(case: SwigluCase, device: torch.device) -> str:
     close(out, want, dtype, "forward")
     if any(t.grad is None for t in leaves):
         fail("backward produced no gradient for an input")
+    if weights is not None:  # a sum over F: bounded by the sum of the terms' magnitudes
+        g, u = g64.detach(), u64.detach()
+        mag = (go64.abs() * (g * torch.sigmoid(g)).abs() * u.abs()).sum(dim=1)
+        close(weights.grad, w64.grad, case.weights.dtype, "d weights", mag=mag)
     if case.halves:
         close(leaves[0].grad, torch.cat([g64.grad, u64.grad], dim=-1), dtype, "gradient of h = [gate | up]")
     else:
@@ -660,6 +681,7 @@ def op_fuzzers() -> dict[str, OpFuzz]:
         "quantize": OpFuzz(quantize_cases, run_quantize),
         "dequantize": OpFuzz(dequantize_cases, run_dequantize),
         "swiglu": OpFuzz(lambda dtypes, fp8: swiglu_cases(dtypes), run_swiglu),
+        "weighted_swiglu": OpFuzz(lambda dtypes, fp8: swiglu_cases(dtypes, weighted=True), run_swiglu),
         "grouped_mm": OpFuzz(lambda dtypes, fp8: grouped_mm_cases(dtypes), run_grouped_mm),
         "gather_sum": OpFuzz(lambda dtypes, fp8: gather_sum_cases(dtypes), run_gather_sum),
         "newton_schulz": OpFuzz(lambda dtypes, fp8: fuzz_muon.newton_schulz_cases(dtypes), fuzz_muon.run_newton_schulz),

@@ -123,6 +123,8 @@ def _check(op_case: OpCase, fn, device, fp8: bool) -> None:
         opcases.check_dequantize(fn, device, op_case.dtype, fp8)
     elif op_case.op == "swiglu":
         opcases.check_swiglu(fn, device, op_case.dtype)
+    elif op_case.op == "weighted_swiglu":
+        opcases.check_weighted_swiglu(fn, device, op_case.dtype)
     elif op_case.op == "grouped_mm":
         opcases.check_grouped_mm(fn, device, op_case.dtype)
     elif op_case.op == "gather_sum":

@@ -8,6 +8,11 @@ one ``[N, 2F]`` tensor (otherwise outputs are contiguous). The forward reads gat
 and writes out (3 tensor passes); the backward reads grad_out, gate and up and writes d_gate
 and d_up (5 passes), recomputing the sigmoid instead of storing it. :data:`swiglu` is the
 autograd-aware op built with the reference ``make_swiglu``.
+
+The weighted kernels (:data:`weighted_swiglu`) also scale each row by its weight, so a MoE layer
+whose every token goes to every expert applies the router weights here without a pass of their
+own; their backward runs one program per row, which also sums that row's weight gradient (math
+in fp32, fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
@@ -16,11 +21,20 @@ import torch
 import triton
 import triton.language as tl
 from polyaccel.errors import OpArgumentError
-from polyaccel.ops.reference.swiglu import check_swiglu_args, halves_of, make_swiglu
+from polyaccel.ops.reference.swiglu import (
+    check_swiglu_args,
+    check_weighted_swiglu_args,
+    halves_of,
+    make_swiglu,
+    make_weighted_swiglu,
+)
 
 #: elements per program and warps per program (one configuration: both kernels are memory-bound)
 BLOCK = 4096
 NUM_WARPS = 8
+#: columns per step of the weighted backward's row loop, and its warps
+MAX_BLOCK_F = 1024
+ROW_NUM_WARPS = 4
 
 
 @triton.jit
@@ -114,3 +128,99 @@ def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
 
 #: the op: autograd-aware ``swiglu(gate, up)`` running the two kernels above
 swiglu = make_swiglu(swiglu_forward, swiglu_backward)
+
+
+# ------------------------------------------------------------------------- weighted_swiglu
+@triton.jit
+def _weighted_swiglu_fwd_kernel(gate_ptr, up_ptr, w_ptr, out_ptr, n, cols, g_stride, u_stride, ACC: tl.constexpr,
+                                BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < n
+    row, col = offs // cols, offs % cols
+    g = tl.load(gate_ptr + row * g_stride + col, mask=mask, other=0.0).to(ACC)
+    u = tl.load(up_ptr + row * u_stride + col, mask=mask, other=0.0).to(ACC)
+    w = tl.load(w_ptr + row, mask=mask, other=0.0).to(ACC)
+    out = g * tl.sigmoid(g) * u * w
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weighted_swiglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, w_ptr, d_gate_ptr, d_up_ptr, d_w_ptr, F, g_stride,
+                                u_stride, d_stride, HAS_DW: tl.constexpr, ACC: tl.constexpr,
+                                BLOCK_F: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    span = tl.arange(0, BLOCK_F).to(tl.int64)
+    w = tl.load(w_ptr + row).to(ACC)
+    dot = tl.zeros([BLOCK_F], dtype=ACC)
+    for start in range(0, F, BLOCK_F):
+        col = start + span
+        mask = col < F
+        go = tl.load(grad_ptr + row * F + col, mask=mask, other=0.0).to(ACC)
+        g = tl.load(gate_ptr + row * g_stride + col, mask=mask, other=0.0).to(ACC)
+        u = tl.load(up_ptr + row * u_stride + col, mask=mask, other=0.0).to(ACC)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        gw = go * w
+        d_gate = gw * u * sig * (1.0 + g * (1.0 - sig))
+        tl.store(d_gate_ptr + row * d_stride + col, d_gate.to(d_gate_ptr.dtype.element_ty), mask=mask)
+        tl.store(d_up_ptr + row * d_stride + col, (gw * silu).to(d_up_ptr.dtype.element_ty), mask=mask)
+        if HAS_DW:
+            dot += go * silu * u
+    if HAS_DW:
+        tl.store(d_w_ptr + row, tl.sum(dot, axis=0).to(d_w_ptr.dtype.element_ty))
+
+
+def _acc(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def weighted_swiglu_forward(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, *, block: int = BLOCK,
+                            num_warps: int = NUM_WARPS):
+    """``silu(gate) * up * weights[:, None]`` in one kernel (a contiguous result; inputs as for swiglu)."""
+    check_weighted_swiglu_args(gate, up, weights)
+    (gate, gs), (up, us) = _rows(gate), _rows(up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    n = gate.numel()
+    if n:
+        _weighted_swiglu_fwd_kernel[_grid(n, block)](gate, up, weights.contiguous(), out, n, gate.shape[1], gs, us,
+                                                     ACC=_acc(gate.dtype), BLOCK=block, num_warps=num_warps)
+    return out
+
+
+def weighted_swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor,
+                             need_d_weights: bool, *, max_block_f: int = MAX_BLOCK_F,
+                             num_warps: int = ROW_NUM_WARPS):
+    """(d_gate, d_up, d_weights or None) of ``out = silu(gate) * up * weights[:, None]``, one program per row.
+
+    d_weights is in ``weights``' dtype; d_gate and d_up are laid out as :func:`swiglu_backward`'s.
+    """
+    check_weighted_swiglu_args(gate, up, weights)
+    if grad_out.shape != gate.shape:
+        raise OpArgumentError(f"weighted_swiglu backward: grad_out {tuple(grad_out.shape)} does not match gate "
+                              f"{tuple(gate.shape)}")
+    grad_out = grad_out.contiguous()
+    N, F = gate.shape
+    h = halves_of(gate, up)
+    if h is not None:
+        d_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        d_gate, d_up = d_h.chunk(2, dim=-1)
+        d_stride = d_h.stride(0)
+    else:
+        d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        d_stride = F
+    d_w = None
+    if need_d_weights:
+        # F == 0 launches nothing: each row's sum is then the empty sum
+        d_w = (torch.empty if F else torch.zeros)(N, dtype=weights.dtype, device=weights.device)
+    if N and F:
+        (gate, gs), (up, us) = _rows(gate), _rows(up)
+        block_f = min(max_block_f, triton.next_power_of_2(F))
+        _weighted_swiglu_bwd_kernel[(N,)](
+            grad_out, gate, up, weights.contiguous(), d_gate, d_up, d_w if d_w is not None else grad_out, F, gs, us,
+            d_stride, HAS_DW=need_d_weights, ACC=_acc(gate.dtype), BLOCK_F=block_f, num_warps=num_warps)
+    return d_gate, d_up, d_w
+
+
+#: the op: autograd-aware ``weighted_swiglu(gate, up, weights)`` running the two kernels above
+weighted_swiglu = make_weighted_swiglu(weighted_swiglu_forward, weighted_swiglu_backward)

@@ -9,7 +9,7 @@ from polyaccel.ops.reference.gather_sum import gather_sum
 from polyaccel.ops.reference.grouped_mm import grouped_mm
 from polyaccel.ops.reference.moe_experts import routed_tokens
 from polyaccel.ops.reference.swiglu import swiglu
-from polyaccel.testing.conformance import opcases_moe
+from polyaccel.testing.conformance import opcases, opcases_moe
 
 CPU = torch.device("cpu")
 
@@ -93,3 +93,30 @@ def test_down_combine_check_rejects_a_router_weight_without_gradient():
 
     with pytest.raises(AssertionError, match="d weights"):
         opcases_moe.check_moe_down_combine(fn, CPU, torch.float32)
+
+
+# ------------------------------------------------------------------ weighted_swiglu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_weighted_swiglu_reference_passes(dtype):
+    opcases.check_weighted_swiglu(ref.weighted_swiglu, CPU, dtype)
+
+
+def _weighted(forward):
+    return ref.make_weighted_swiglu(forward, ref.weighted_swiglu_backward)
+
+
+@pytest.mark.parametrize("name,fn,match", [
+    ("weights ignored", _weighted(lambda g, u, w: ref.swiglu_forward(g, u)), "forward"),
+    ("weights applied twice", _weighted(lambda g, u, w: ref.weighted_swiglu_forward(g, u, w * w)), "forward"),
+    ("weights on the wrong rows", _weighted(lambda g, u, w: ref.weighted_swiglu_forward(g, u, w.flip(0))), "forward"),
+    ("no weights' gradient", ref.make_weighted_swiglu(
+        ref.weighted_swiglu_forward, lambda go, g, u, w, need: (*ref.weighted_swiglu_backward(go, g, u, w, False)[:2],
+                                                                 torch.zeros_like(w) if need else None)), "d weights"),
+    ("input gradients unweighted", ref.make_weighted_swiglu(
+        ref.weighted_swiglu_forward, lambda go, g, u, w, need: (*ref.swiglu_backward(go, g, u),
+                                                                 ref.weighted_swiglu_backward(go, g, u, w, need)[2])),
+     "d gate"),
+])
+def test_weighted_swiglu_check_rejects_a_wrong_builder(name, fn, match):
+    with pytest.raises(AssertionError, match=match):
+        opcases.check_weighted_swiglu(fn, CPU, torch.float32)

@@ -144,6 +144,7 @@ def test_conformance_fuzz_fails_the_planted_builders(tmp_path, monkeypatch, caps
     assert set(rows) == {"op/fused_adam/fuzz[planted_flat_adam (planted, chosen)]",
                          "op/swiglu/fuzz[planted_flat_swiglu (planted)]",
                          "op/swiglu/fuzz[reference (core, chosen)]",
+                         "op/weighted_swiglu/fuzz[reference (core, chosen)]",
                          "op/gather_sum/fuzz[reference (core, chosen)]"}, sorted(rows)
     for name, op in (("planted_flat_adam", "fused_adam"), ("planted_flat_swiglu", "swiglu")):
         row = next(r for r in rows.values() if name in r["variant"])

@@ -233,17 +233,17 @@ class _TransposedExperts(torch.nn.Module):
 
 
 class _TransposedBlock(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, top_k=2):
         super().__init__()
         torch.manual_seed(3)
         self.gate = torch.nn.Linear(32, 4, bias=False).double()
         self.experts = _TransposedExperts()
-        self.top_k = 2
+        self.top_k = top_k
 
     def forward(self, hidden):
         x = hidden.reshape(-1, hidden.shape[-1])
         probs = torch.softmax(self.gate(x).float(), dim=-1)
-        w, sel = torch.topk(probs, 2, dim=-1)
+        w, sel = torch.topk(probs, self.top_k, dim=-1)
         w = w / w.sum(-1, keepdim=True)
         out = torch.zeros_like(x)
         for e in range(4):
@@ -254,14 +254,22 @@ class _TransposedBlock(torch.nn.Module):
         return out.view(hidden.shape)
 
 
-def test_transposed_fused_layout():
+@pytest.mark.parametrize("top_k", [2, 4])  # 4 of 4 experts: the dense path, on weights it must copy to lay out
+def test_transposed_fused_layout(top_k):
     model = torch.nn.Module()
-    model.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": _TransposedBlock()})])
+    model.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": _TransposedBlock(top_k)})])
     ref = copy.deepcopy(model)
     apply_autoep(model, {"score_func": "softmax", "route_norm": True})
     assert model.autoep_plan.layers[0].layout == "fused 3-D transposed"
     x = torch.randn(3, 4, 32, dtype=torch.float64)
-    torch.testing.assert_close(model.layers[0]["mlp"](x), ref.layers[0]["mlp"](x), rtol=1e-12, atol=1e-12)
+    got, want = model.layers[0]["mlp"](x), ref.layers[0]["mlp"](x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(got)
+    got.backward(grad)
+    want.backward(grad)
+    got_g = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got_g[name].grad, p.grad, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_expert_biases_are_refused_with_the_reason():
@@ -333,6 +341,35 @@ def test_whole_model_at_ep1_equals_hf(family):
     for name, p in ref.named_parameters():
         tol = 1e-6 if (family in ("deepseek_v3", "glm4_moe") and name.endswith("mlp.gate.weight")) else 1e-10
         torch.testing.assert_close(got_g[name].grad, p.grad, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("family,kw", [("mixtral", {}), ("qwen2_moe", {}), ("deepseek_v3", {"topk_group": 4})])
+def test_every_token_to_every_expert_runs_as_one_dense_mlp_and_equals_hf(family, kw, monkeypatch):
+    from autoep_testlib import batch, lm_loss
+    from polyaccel.engines.autoep import moe
+
+    model = build(family, experts=8, top_k=8, **kw)
+    ref = copy.deepcopy(model)
+    apply_autoep(model, {})
+    dense, routed = [], []
+    for name, seen in (("run_dense_experts", dense), ("run_experts", routed)):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, real=real, seen=seen: seen.append(1) or real(*a))
+    ids = batch(0, 0)
+    torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-10, atol=1e-10)
+    blocks = [m for m in model.modules() if isinstance(m, moe.AutoEPMoE)]
+    assert len(dense) == len(blocks) > 0 and not routed
+    assert all(b.last_dispatch["counts"].tolist() == [ids.numel()] * 8 for b in blocks)
+    lm_loss(model, ids).backward()
+    lm_loss(ref, ids).backward()
+    got_g = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        tol = 1e-6 if (family == "deepseek_v3" and name.endswith("mlp.gate.weight")) else 1e-10
+        torch.testing.assert_close(got_g[name].grad, p.grad, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
+    for b in blocks:  # the routed path, asked for, gives the same numbers
+        b.dense_when_all_chosen = False
+    torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-10, atol=1e-10)
+    assert len(routed) == len(blocks)
 
 
 def test_bf16_forward_is_close_and_uses_the_registry():

@@ -11,7 +11,8 @@ from polyaccel.ops import OpRegistry
 from polyaccel.plugins.cuda import ops as kb
 
 #: the ops of the plugin's builders besides the multi-tensor optimizers
-_KERNEL_OPS = ("quantize", "dequantize", "swiglu", "grouped_mm", "gather_sum", "moe_gate_up", "moe_down_combine")
+_KERNEL_OPS = ("quantize", "dequantize", "swiglu", "weighted_swiglu", "grouped_mm", "gather_sum", "moe_gate_up",
+               "moe_down_combine")
 
 
 class _FakeGpu:
@@ -46,6 +47,7 @@ def test_register_adds_one_builder_per_op_and_torch_grouped_mm():
     names = {op: [b.name for b in reg.builders(op)] for op in reg.ops()}
     assert names == {
         "quantize": ["triton_quantize"], "dequantize": ["triton_dequantize"], "swiglu": ["triton_swiglu"],
+        "weighted_swiglu": ["triton_weighted_swiglu"],
         "grouped_mm": ["triton_grouped_mm", "torch_grouped_mm"], "gather_sum": ["triton_gather_sum"],
         "moe_gate_up": ["triton_moe_gate_up"], "moe_down_combine": ["triton_moe_down_combine"],
     }
@@ -59,6 +61,7 @@ def test_register_adds_one_builder_per_op_and_torch_grouped_mm():
     ("quantize", "triton_quantize", "quantize", "quantize"),
     ("dequantize", "triton_dequantize", "quantize", "dequantize"),
     ("swiglu", "triton_swiglu", "swiglu", "swiglu"),
+    ("weighted_swiglu", "triton_weighted_swiglu", "swiglu", "weighted_swiglu"),
     ("grouped_mm", "triton_grouped_mm", "grouped_mm", "grouped_mm"),
     ("grouped_mm", "torch_grouped_mm", "grouped_mm", "torch_grouped_mm"),
     ("gather_sum", "triton_gather_sum", "gather_sum", "gather_sum"),

@@ -1,9 +1,11 @@
-"""Triton SwiGLU forward/backward under TRITON_INTERPRET=1 against float64 math."""
+"""Triton SwiGLU and weighted SwiGLU forward/backward under TRITON_INTERPRET=1 against float64 math."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from polyaccel.ops import reference as ref
+from polyaccel.ops.reference.swiglu import halves_of
 from polyaccel.plugins.cuda.kernels import swiglu as ks
 
 
@@ -103,8 +105,6 @@ def test_mismatched_inputs_raise():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_of_the_halves_of_one_tensor_writes_the_halves_of_one_gradient(dtype):
-    from polyaccel.ops.reference.swiglu import halves_of
-
     h = torch.randn(5, 2 * 37).to(dtype)
     gate, up = h.chunk(2, dim=-1)
     go = torch.randn(5, 37).to(dtype)
@@ -118,3 +118,139 @@ def test_backward_of_the_halves_of_one_tensor_writes_the_halves_of_one_gradient(
     d_gate, d_up = ks.swiglu_backward(go, gate.contiguous(), up.contiguous())
     assert halves_of(d_gate, d_up) is None and d_gate.is_contiguous() and d_up.is_contiguous()
     _check(d_gate, want_gate, dtype, "d gate")
+
+
+# ------------------------------------------------------------------------- weighted_swiglu
+def _weighted_inputs(n, f, dtype, w_dtype=None, halves=False, seed=0):
+    """Random gate, up (the halves of one [n, 2f] tensor when ``halves``), weights and grad_out."""
+    gen = torch.Generator().manual_seed(seed)
+    if halves:
+        gate, up = (torch.randn(n, 2 * f, generator=gen) * 3).to(dtype).chunk(2, dim=-1)
+    else:
+        gate = (torch.randn(n, f, generator=gen) * 3).to(dtype)
+        up = torch.randn(n, f, generator=gen).to(dtype)
+    weights = (torch.rand(n, generator=gen) + 0.5).to(w_dtype or dtype)
+    go = torch.randn(n, f, generator=gen).to(dtype)
+    return gate, up, weights, go
+
+
+def _weighted_f64(gate, up, weights, go):
+    """(out, d_gate, d_up, d_weights) by the reference in float64, and the scales of d_gate's and d_weights' terms.
+
+    fp32 rounding is relative to those scales, not to the results: ``1 + g * (1 - sig)`` cancels near
+    g = -1.28 and the sum over F cancels too.
+    """
+    g, u, w, o = gate.double(), up.double(), weights.double(), go.double()
+    out = ref.weighted_swiglu_forward(g, u, w)
+    d_gate, d_up, d_w = ref.weighted_swiglu_backward(o, g, u, w, True)
+    sig = torch.sigmoid(g)
+    scales = ((o * w[:, None] * u * sig).abs() * (1 + g.abs()), (o * g * sig * u).abs().sum(dim=1))
+    return (out, d_gate, d_up, d_w), scales
+
+
+def _check_weighted(got, want, dtype, what, slack=None):
+    """_check, with fp64 bounds too and ``slack`` added (the fp32 sum's rounding for d_weights)."""
+    bound = want.abs() * 1e-12 + 1e-13 if dtype == torch.float64 else _bound(want, dtype)
+    if slack is not None:
+        bound = bound + slack
+    err = (got.double() - want).abs()
+    if not bool((err <= bound).all()):
+        i = int((err - bound).argmax())
+        raise AssertionError(f"{what}: max excess {float((err - bound).max()):.3e} at {i}: "
+                             f"got {got.reshape(-1)[i].item()}, want {want.reshape(-1)[i].item()}")
+
+
+def _check_all_weighted(got, want, dtype, w_dtype):
+    (out, d_gate, d_up, d_w), ((want_out, want_dg, want_du, want_dw), (dg_scale, dw_scale)) = got, want
+    eps = 1e-14 if dtype == torch.float64 else 1e-6
+    _check_weighted(out, want_out, dtype, "forward")
+    _check_weighted(d_gate, want_dg, dtype, "d_gate", slack=dg_scale * eps)
+    _check_weighted(d_up, want_du, dtype, "d_up")
+    _check_weighted(d_w, want_dw, w_dtype, "d_weights", slack=dw_scale * eps)
+
+
+@pytest.mark.parametrize("halves", [False, True], ids=["contiguous", "halves"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_weighted_matches_float64_reference(dtype, halves):
+    """37 rows of 1100 columns: a partial last forward block and two column chunks per backward row."""
+    gate, up, weights, go = _weighted_inputs(37, 1100, dtype, halves=halves, seed=3)
+    out = ks.weighted_swiglu_forward(gate, up, weights)
+    d_gate, d_up, d_w = ks.weighted_swiglu_backward(go, gate, up, weights, True)
+    assert out.dtype == d_gate.dtype == d_up.dtype == d_w.dtype == dtype and out.is_contiguous()
+    assert (halves_of(d_gate, d_up) is not None) == halves
+    if not halves:
+        assert d_gate.is_contiguous() and d_up.is_contiguous()
+    _check_all_weighted((out, d_gate, d_up, d_w), _weighted_f64(gate, up, weights, go), dtype, dtype)
+
+
+def test_weighted_autograd_through_the_halves_of_one_projection():
+    """The op as a builder returns it: gradients reach h (the split projection) and the weights."""
+    gate, up, weights, go = _weighted_inputs(9, 70, torch.bfloat16, halves=True, seed=5)
+    h = gate._base.clone().requires_grad_()
+    weights.requires_grad_()
+    g, u = h.chunk(2, dim=-1)
+    out = ks.weighted_swiglu(g, u, weights)
+    out.backward(go)
+    want = _weighted_f64(gate, up, weights.detach(), go)
+    _check_all_weighted((out, h.grad[:, :70], h.grad[:, 70:], weights.grad), want, torch.bfloat16, torch.bfloat16)
+
+
+def test_weighted_fp32_weights_with_bf16_gate():
+    gate, up, weights, go = _weighted_inputs(37, 130, torch.bfloat16, w_dtype=torch.float32, seed=7)
+    out = ks.weighted_swiglu_forward(gate, up, weights)
+    d_gate, d_up, d_w = ks.weighted_swiglu_backward(go, gate, up, weights, True)
+    assert out.dtype == d_gate.dtype == torch.bfloat16 and d_w.dtype == torch.float32
+    _check_all_weighted((out, d_gate, d_up, d_w), _weighted_f64(gate, up, weights, go), torch.bfloat16,
+                        torch.float32)
+
+
+def test_weighted_without_the_weights_gradient():
+    gate, up, weights, go = _weighted_inputs(6, 300, torch.float32, seed=9)
+    d_gate, d_up, d_w = ks.weighted_swiglu_backward(go, gate, up, weights, False)
+    assert d_w is None
+    (_, want_dg, want_du, _), (dg_scale, _) = _weighted_f64(gate, up, weights, go)
+    _check_weighted(d_gate, want_dg, torch.float32, "d_gate", slack=dg_scale * 1e-6)
+    _check_weighted(d_up, want_du, torch.float32, "d_up")
+    # through autograd, weights that need no gradient get none
+    gate.requires_grad_()
+    ks.weighted_swiglu(gate, up, weights).backward(go)
+    assert weights.grad is None
+    _check_weighted(gate.grad, want_dg, torch.float32, "autograd d_gate", slack=dg_scale * 1e-6)
+
+
+def test_weighted_small_blocks_give_many_programs_and_column_chunks():
+    gate, up, weights, go = _weighted_inputs(5, 301, torch.float32, seed=13)
+    out = ks.weighted_swiglu_forward(gate, up, weights, block=256, num_warps=4)
+    grads = ks.weighted_swiglu_backward(go, gate, up, weights, True, max_block_f=64)
+    _check_all_weighted((out, *grads), _weighted_f64(gate, up, weights, go), torch.float32, torch.float32)
+
+
+def test_weighted_zero_rows_and_zero_columns():
+    for n, f in ((0, 5), (0, 0), (4, 0)):
+        gate = up = go = torch.empty(n, f)
+        weights = torch.rand(n) + 0.5
+        assert ks.weighted_swiglu_forward(gate, up, weights).shape == (n, f)
+        d_gate, d_up, d_w = ks.weighted_swiglu_backward(go, gate, up, weights, True)
+        assert d_gate.shape == d_up.shape == (n, f)
+        assert torch.equal(d_w, torch.zeros(n))
+
+
+def test_weighted_differs_from_plain_swiglu():
+    """The weights are applied: plain swiglu's results fail the checks the weighted kernels pass."""
+    gate, up, weights, go = _weighted_inputs(8, 200, torch.float32, seed=17)
+    (want_out, want_dg, want_du, _), (dg_scale, _) = _weighted_f64(gate, up, weights, go)
+    plain_dg, plain_du = ks.swiglu_backward(go, gate, up)
+    for got, want, slack in ((ks.swiglu_forward(gate, up), want_out, None), (plain_dg, want_dg, dg_scale * 1e-6),
+                             (plain_du, want_du, None)):
+        with pytest.raises(AssertionError):
+            _check_weighted(got, want, torch.float32, "plain swiglu", slack=slack)
+
+
+def test_weighted_mismatched_inputs_raise():
+    gate = up = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="one weight per row"):
+        ks.weighted_swiglu(gate, up, torch.rand(5))
+    with pytest.raises(ValueError, match="2-D"):
+        ks.weighted_swiglu_forward(torch.randn(24), torch.randn(24), torch.rand(24))
+    with pytest.raises(ValueError, match="grad_out"):
+        ks.weighted_swiglu_backward(torch.randn(4, 5), gate, up, torch.rand(4), True)
