@@ -1,10 +1,14 @@
 """Profile AutoEP's MoE layer (ep 1, bf16, forward + backward) and print where device time goes.
 
     python benchmarks/autoep_profile.py [--experts 8] [--tokens 32768] [--topk 2] [--rows 25] [--hf] [--fused]
+                                        [--host]
 
 Uses ``autoep_gpu.py``'s block and step (AutoEP's default path: the fused expert ops only where the
-registry chooses a plugin's builder of them); ``--hf`` profiles the HF eager block as well,
-``--fused`` AutoEP forced onto the plugin's fused expert builders (``autoep_gpu.FusedAutoEP``).
+registry chooses a plugin's builder of them); ``--hf`` profiles the HF eager block as well (and with
+``--host`` transformers' grouped_mm block), ``--fused`` AutoEP forced onto the plugin's fused expert
+builders (``autoep_gpu.FusedAutoEP``). ``--host`` measures the host instead of the device: per
+step, the time until the step's Python returns and until the device is done, then the Python
+functions by own time (cProfile) - for the small rows, where the device waits on the host.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--hf", action="store_true", help="profile the HF eager block too")
     ap.add_argument("--fused", action="store_true", help="profile AutoEP on the fused expert builders too")
+    ap.add_argument("--host", action="store_true", help="the host's time per step and its Python by own time")
     args = ap.parse_args()
 
     import polyaccel
@@ -38,6 +43,8 @@ def main() -> int:
         blocks["autoep fused"] = FusedAutoEP(autoep_block(eager))
     if args.hf:
         blocks["hf eager"] = eager
+        if args.host:
+            blocks["hf grouped_mm"] = hf_block(args.experts, args.topk, args.hidden, args.ffn, "grouped_mm", device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, args.tokens, args.hidden, generator=g).to(device=device, dtype=torch.bfloat16)
     grad = torch.randn(1, args.tokens, args.hidden, generator=g).to(device=device)
@@ -48,6 +55,9 @@ def main() -> int:
         for _ in range(3):
             step()
         acc.synchronize()
+        if args.host:
+            host_profile(name, step, acc, args.rows)
+            continue
         with profile(activities=activities) as prof:
             for _ in range(5):
                 step()
@@ -56,6 +66,33 @@ def main() -> int:
         sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=args.rows))
     return 0
+
+
+def host_profile(name: str, step, acc, rows: int, steps: int = 20) -> None:
+    """Median host time of ``step`` (until it returns) and wall time (until the device is done), then cProfile."""
+    import cProfile
+    import pstats
+    import statistics
+    import time
+
+    host, wall = [], []
+    for _ in range(steps):
+        acc.synchronize()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        acc.synchronize()
+        host.append(t1 - t0)
+        wall.append(time.perf_counter() - t0)
+    print(f"== {name}: host {statistics.median(host) * 1e3:.3f} ms/step until the step returns, "
+          f"{statistics.median(wall) * 1e3:.3f} ms until the device is done (median of {steps})")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    acc.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
 
 
 if __name__ == "__main__":
