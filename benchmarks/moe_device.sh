@@ -3,7 +3,7 @@
 # logging to OUTDIR/<step>.log.
 #   bash benchmarks/moe_device.sh OUTDIR STEP...
 # Steps:
-#   conf      conformance (fixed cases and the op-contract fuzz rows) of the swiglu-family ops on cuda
+#   conf      conformance (fixed cases and 25 fuzz examples a row) of the swiglu ops and grouped_mm on cuda
 #   autoep    autoep_gpu.py: the 8 rows, AutoEP's default path vs HF eager / HF grouped_mm, and AutoEP forced
 #             onto the fused builders (the 'fused' columns) -> autoep.json
 #   profile8  autoep_profile.py on the k=E row (E=8, 32k tokens, top-8): where AutoEP's device time goes
@@ -28,7 +28,8 @@ run() {  # name, limit, command...
 }
 for step in "$@"; do
   case $step in
-    conf) run conf 150 polyaccel conformance --accelerator cuda --fuzz -k swiglu --json "$OUT/conf.json" ;;
+    conf) run conf 150 polyaccel conformance --accelerator cuda --fuzz --fuzz-examples 25 -k "swiglu or grouped_mm" \
+            --json "$OUT/conf.json" ;;
     autoep) (cd benchmarks && run autoep 330 python3 autoep_gpu.py --steps "$STEPS" --out "$OUT/autoep.json") ;;
     profile8) (cd benchmarks && TAIL=45 run profile8 90 python3 autoep_profile.py --experts 8 --tokens 32768 --topk 8) ;;
     host4k) (cd benchmarks && for e in 8 64; do

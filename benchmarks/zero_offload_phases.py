@@ -42,6 +42,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--overlap", action="store_true",
                     help="let the host step run during backward (then only forward/backward/step totals are timed)")
+    ap.add_argument("--worker-threads", type=int, default=None,
+                    help="with --overlap: intra-op threads of the host-step worker thread (default: torch's), to "
+                         "see whether it contends with the threads that launch backward")
     args = ap.parse_args()
 
     import polyaccel
@@ -49,7 +52,8 @@ def main() -> int:
 
     acc = polyaccel.get_accelerator()
     device, sync = acc.device(), acc.synchronize
-    print(f"torch threads {torch.get_num_threads()}, accelerator {acc.name}")
+    print(f"torch threads {torch.get_num_threads()}, accelerator {acc.name}, host-step worker threads "
+          f"{args.worker_threads or 'default'}")
     config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": args.stage, "reduce_bucket_size": 50_000_000,
                                                                "offload_optimizer": {"device": "cpu",
                                                                                      "overlap_step": args.overlap}},
@@ -77,6 +81,8 @@ def main() -> int:
         run_bucket = stepper._run
 
         def timed_run(ranges, event):
+            if args.worker_threads:
+                torch.set_num_threads(args.worker_threads)  # the worker's own OpenMP setting (thread-local)
             t0 = time.perf_counter()
             run_bucket(ranges, event)
             timeline.append((f"bucket {ranges[0][0]}..{ranges[-1][1]}", t0, time.perf_counter()))

@@ -344,7 +344,8 @@ def _zero_rows_past(t: torch.Tensor, off64: torch.Tensor, last: int | None) -> t
     if t.shape[0] == 0:
         return t
     if last is not None:
-        t[last:].zero_()
+        if last < t.shape[0]:  # (none past the last offset, the usual case: no slice, no launch)
+            t[last:].zero_()
     else:  # capturing: no host value, mask on the device
         end = off64[-1] if off64.numel() else off64.new_zeros(())
         rows = torch.arange(t.shape[0], device=t.device)
