@@ -6,6 +6,7 @@
 #   conf      conformance (fixed cases and 25 fuzz examples a row) of the swiglu ops and grouped_mm on cuda
 #   autoep    autoep_gpu.py: the 8 rows, AutoEP's default path vs HF eager / HF grouped_mm, and AutoEP forced
 #             onto the fused builders (the 'fused' columns) -> autoep.json
+#   rows32k   autoep_gpu.py on the two E=8, 32k-token rows only (top-2 and top-8), 10 timed steps
 #   profile8  autoep_profile.py on the k=E row (E=8, 32k tokens, top-8): where AutoEP's device time goes
 #   host4k    autoep_profile.py --host on the two host-bound rows (4k tokens, top-2, E=8 and 64), HF beside
 #   experts   moe_experts_gpu.py: the fused builders (forced by override) vs the unfused chain, expert MLP alone
@@ -31,6 +32,7 @@ for step in "$@"; do
     conf) run conf 150 polyaccel conformance --accelerator cuda --fuzz --fuzz-examples 25 -k "swiglu or grouped_mm" \
             --json "$OUT/conf.json" ;;
     autoep) (cd benchmarks && run autoep 330 python3 autoep_gpu.py --steps "$STEPS" --out "$OUT/autoep.json") ;;
+    rows32k) (cd benchmarks && run rows32k 150 python3 autoep_gpu.py --experts 8 --tokens 32768 --topk 2 8 --steps 10) ;;
     profile8) (cd benchmarks && TAIL=45 run profile8 90 python3 autoep_profile.py --experts 8 --tokens 32768 --topk 8) ;;
     host4k) (cd benchmarks && for e in 8 64; do
                TAIL=90 run "host4k_e$e" 90 python3 autoep_profile.py --experts "$e" --tokens 4096 --topk 2 --hf --host \

@@ -2,7 +2,7 @@
 # One device call for the ZeRO benchmarks: install polyaccel (and DeepSpeed from .wheels when
 # present), then run each named step under its own time limit, logging to OUTDIR/<step>.log.
 #   bash benchmarks/zero_device_run.sh OUTDIR STEP...
-# Steps: peers220m peers1b iso220m iso3r isooff phases2 overlap2 overlap1 memory memoff memsnap overlap3 profile1 profile3
+# Steps: overlap1w peers220m peers1b iso220m iso3r isooff phases2 overlap2 overlap1 memory memoff memsnap overlap3 profile1 profile3
 #        profile3b profile3o profile3g verify
 #        ckpt largest host w1 w1b iso1b
 set -u
@@ -41,6 +41,7 @@ for step in "$@"; do
     profile1) run profile1 python3 zero_profile.py --stage 1 ;;
     profile3b) run profile3b python3 zero_profile.py --stage 3 --size 1b --rows 25 ;;
     overlap1) run overlap1 python3 zero_offload_phases.py --stage 1 --overlap ;;
+    overlap1w) run overlap1w python3 zero_offload_phases.py --stage 1 --overlap --worker-threads 12 ;;
     verify) run verify python3 verify_cuda.py --skip-large --out "$OUT/verify.json" ;;
     profile3g) run profile3g python3 zero_profile.py --stage 3 --granularity 60000000 ;;
     ckpt) run ckpt python3 activation_checkpoint_gpu.py --out "$OUT/ckpt.json" ;;

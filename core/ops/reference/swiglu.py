@@ -27,17 +27,20 @@ def halves_of(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """The contiguous ``[N, 2F]`` tensor whose ``chunk(2, -1)`` gave ``gate`` and ``up``; None if they are not.
 
     A swiglu builder may return its two gradients this way (the halves of one new tensor), and a
-    caller that split ``h`` may then hand back the whole gradient without concatenating.
+    caller that split ``h`` may then hand back the whole gradient without concatenating. Found
+    from the layout alone (``up`` starts F elements after ``gate`` in one storage, rows 2F apart),
+    so a split of a view (``h.view(N, 2F)`` of a wider projection) counts too; the tensor returned
+    views that storage.
     """
-    base = gate._base
-    if gate.dim() != 2 or base is None or up._base is not base or base.dim() != 2 or not base.is_contiguous():
+    if gate.dim() != 2 or gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
         return None
-    F = gate.shape[1]
-    if base.shape[1] != 2 * F or gate.shape != up.shape or gate.shape[0] != base.shape[0]:
+    N, F = gate.shape
+    if not F or gate.stride() != (2 * F, 1) or up.stride() != (2 * F, 1):
         return None
-    if gate.data_ptr() != base.data_ptr() or up.data_ptr() != base.data_ptr() + F * base.element_size():
+    if (gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+            or up.data_ptr() != gate.data_ptr() + F * gate.element_size()):
         return None
-    return base
+    return gate.as_strided((N, 2 * F), (2 * F, 1))
 
 
 def check_swiglu_args(gate: torch.Tensor, up: torch.Tensor) -> None:

@@ -254,3 +254,19 @@ def test_weighted_mismatched_inputs_raise():
         ks.weighted_swiglu_forward(torch.randn(24), torch.randn(24), torch.rand(24))
     with pytest.raises(ValueError, match="grad_out"):
         ks.weighted_swiglu_backward(torch.randn(4, 5), gate, up, torch.rand(4), True)
+
+
+def test_the_split_of_a_view_of_a_wider_projection_counts_as_halves_of_one_tensor():
+    """AutoEP's dense experts split ``gu.view(T * E, 2F)`` of a ``[T, E * 2F]`` product: its gradient must
+    still come back as one tensor (no concatenation), found from the layout, not from ``_base``."""
+    gu = torch.randn(3, 4 * 2 * 5)  # T=3, E=4, F=5
+    gate, up = gu.view(12, 10).chunk(2, dim=-1)
+    whole = halves_of(gate, up)
+    assert whole is not None and whole.shape == (12, 10) and torch.equal(whole, gu.view(12, 10))
+    weights = torch.rand(12) + 0.5
+    d_gate, d_up, _ = ks.weighted_swiglu_backward(torch.randn(12, 5), gate, up, weights, True)
+    assert halves_of(d_gate, d_up) is not None
+    # not halves: the wrong order, a wider row, two tensors
+    assert halves_of(up, gate) is None
+    assert halves_of(*torch.randn(4, 15)[:, :10].chunk(2, dim=-1)) is None
+    assert halves_of(gate.contiguous(), up.contiguous()) is None
