@@ -9,9 +9,11 @@ the whole list.
 * ``fused_adam``: torch's fused kernel for each group of tensors that share one dtype
   (it needs params, grads and states of equal dtype and always applies bias correction;
   it pairs the operands of an entry by memory position, so entries whose operands differ
-  in layout run on dense copies, :mod:`polyaccel.ops.layout`);
-  everything else (16-bit params with fp32 states, ``bias_correction=False``, a device
-  type without the fused kernel) takes the foreach path.
+  in layout run on dense copies, :mod:`polyaccel.ops.layout`); a contiguous entry whose
+  gradient alone is 16-bit (an fp32 master stepped with the compute dtype's gradient) runs
+  the same kernel on the gradient upcast a piece at a time into a small buffer; everything
+  else (16-bit params with fp32 states, ``bias_correction=False``, a device type without
+  the fused kernel) takes the foreach path.
 * ``fused_lion`` / ``fused_lamb``: :func:`foreach_lion` / :func:`foreach_lamb`, on foreach ops;
   :func:`foreach_builders` makes a backend's builders for them.
 
@@ -32,6 +34,9 @@ from .registry import OpBuilder
 
 #: the lists of (params, grads, exp_avgs, exp_avg_sqs) an Adam step writes
 ADAM_WRITTEN = frozenset((0, 2, 3))
+#: elements of a 16-bit gradient upcast at a time for the fused kernel: the foreach path for such an entry
+#: ran 5x slower than the fused kernel on the CPU, the upcast pieces 1.3x (20M elements, 2 cores)
+UPCAST_PIECE = 1 << 20
 
 
 def fused_kernel_support(device_type: str) -> tuple[bool, str]:
@@ -90,26 +95,50 @@ def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, w
         return
     fused_ok = bias_correction and fused_kernel_support(params[0].device.type)[0]
     by_dtype: dict[torch.dtype, list[int]] = {}
+    upcast: list[int] = []
     other: list[int] = []
     for i, group in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         if fused_ok and all(t.dtype == group[0].dtype for t in group):
             by_dtype.setdefault(group[0].dtype, []).append(i)
+        elif fused_ok and _upcast_fits(*group):
+            upcast.append(i)
         else:
             other.append(i)
     kernel = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     for idx in by_dtype.values():
         steps = [_step_tensor(step, params[idx[0]].device)] * len(idx)
         # the fused kernel pairs operands by memory position: entries whose layouts differ run on dense copies
         staged = layout.stage(tuple([lst[i] for i in idx] for lst in (params, grads, exp_avgs, exp_avg_sqs)),
                               ADAM_WRITTEN)
-        kernel(*staged.lists, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        kernel(*staged.lists, [], steps, **hyper)
         staged.copy_back()
+    for i in upcast:
+        _fused_on_upcast_pieces(kernel, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], step, hyper)
     if other:
         pick = lambda lst: [lst[i] for i in other]  # noqa: E731
         foreach_adam(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), lr=lr, beta1=beta1,
                      beta2=beta2, eps=eps, weight_decay=weight_decay, step=_step_float(step),
                      adam_w_mode=adam_w_mode, bias_correction=bias_correction)
+
+
+def _upcast_fits(p, g, m, v) -> bool:
+    """An fp32/fp64 entry whose gradient alone is narrower, every operand dense: upcast pieces of it."""
+    return (p.dtype == m.dtype == v.dtype and g.dtype.itemsize < p.dtype.itemsize and g.is_floating_point()
+            and all(t.is_contiguous() for t in (p, g, m, v)))
+
+
+def _fused_on_upcast_pieces(kernel, p, g, m, v, step, hyper) -> None:
+    """The fused kernel on ``UPCAST_PIECE`` elements at a time, each piece's gradient upcast into one buffer
+    (exact: every 16-bit value is a value of the wider dtype)."""
+    p, g, m, v = (t.view(-1) for t in (p, g, m, v))
+    n = p.numel()
+    steps = [_step_tensor(step, p.device)]
+    buf = torch.empty(min(n, UPCAST_PIECE), dtype=p.dtype, device=p.device)
+    for lo in range(0, n, UPCAST_PIECE):
+        hi = min(n, lo + UPCAST_PIECE)
+        piece = buf[:hi - lo].copy_(g[lo:hi])
+        kernel([p[lo:hi]], [piece], [m[lo:hi]], [v[lo:hi]], [], steps, **hyper)
 
 
 def foreach_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
