@@ -38,10 +38,11 @@ from dataclasses import asdict, dataclass, field
 
 SYSTEMS = ("polyaccel", "fsdp2", "deepspeed")
 #: bytes per parameter each system keeps on the host (offloaded parameters and optimizer, bf16 training):
-#: polyaccel: fp32 master 4 + Adam 8 + fp32 gradient 4 + the bf16 parameter's host home 2;
+#: polyaccel: fp32 master 4 + Adam 8 + bf16 gradient 2 (fp32, 4, where it accumulates or a clipped step scales
+#: it) + the bf16 parameter's host home 2;
 #: FSDP2 + CPUOffloadPolicy: fp32 sharded parameter 4 (its master) + fp32 gradient 4 + Adam 8;
 #: DeepSpeed ZeRO-3 offload: bf16 parameter 2 + fp32 master 4 + Adam 8 + fp32 gradient 4.
-HOST_BYTES = {"polyaccel": 18, "fsdp2": 16, "deepspeed": 18}
+HOST_BYTES = {"polyaccel": 16, "fsdp2": 16, "deepspeed": 18}
 VOCAB = 32000
 
 

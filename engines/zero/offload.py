@@ -80,7 +80,7 @@ class HostTransfer:
 
     It also keeps, per destination buffer, the squared norm of what was written there since
     :meth:`reset_norms`, computed where the data is before it is copied (so an offloaded step never
-    reduces the whole fp32 gradient on the host) — exact only while every write was fresh."""
+    reduces the whole gradient on the host) — exact only while every write was fresh."""
 
     def __init__(self, host: HostBuffers, accelerator, device: torch.device):
         self.host = host

@@ -45,7 +45,7 @@ def test_llama_params_match_the_hf_model():
     model = zero_largest.build_model(2, 128, 16, __import__("torch").float32)
     assert sum(p.numel() for p in model.parameters()) == zero_largest.llama_params(2, 128)
     per_layer = zero_largest.llama_params(1, 4096) - zero_largest.llama_params(0, 4096)
-    assert zero_largest.predicted_layers("polyaccel", 4096, 18 * (zero_largest.llama_params(0, 4096)
+    assert zero_largest.predicted_layers("polyaccel", 4096, 16 * (zero_largest.llama_params(0, 4096)
                                                                   + 10 * per_layer)) == 10
 
 

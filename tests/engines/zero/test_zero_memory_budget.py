@@ -4,8 +4,9 @@ bf16 with AdamW, one micro-step, optimizer on the device: between steps 2 bytes 
 parameter, 4 of fp32 master and 8 of moments = 14 bytes per parameter, nothing more (12 at
 stage 3, whose gathers cast the master: no 16-bit shard is kept). The gradient partition exists
 from the first reduced bucket to the step and holds the compute dtype (reduced 16-bit buckets,
-never accumulated: an fp32 copy would add bytes and no precision). Accumulation, loss scaling
-or offload keep an fp32 gradient partition.
+never accumulated: an fp32 copy would add bytes and no precision), on the host too when the
+optimizer is offloaded. Accumulation, loss scaling, or clipping of an offloaded step keep an fp32
+gradient partition.
 """
 
 from __future__ import annotations
@@ -70,12 +71,32 @@ def test_bf16_adamw_keeps_fourteen_bytes_per_parameter_between_steps_twelve_at_s
 
 @pytest.mark.parametrize("extra", [{"gradient_accumulation_steps": 2},
                                    {"bf16": {"enabled": False}, "fp16": {"enabled": True}},
-                                   {"zero": {"offload_optimizer": {"device": "cpu"}}}],
-                         ids=["accumulation", "fp16", "offload"])
-def test_fp32_gradient_partition_where_it_accumulates_or_lives_on_the_host(extra):
+                                   {"zero": {"offload_optimizer": {"device": "cpu"}}, "gradient_clipping": 1.0}],
+                         ids=["accumulation", "fp16", "offload-clipped"])
+def test_fp32_gradient_partition_where_it_accumulates_or_an_offloaded_step_scales_it(extra):
     engine = polyaccel.initialize(build_model("llama", torch.float32, edge=False), _config(2, **copy.deepcopy(extra)))
     assert engine.partitioner.grad.dtype == torch.float32
     engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_sixteen_bit_gradient_partition_steps_exactly_like_the_device_one(stage):
+    """The offloaded optimizer keeps the 16-bit gradient on the host (2 bytes a parameter, not 4) and its step
+    gives bit for bit the weights of the same step on the device."""
+    runs = []
+    for offload in (False, True):
+        zero = {"offload_optimizer": {"device": "cpu", "overlap_step": False}} if offload else {}
+        engine = polyaccel.initialize(build_model("llama", torch.float32, seed=5, edge=False),
+                                      _config(stage, zero=zero))
+        try:
+            for step in range(3):
+                engine.backward(lm_loss(engine, _ids(200 + step)))
+                engine.step()
+            assert engine.partitioner.grad.dtype == torch.bfloat16
+            runs.append(engine.partitioner.master.detach().clone())  # (stage 3 releases the parameters)
+        finally:
+            engine.destroy()
+    assert runs[0].numel() > 3000 and torch.equal(*runs)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
