@@ -79,13 +79,13 @@ def test_fp32_gradient_partition_where_it_accumulates_or_an_offloaded_step_scale
     engine.destroy()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_offloaded_sixteen_bit_gradient_partition_steps_exactly_like_the_device_one(stage):
+@pytest.mark.parametrize("stage,overlap", [(1, False), (2, False), (2, True), (3, False), (3, True)])
+def test_offloaded_sixteen_bit_gradient_partition_steps_exactly_like_the_device_one(stage, overlap):
     """The offloaded optimizer keeps the 16-bit gradient on the host (2 bytes a parameter, not 4) and its step
-    gives bit for bit the weights of the same step on the device."""
+    (after backward, or bucket by bucket during it) gives bit for bit the weights of the step on the device."""
     runs = []
     for offload in (False, True):
-        zero = {"offload_optimizer": {"device": "cpu", "overlap_step": False}} if offload else {}
+        zero = {"offload_optimizer": {"device": "cpu", "overlap_step": overlap}} if offload else {}
         engine = polyaccel.initialize(build_model("llama", torch.float32, seed=5, edge=False),
                                       _config(stage, zero=zero))
         try:
