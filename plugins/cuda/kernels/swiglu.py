@@ -84,6 +84,18 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t, (t.stride(0) if t.dim() == 2 else _cols(t))
 
 
+def _gradients_like(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(d_gate, d_up, their row stride): the two halves of one new ``[N, 2F]`` tensor when ``gate`` and ``up``
+    are the halves of one (``halves_of``), else two contiguous tensors."""
+    h = halves_of(gate, up)
+    if h is not None:
+        d_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        d_gate, d_up = d_h.chunk(2, dim=-1)
+        return d_gate, d_up, d_h.stride(0)
+    d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    return d_gate, torch.empty(up.shape, dtype=up.dtype, device=up.device), _cols(gate)
+
+
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, *, block: int = BLOCK, num_warps: int = NUM_WARPS):
     """``silu(gate) * up`` in one kernel (a contiguous result; see :func:`_rows` for the input layouts)."""
     check_swiglu_args(gate, up)
@@ -109,15 +121,7 @@ def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
         raise OpArgumentError(f"swiglu backward: grad_out {tuple(grad_out.shape)} does not match gate "
                          f"{tuple(gate.shape)}")
     grad_out = grad_out.contiguous()
-    h = halves_of(gate, up)
-    if h is not None:
-        d_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-        d_gate, d_up = d_h.chunk(2, dim=-1)
-        d_stride = d_h.stride(0)
-    else:
-        d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-        d_stride = _cols(gate)
+    d_gate, d_up, d_stride = _gradients_like(gate, up)
     (gate, gs), (up, us) = _rows(gate), _rows(up)
     n = gate.numel()
     if n:
@@ -200,15 +204,7 @@ def weighted_swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: tor
                               f"{tuple(gate.shape)}")
     grad_out = grad_out.contiguous()
     N, F = gate.shape
-    h = halves_of(gate, up)
-    if h is not None:
-        d_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-        d_gate, d_up = d_h.chunk(2, dim=-1)
-        d_stride = d_h.stride(0)
-    else:
-        d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-        d_stride = F
+    d_gate, d_up, d_stride = _gradients_like(gate, up)
     d_w = None
     if need_d_weights:
         # F == 0 launches nothing: each row's sum is then the empty sum
