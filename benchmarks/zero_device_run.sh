@@ -2,7 +2,7 @@
 # One device call for the ZeRO benchmarks: install polyaccel (and DeepSpeed from .wheels when
 # present), then run each named step under its own time limit, logging to OUTDIR/<step>.log.
 #   bash benchmarks/zero_device_run.sh OUTDIR STEP...
-# Steps: overlap1w peers220m peers1b iso220m iso3r isooff phases2 overlap2 overlap1 memory memoff memsnap overlap3 profile1 profile3
+# Steps: peers220m peers1b iso220m iso3r isooff phases2 overlap2 overlap1 overlap1w memory memoff memsnap overlap3 profile1 profile3
 #        profile3b profile3o profile3g verify
 #        ckpt largest host w1 w1b iso1b
 set -u
