@@ -4,7 +4,7 @@
 #   bash benchmarks/zero_device_run.sh OUTDIR STEP...
 # Steps: peers220m peers1b iso220m iso3r isooff phases2 overlap2 overlap1 overlap1w memory memoff memsnap overlap3 profile1 profile3
 #        profile3b profile3o profile3g verify
-#        ckpt largest host w1 w1b iso1b
+#        ckpt largest largestpa largestds host w1 w1b iso1b
 set -u
 OUT=${1:?usage: zero_device_run.sh OUTDIR STEP...}
 shift
@@ -46,6 +46,10 @@ for step in "$@"; do
     profile3g) run profile3g python3 zero_profile.py --stage 3 --granularity 60000000 ;;
     ckpt) run ckpt python3 activation_checkpoint_gpu.py --out "$OUT/ckpt.json" ;;
     largest) run largest python3 zero_largest.py --budget $((LIMIT - 15)) --out "$OUT/largest.json" ;;
+    largestpa) run largestpa python3 zero_largest.py --systems polyaccel --start 34 --budget $((LIMIT - 15)) \
+                 --out "$OUT/largestpa.json" ;;
+    largestds) run largestds python3 zero_largest.py --systems deepspeed --start 30 --budget $((LIMIT - 15)) \
+                 --trial-timeout $((LIMIT - 20)) --out "$OUT/largestds.json" ;;
     host) for s in 1 3; do run host$s python3 zero_host.py --stage $s --steps 3 --rows 12 --trace "$OUT/trace$s.json.gz"; done ;;
     w1) run w1 python3 zero_gpu.py --isolate --rounds 3 --only "=stage 1,=stage 3" --no-granular --peers '' --steps 8 \
           --out "$OUT/w1.json" ;;
