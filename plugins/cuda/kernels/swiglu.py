@@ -1,6 +1,7 @@
 """Triton SwiGLU: ``silu(gate) * up`` with a fused forward and a fused backward kernel.
 
-Both kernels are one pass over the elements (math in fp32, results stored in the input dtype),
+Both kernels are one pass over the elements (math in fp32, the forward's in fp64 for fp64 inputs;
+results stored in the input dtype),
 with 64-bit program ids and offsets so tensors past 2**31 elements work. Inputs are read as rows
 with a row stride, so ``gate`` and ``up`` may be the two halves of one ``[N, 2F]`` projection
 (``h.chunk(2, -1)``) without a copy; the backward then writes its two gradients as the halves of
@@ -9,10 +10,10 @@ and writes out (3 tensor passes); the backward reads grad_out, gate and up and w
 and d_up (5 passes), recomputing the sigmoid instead of storing it. :data:`swiglu` is the
 autograd-aware op built with the reference ``make_swiglu``.
 
-The weighted kernels (:data:`weighted_swiglu`) also scale each row by its weight, so a MoE layer
-whose every token goes to every expert applies the router weights here without a pass of their
-own; their backward runs one program per row, which also sums that row's weight gradient (math
-in fp32, fp64 for fp64 inputs).
+:data:`weighted_swiglu` also scales each row by its weight, so a MoE layer whose every token goes
+to every expert applies the router weights here without a pass of their own: the same forward
+kernel with the weights loaded, and a backward of its own that runs one program per row and also
+sums that row's weight gradient (math in fp32, fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
@@ -38,13 +39,16 @@ ROW_NUM_WARPS = 4
 
 
 @triton.jit
-def _swiglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, n, cols, g_stride, u_stride, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(gate_ptr, up_ptr, w_ptr, out_ptr, n, cols, g_stride, u_stride, HAS_W: tl.constexpr,
+                       ACC: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < n
     row, col = offs // cols, offs % cols
-    g = tl.load(gate_ptr + row * g_stride + col, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + row * u_stride + col, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + row * g_stride + col, mask=mask, other=0.0).to(ACC)
+    u = tl.load(up_ptr + row * u_stride + col, mask=mask, other=0.0).to(ACC)
     out = g * tl.sigmoid(g) * u
+    if HAS_W:  # weighted_swiglu: the row's weight
+        out = out * tl.load(w_ptr + row, mask=mask, other=0.0).to(ACC)
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -63,6 +67,11 @@ def _swiglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, n, cols
     d_up = go * silu
     tl.store(d_gate_ptr + row * d_stride + col, d_gate.to(d_gate_ptr.dtype.element_ty), mask=mask)
     tl.store(d_up_ptr + row * d_stride + col, d_up.to(d_up_ptr.dtype.element_ty), mask=mask)
+
+
+def _acc(dtype: torch.dtype):
+    """The math dtype: fp64 for fp64 inputs, else fp32."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 def _grid(n: int, block: int):
@@ -99,12 +108,18 @@ def _gradients_like(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor,
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, *, block: int = BLOCK, num_warps: int = NUM_WARPS):
     """``silu(gate) * up`` in one kernel (a contiguous result; see :func:`_rows` for the input layouts)."""
     check_swiglu_args(gate, up)
+    return _forward(gate, up, None, block, num_warps)
+
+
+def _forward(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, block: int, num_warps: int):
+    """The forward kernel of both ops (``weights`` None: plain swiglu)."""
     (gate, gs), (up, us) = _rows(gate), _rows(up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
     if n:
-        _swiglu_fwd_kernel[_grid(n, block)](gate, up, out, n, _cols(gate), gs, us, BLOCK=block,
-                                            num_warps=num_warps)
+        w = gate if weights is None else weights.contiguous()  # (not read without weights)
+        _swiglu_fwd_kernel[_grid(n, block)](gate, up, w, out, n, _cols(gate), gs, us, HAS_W=weights is not None,
+                                            ACC=_acc(gate.dtype), BLOCK=block, num_warps=num_warps)
     return out
 
 
@@ -136,19 +151,6 @@ swiglu = make_swiglu(swiglu_forward, swiglu_backward)
 
 # ------------------------------------------------------------------------- weighted_swiglu
 @triton.jit
-def _weighted_swiglu_fwd_kernel(gate_ptr, up_ptr, w_ptr, out_ptr, n, cols, g_stride, u_stride, ACC: tl.constexpr,
-                                BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < n
-    row, col = offs // cols, offs % cols
-    g = tl.load(gate_ptr + row * g_stride + col, mask=mask, other=0.0).to(ACC)
-    u = tl.load(up_ptr + row * u_stride + col, mask=mask, other=0.0).to(ACC)
-    w = tl.load(w_ptr + row, mask=mask, other=0.0).to(ACC)
-    out = g * tl.sigmoid(g) * u * w
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _weighted_swiglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, w_ptr, d_gate_ptr, d_up_ptr, d_w_ptr, F, g_stride,
                                 u_stride, d_stride, HAS_DW: tl.constexpr, ACC: tl.constexpr,
                                 BLOCK_F: tl.constexpr):
@@ -174,21 +176,11 @@ def _weighted_swiglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, w_ptr, d_gate_ptr, d
         tl.store(d_w_ptr + row, tl.sum(dot, axis=0).to(d_w_ptr.dtype.element_ty))
 
 
-def _acc(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def weighted_swiglu_forward(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, *, block: int = BLOCK,
                             num_warps: int = NUM_WARPS):
     """``silu(gate) * up * weights[:, None]`` in one kernel (a contiguous result; inputs as for swiglu)."""
     check_weighted_swiglu_args(gate, up, weights)
-    (gate, gs), (up, us) = _rows(gate), _rows(up)
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    n = gate.numel()
-    if n:
-        _weighted_swiglu_fwd_kernel[_grid(n, block)](gate, up, weights.contiguous(), out, n, gate.shape[1], gs, us,
-                                                     ACC=_acc(gate.dtype), BLOCK=block, num_warps=num_warps)
-    return out
+    return _forward(gate, up, weights, block, num_warps)
 
 
 def weighted_swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor,
