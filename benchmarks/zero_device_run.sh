@@ -4,7 +4,7 @@
 #   bash benchmarks/zero_device_run.sh OUTDIR STEP...
 # Steps: peers220m peers1b iso220m iso3r isooff phases2 overlap2 overlap1 overlap1w memory memoff memsnap overlap3 profile1 profile3
 #        profile3b profile3o profile3g verify
-#        ckpt largest largestpa largestds host w1 w1b iso1b
+#        ckpt largest largestpa largestds host w1 w1b iso1b off220 off1b
 set -u
 OUT=${1:?usage: zero_device_run.sh OUTDIR STEP...}
 shift
@@ -57,6 +57,11 @@ for step in "$@"; do
            --peers fsdp2 --steps 5 --out "$OUT/w1b.json" ;;
     iso1b) run iso1b python3 zero_gpu.py --isolate --rounds 2 --size 1b --only "stage 3" --no-granular --peers fsdp2 \
              --steps 5 --out "$OUT/iso1b.json" ;;
+    off220) run off220 python3 zero_gpu.py --isolate --rounds 1 --no-granular --peers '' --steps 6 \
+              --only "=stage 1,=stage 2,=stage 1 + offload_optimizer,=stage 2 + offload_optimizer" --out "$OUT/off220.json" ;;
+    off1b) run off1b python3 zero_gpu.py --isolate --size 1b --no-granular --peers fsdp2 --steps 4 \
+             --only "=stage 1,=stage 1 + offload_optimizer,=stage 3 + offload_optimizer + offload_param" \
+             --out "$OUT/off1b.json" ;;
     *) echo "unknown step $step" ;;
   esac
 done
