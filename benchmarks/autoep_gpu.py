@@ -14,7 +14,11 @@ hidden H, expert width F, random bf16 weights) is built once; AutoEP is applied 
   default (the fused expert ops ``moe_gate_up`` / ``moe_down_combine`` only where the registry
   chooses a plugin's builder of them; the cuda plugin's rank below the reference, so on a GPU
   the default is the unfused ops) and AutoEP forced onto the fused ops (``fused`` columns:
-  ``fused_experts=True`` with the registry overridden to the plugin's fused builders);
+  ``fused_experts=True`` with the registry overridden to the plugin's fused builders) and AutoEP
+  with ``capture_graphs`` (``graphs`` columns: the routed experts replayed from device graphs,
+  where the accelerator has graphs; the memory the graphs hold between steps is reported
+  beside the step's peak, and the max |difference| of one step's output and expert gradients
+  against the eager AutoEP layer);
 - peak memory of one forward + backward (where the accelerator reports memory statistics);
 - max |AutoEP - HF eager| of the forward output, and the output's max |value| for scale;
 - the expert GEMMs alone: AutoEP's two ``polyaccel.ops.grouped_mm`` calls (the builder the
@@ -85,14 +89,15 @@ def hf_block(E: int, k: int, H: int, F: int, impl: str, device, seed: int = 0):
     return block.to(device=device, dtype=torch.bfloat16)
 
 
-def autoep_block(block, fused: bool | None = None):
-    """AutoEP on a copy of ``block``; ``fused`` sets ``fused_experts`` (None: the fused ops where provided)."""
+def autoep_block(block, fused: bool | None = None, graphs: bool = False):
+    """AutoEP on a copy of ``block``; ``fused`` sets ``fused_experts`` (None: the fused ops where provided),
+    ``graphs`` sets ``capture_graphs``."""
     from polyaccel.engines.autoep import apply_autoep
 
     holder = torch.nn.Module()
     holder.config = None
     holder.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": copy.deepcopy(block)})])
-    apply_autoep(holder, {"preset_model": "mixtral"})
+    apply_autoep(holder, {"preset_model": "mixtral", "capture_graphs": graphs})
     ep = holder.layers[0]["mlp"]
     ep.fused_experts = fused
     return ep
@@ -147,6 +152,33 @@ def train_step(block, x, g):
         out = out[0] if isinstance(out, tuple) else out
         (out.float() * g).sum().backward()
     return fn
+
+
+def graphs_check(graphed, eager, x, g, acc) -> dict:
+    """Capture ``graphed`` (one warm step), then one step of each on the same input: max |diff| of the output and
+    of the expert gradients, and the device memory the graphs hold (allocated by the capture, gradients aside)."""
+    params = list(graphed.parameters())
+    acc.synchronize()
+    before = acc.memory_allocated() if acc.has("memory_stats") else None
+    train_step(graphed, x, g)()
+    acc.synchronize()
+    held = None
+    if before is not None:
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        held = acc.memory_allocated() - before - grads
+    outs = []
+    for block in (graphed, eager):
+        for p in block.parameters():
+            p.grad = None
+        xx = x.detach().requires_grad_(True)
+        out = block(xx)
+        out = out[0] if isinstance(out, tuple) else out
+        (out.float() * g).sum().backward()
+        outs.append((out.detach().float(), [p.grad.float() for p in block.local_experts.parameters()]))
+    (yg, gg), (ye, ge) = outs
+    return {"graphs_max_abs_diff": float((yg - ye).abs().max()),
+            "graphs_grad_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(gg, ge, strict=True)),
+            "graphs_held_bytes": held, "graphs_stats": dict(graphed._graphs.stats)}
 
 
 def gemm_rates(ep_block, x, acc, steps):
@@ -229,6 +261,9 @@ def run_case(E, T, k, args, acc, device) -> dict:
     row["max_abs_out"] = float(want.float().abs().max())
     row["fused"] = ours._uses_fused(x)
     impls = {"hf_eager": eager, "autoep": ours, "autoep_fused": fused}
+    if acc.has("graphs"):
+        impls["autoep_graphs"] = autoep_block(eager, graphs=True)
+        row.update(graphs_check(impls["autoep_graphs"], ours, x, grad, acc))
     try:
         hf_gm = hf_block(E, k, H, F, "grouped_mm", device)
         with torch.no_grad():
@@ -246,6 +281,10 @@ def run_case(E, T, k, args, acc, device) -> dict:
     row["fused_vs_hf_eager"] = row["autoep_fused_tokens_per_s"] / row["hf_eager_tokens_per_s"]
     if "hf_grouped_mm_tokens_per_s" in row:
         row["speedup_vs_hf_grouped_mm"] = row["autoep_tokens_per_s"] / row["hf_grouped_mm_tokens_per_s"]
+    if "autoep_graphs_tokens_per_s" in row:
+        row["graphs_vs_hf_eager"] = row["autoep_graphs_tokens_per_s"] / row["hf_eager_tokens_per_s"]
+        if "hf_grouped_mm_tokens_per_s" in row:
+            row["graphs_vs_hf_grouped_mm"] = row["autoep_graphs_tokens_per_s"] / row["hf_grouped_mm_tokens_per_s"]
     ours_tf, torch_tf, builder, fused_tf = gemm_rates(ours, x, acc, args.steps)
     row.update(gemm_builder=builder, gemm_tflops=ours_tf, torch_grouped_mm_tflops=torch_tf,
                gemm_fraction=(ours_tf / torch_tf) if (ours_tf and torch_tf) else None, fused_tflops=fused_tf,
@@ -306,6 +345,14 @@ def main(argv=None) -> list[dict]:
                       f"{r['fused_vs_hf_eager']:>6.2f}x {mb(r['autoep_fused_peak_bytes']):>11} "
                       f"{r['fused_max_abs_diff']:>10.2e}" + ("  (default path: fused)" if r["fused"] else ""),
                       flush=True)
+                if "autoep_graphs_tokens_per_s" in r:
+                    print(f"{'':>13}| graphs: {r['autoep_graphs_tokens_per_s']:>13,.0f} tok/s, "
+                          f"{r['graphs_vs_hf_eager']:.2f}x eager, "
+                          f"{_fmt(r.get('graphs_vs_hf_grouped_mm'), '.2f')}x gmm, "
+                          f"peak {mb(r['autoep_graphs_peak_bytes'])} MB + held {mb(r['graphs_held_bytes'])} MB, "
+                          f"|diff| out {r['graphs_max_abs_diff']:.2e} "
+                          f"expert grads {r['graphs_grad_max_abs_diff']:.2e}, "
+                          f"{r['graphs_stats']}", flush=True)
                 if args.out:  # after every row: a run cut short keeps what it measured
                     with open(args.out, "w") as f:
                         json.dump(rows, f, indent=1)
@@ -314,6 +361,10 @@ def main(argv=None) -> list[dict]:
         print(f"expert GEMMs ran on {', '.join(map(repr, builders))}; targets: >= 2x HF eager "
               "tokens/s, GEMM fraction >= 0.80 of torch._grouped_mm")
         gm = [r["speedup_vs_hf_grouped_mm"] for r in rows if "speedup_vs_hf_grouped_mm" in r]
+        gg = [r["graphs_vs_hf_grouped_mm"] for r in rows if "graphs_vs_hf_grouped_mm" in r]
+        if gg:
+            print(f"AutoEP with capture_graphs: min x HF grouped_mm {min(gg):.2f}, min x HF eager "
+                  f"{min(r['graphs_vs_hf_eager'] for r in rows if 'graphs_vs_hf_eager' in r):.2f}")
         print(f"AutoEP (default path) min x HF grouped_mm {min(gm):.2f} (target >= 1.3); "
               f"fused path / default path {min(r['fused_vs_default'] for r in rows):.2f}-"
               f"{max(r['fused_vs_default'] for r in rows):.2f}" if gm else "no HF grouped_mm rows")

@@ -72,6 +72,8 @@ class AutoEPConfig:
     top_k_attr: str | None = None  # model.config attribute with top-k
     shared_expert_pattern: str | None = None  # child name of the shared expert(s)
     shared_expert_gate_pattern: str | None = None  # child name of the shared expert's sigmoid gate
+    #: replay each layer's routed experts from device graphs (ep 1; engines/autoep/graphed.py)
+    capture_graphs: bool = False
 
 
 def _int(key: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
@@ -141,6 +143,14 @@ def _regex(key: str, value: Any) -> str | None:
     return pattern
 
 
+def _check_graphs(out: dict[str, Any]) -> None:
+    """Graphs fix every size on the path; an all-to-all's row counts change every step."""
+    if out.get("capture_graphs") and out.get("autoep_size", 1) > 1:
+        raise ConfigError(f"config key '{SECTION}.capture_graphs' needs '{SECTION}.autoep_size' 1 (it is "
+                          f"{out['autoep_size']}): a device graph fixes the rows each expert rank receives, which the "
+                          "all-to-all changes every step")
+
+
 def _check_expert_groups(out: dict[str, Any]) -> None:
     """Group-limited routing needs both of its keys, and picks from no more groups than there are."""
     groups, limited = out.get("num_expert_groups"), out.get("num_limited_groups")
@@ -168,7 +178,7 @@ _optional_positive_int = partial(_int, minimum=1, allow_none=True)
 #: then the check across that part's keys. parse_config checks the parts and their keys in this order.
 _SCHEMA: tuple[tuple[dict[str, _Validator], Callable[[dict[str, Any]], None] | None], ...] = (
     ({"enabled": _flag, "autoep_size": _positive_int,
-      "expert_tensor_parallel_size": _expert_tensor_parallel_size}, None),
+      "expert_tensor_parallel_size": _expert_tensor_parallel_size, "capture_graphs": _flag}, _check_graphs),
     ({"preset_model": _preset_name, "top_k": _optional_positive_int,
       "score_func": partial(_choice, allowed=SCORE_FUNCS), "score_apply": partial(_choice, allowed=SCORE_APPLY),
       "group_score": partial(_choice, allowed=GROUP_SCORES), "route_norm": _optional_flag,

@@ -54,6 +54,7 @@ def convert(model: torch.nn.Module, plan: EPPlan, *, group=None, ep_rank: int = 
                         kids.get(spec.shared_name) if spec.shared_name else None,
                         kids.get(spec.shared_gate_name) if spec.shared_gate_name else None,
                         group=group, ep_size=ep, ep_rank=ep_rank)
+        new.capture_graphs = plan.capture_graphs
         new.train(block.training)
         parent_name, _, child = spec.name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

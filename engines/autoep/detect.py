@@ -78,6 +78,7 @@ class EPPlan:
     layers: list[MoELayerSpec]
     dense: list[tuple[str, str]] = field(default_factory=list)  # (name, class) left alone
     expert_data: int | None = None  # replicas of each expert shard (None: not on a mesh)
+    capture_graphs: bool = False  # the layers replay their routed experts from device graphs
 
     def expert_range(self, layer: MoELayerSpec, rank: int) -> range:
         return layer.experts_of(self.ep_size, rank)
@@ -95,6 +96,8 @@ class EPPlan:
         mesh = f"ep={self.ep_size}"
         if self.expert_data is not None:
             mesh += f", expert_data={self.expert_data}"
+        if self.capture_graphs:
+            mesh += ", routed experts replayed from device graphs"
         lines.append(f"{head}: {mesh}, {len(self.layers)} MoE layer(s), {len(self.dense)} dense layer(s) left alone")
         rows = [("layer", "experts", "per rank", "layout", "routing", "shared")]
         for names, s in _runs(self.layers):
@@ -410,4 +413,4 @@ def detect(model: torch.nn.Module, cfg: AutoEPConfig, ep_size: int | None = None
         raise _no_moe_block(model, cfg, experts_names, dense)
     _check_expert_degree(layers, ep)
     return EPPlan(model_class=type(model).__name__, model_type=model_type, preset=preset.name if preset else None,
-                  ep_size=ep, layers=layers, dense=dense, expert_data=expert_data)
+                  ep_size=ep, layers=layers, dense=dense, expert_data=expert_data, capture_graphs=cfg.capture_graphs)

@@ -32,6 +32,10 @@ dispatch, no grouped GEMM and no combine (``dense_when_all_chosen=False`` keeps 
 
 Dropless: no capacity, every assignment is computed. With ep 1 no collective is issued.
 
+With ``capture_graphs`` (ep 1) the routed part, steps 2 and 4-5 forward and backward, is replayed
+from device graphs captured per input shape (:mod:`.graphed`), for layers whose step is bound by
+the host's launches rather than the device.
+
 Gradients: an expert parameter's local gradient already sums the contributions of every
 rank of its EP group (their tokens came through the all-to-all, and so does the gradient of
 each rank's loss). Summing it over ``expert_data`` then covers the whole data-parallel batch,
@@ -47,6 +51,7 @@ from polyaccel.ops.reference.swiglu import halves_of
 
 from .detect import MoELayerSpec
 from .dispatch import AllToAllV, exchange_counts
+from .graphed import GraphedRoute
 from .permute import DispatchRows, PermuteRows, inverse_permutation
 from .presets import Routing
 
@@ -214,6 +219,9 @@ class AutoEPMoE(torch.nn.Module):
         self.fused_experts: bool | None = None
         #: every token to every expert as one dense MLP (see the module docstring); False keeps the routed path
         self.dense_when_all_chosen = True
+        #: replay the routed experts from device graphs (ep 1; see :mod:`.graphed`)
+        self.capture_graphs = False
+        self._graphs: GraphedRoute | None = None
 
     @property
     def router(self) -> torch.nn.Module:
@@ -256,6 +264,23 @@ class AutoEPMoE(torch.nn.Module):
                 and self.ep_size == 1 and self.routing.score_apply == "post")
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self.capture_graphs and self.ep_size == 1:
+            if self._graphs is None:
+                self._graphs = GraphedRoute(self._captured_route, self.local_experts, self.spec.name or "AutoEP layer")
+            replayed = self._graphs(x, weights, idx)
+            if replayed is not None:
+                y, extras = replayed
+                counts = extras["counts"].clone()
+                self.last_dispatch = {"counts": counts, "received": counts, "send": None, "recv": None}
+                return y
+        return self._routed_eagerly(x, weights, idx)
+
+    def _captured_route(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor):
+        """What :class:`.graphed.GraphedRoute` captures: the eager route, and the expert counts it reports."""
+        y = self._routed_eagerly(x, weights, idx)
+        return y, {"counts": self.last_dispatch["counts"]}
+
+    def _routed_eagerly(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         T, k = idx.shape
         E, ep = self.num_experts, self.ep_size
         if self._uses_dense(k):

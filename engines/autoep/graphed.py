@@ -1,0 +1,224 @@
+"""The routed experts of an AutoEP layer replayed from device graphs (``capture_graphs``).
+
+Where few tokens reach a MoE layer, its step is bound by the host, not the device: the
+routed path (sort, dispatch, two expert GEMMs, SwiGLU, combine) is about twenty kernel
+launches and half a dozen autograd nodes forward and backward, each costing more host time
+than its kernel takes. With ``capture_graphs`` the layer captures that path once per input
+shape, forward and backward, as two device graphs (``create_graph`` / ``capture_to_graph`` /
+``replay_graph`` of the device's accelerator, sharing one memory pool), and afterwards each
+call is three input copies and one replay forward, one copy and one replay backward, inside
+one autograd node. The router stays eager, so its hooks (and transformers' output recorders)
+run as before.
+
+A graph is bound to fixed memory: its inputs are copied into static tensors, its output and
+gradients are read from static tensors, and the activations its backward needs live in its
+pool until the next replay. So:
+
+- it serves ep 1 only (an all-to-all's row counts change every step; the config refuses
+  ``capture_graphs`` with ``autoep_size`` > 1), training only (grad mode on; anything else runs
+  eagerly), not under autocast (eager);
+- a second forward of the same shape before the first one's backward (activation
+  checkpointing's recompute, a layer called twice) runs eagerly: replaying would overwrite
+  the activations the pending backward reads;
+- every op on the routed path must capture: no host reads. The cuda plugin's builders skip
+  their host-side value checks while capturing; a builder that reads back fails the capture
+  with an error that says so, and nothing is half-replaced;
+- expert parameters must stay where they are: a parameter that moved (``to()``, a new
+  storage) makes the layer capture again; modules hooked around their forward (ZeRO stage 3
+  gathers the experts there) are refused, since a replay would skip the hooks;
+- each captured shape keeps its pool (the layer's activations and its backward's
+  temporaries) allocated between steps; at most :data:`MAX_SHAPES` shapes are captured per
+  layer, others run eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from polyaccel.errors import PolyaccelError
+
+#: input shapes captured per layer; further shapes run eagerly
+MAX_SHAPES = 8
+#: forward + backward runs before capture (kernels compiled, autotuned and libraries set up outside capture)
+WARMUP_RUNS = 2
+
+
+def accelerator_for(device: torch.device):
+    """The accelerator serving ``device`` (looked up here, so tests can stand in a device with graphs)."""
+    from polyaccel.selection import accelerator_for_device_type
+
+    acc = accelerator_for_device_type(device.type)
+    if acc is None:
+        raise PolyaccelError(f"capture_graphs: no usable polyaccel accelerator serves device type {device.type!r}")
+    return acc
+
+
+class _Pending:
+    """Held by the autograd node of one replayed forward; while it lives its backward is still due."""
+
+
+@dataclass
+class _Captured:
+    """One input shape's forward and backward graphs and the static tensors bound to them."""
+
+    acc: object
+    inputs: tuple[torch.Tensor, ...]  # x, weights, idx
+    params: tuple[torch.nn.Parameter, ...]
+    param_ptrs: tuple[int, ...]
+    fwd: object = None
+    bwd: object = None
+    out: torch.Tensor | None = None
+    extras: dict = field(default_factory=dict)  # static tensors the layer reports (the expert counts)
+    grad_out: torch.Tensor | None = None
+    grads: tuple = ()  # aligned with inputs[:2] + params; None where no gradient is wanted
+    pending: weakref.ref | None = None
+    replays: int = 0  # forward replays so far: a backward belongs to the forward replay it was made with
+
+    def backward_due(self) -> bool:
+        return self.pending is not None and self.pending() is not None
+
+
+class _Replay(torch.autograd.Function):
+    """Forward: copy the inputs in, replay the forward graph. Backward: copy the output's gradient in,
+    replay the backward graph, hand back the static gradients (autograd accumulates them into ``.grad``)."""
+
+    @staticmethod
+    def forward(ctx, entry: _Captured, x, weights, idx, *params):
+        for static, given in zip(entry.inputs, (x, weights, idx), strict=True):
+            static.copy_(given)
+        entry.acc.replay_graph(entry.fwd)
+        entry.replays += 1
+        token = _Pending()
+        entry.pending = weakref.ref(token)
+        ctx.entry, ctx.token, ctx.replay = entry, token, entry.replays
+        return entry.out.clone()  # the caller's own tensor: the next replay rewrites the static one
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        entry = ctx.entry
+        if ctx.replay != entry.replays:
+            raise PolyaccelError("capture_graphs: this layer's forward graph ran again since the forward this backward "
+                                 "belongs to (a backward through a retained graph after a later forward), so the "
+                                 "activations it needs are gone; set expert_parallel.capture_graphs to false for this")
+        entry.grad_out.copy_(grad_out)
+        entry.acc.replay_graph(entry.bwd)
+        entry.pending = None
+        # the static tensors themselves, not aliases: autograd then copies or adds them, never adopts them as .grad
+        gx, gw, *gp = entry.grads
+        return (None, gx, gw, None, *gp)
+
+
+class GraphedRoute:
+    """Captures and replays one layer's routed experts, ``fn(x, weights, idx) -> y``, per input shape.
+
+    ``fn`` also returns the static tensors the layer reports after each call (``extras``, e.g. the
+    expert counts), which a replay rewrites in place.
+    """
+
+    def __init__(self, fn: Callable, experts: torch.nn.Module, name: str = "AutoEP layer"):
+        self.fn = fn
+        self.experts = experts
+        self.name = name
+        self.entries: dict[tuple, _Captured] = {}
+        #: how calls went: replayed, captured, eager (and why)
+        self.stats: dict[str, int] = {}
+
+    def _count(self, what: str) -> None:
+        self.stats[what] = self.stats.get(what, 0) + 1
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor):
+        """``(y, extras)`` from the graphs, or None where this call must run eagerly (counted in ``stats``)."""
+        why = self._eager_reason(x, weights)
+        if why is not None:
+            self._count(f"eager: {why}")
+            return None
+        self._refuse_hooks()
+        params = tuple(p for p in self.experts.parameters() if p.requires_grad)
+        key = (tuple(x.shape), x.dtype, x.device, x.requires_grad, tuple(weights.shape), weights.dtype,
+               weights.requires_grad, idx.dtype, tuple(p.dtype for p in params))
+        entry = self.entries.get(key)
+        if entry is not None and entry.param_ptrs != tuple(p.data_ptr() for p in params):
+            self.entries.clear()  # the parameters moved: every graph of this layer reads the old storage
+            self._count("recaptured: parameters moved")
+            entry = None
+        if entry is None:
+            if len(self.entries) >= MAX_SHAPES:
+                self._count("eager: shapes beyond MAX_SHAPES")
+                return None
+            entry = self.entries[key] = self._capture(x, weights, idx, params)
+            self._count("captured")
+        elif entry.backward_due():
+            self._count("eager: the previous forward's backward is still due")
+            return None
+        y = _Replay.apply(entry, x, weights, idx, *params)
+        self._count("replayed")
+        return y, entry.extras
+
+    @staticmethod
+    def _eager_reason(x: torch.Tensor, weights: torch.Tensor) -> str | None:
+        if not torch.is_grad_enabled():
+            return "grad mode off"
+        if torch.is_autocast_enabled(x.device.type):
+            return "autocast"
+        if x.numel() == 0:
+            return "no tokens"
+        return None
+
+    def _refuse_hooks(self) -> None:
+        hooked = [n or "(experts)" for n, m in self.experts.named_modules()
+                  if m._forward_pre_hooks or m._forward_hooks]
+        if hooked:
+            raise PolyaccelError(
+                f"capture_graphs: {self.name}'s expert module(s) {', '.join(hooked)} have forward hooks, which a graph "
+                "replay would skip (ZeRO stage 3 gathers the experts' parameters in such hooks). Use ZeRO stage 1 or "
+                "2 with capture_graphs, or set capture_graphs to false")
+
+    def _capture(self, x, weights, idx, params) -> _Captured:
+        acc = accelerator_for(x.device)
+        acc.require("graphs", "set expert_parallel.capture_graphs to false: this backend has no device graphs")
+        static = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in (x, weights)) + (idx.clone(),)
+        wanted = [t for t in (*static[:2], *params) if t.requires_grad]
+        entry = _Captured(acc=acc, inputs=static, params=params, param_ptrs=tuple(p.data_ptr() for p in params))
+        try:
+            with _side_stream(acc):
+                for _ in range(WARMUP_RUNS):
+                    out, _ = self.fn(*static)
+                    torch.autograd.grad(out, wanted, grad_outputs=torch.ones_like(out), allow_unused=True)
+                del out
+            entry.fwd = acc.create_graph()
+            with acc.capture_to_graph(entry.fwd):
+                entry.out, entry.extras = self.fn(*static)
+            entry.grad_out = torch.empty_like(entry.out)
+            entry.bwd = acc.create_graph()
+            pool = entry.fwd.pool() if hasattr(entry.fwd, "pool") else None
+            with acc.capture_to_graph(entry.bwd, pool=pool):
+                got = torch.autograd.grad(entry.out, wanted, grad_outputs=entry.grad_out, allow_unused=True)
+        except PolyaccelError:
+            raise
+        except Exception as exc:
+            raise PolyaccelError(
+                f"capture_graphs: capturing {self.name}'s routed experts for input {tuple(x.shape)} {x.dtype} failed "
+                f"({type(exc).__name__}: {exc}). Every op on the path must run without reading values back to the "
+                "host; `polyaccel ops explain grouped_mm` (and swiglu, gather_sum) names the builders in use. Set "
+                "expert_parallel.capture_graphs to false to run eagerly") from exc
+        got = iter(got)
+        entry.grads = tuple(next(got) if t.requires_grad else None for t in (*static[:2], *params))
+        return entry
+
+
+@contextlib.contextmanager
+def _side_stream(acc):
+    """Run the block on a fresh stream where the device has streams (warm-up away from the current stream,
+    as capture needs), else in place."""
+    if not acc.has("streams"):
+        yield
+        return
+    side, current = acc.Stream(), acc.current_stream()
+    side.wait_stream(current)
+    with acc.stream(side):
+        yield
+    current.wait_stream(side)

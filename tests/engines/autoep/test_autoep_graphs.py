@@ -1,0 +1,178 @@
+"""AutoEP's routed experts replayed from device graphs (``capture_graphs``), on a CPU stand-in for graphs.
+
+The stand-in (graph_double.py) records the aten ops of capture and replays them on the same
+tensors, refusing host reads while capturing, as a device graph does. The cpu plugin's reference
+grouped_mm and gather_sum check their index values on the host, so the tests that replay register
+builders that read nothing back (as the cuda plugin's do while capturing).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from autoep_testlib import batch, build, lm_loss
+from graph_double import CPUWithGraphs
+from polyaccel.engines.autoep import apply_autoep, graphed, moe, parse_config
+from polyaccel.errors import ConfigError, PolyaccelError, Unsupported
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def masked_grouped_mm(x, weight, offsets):
+    """grouped_mm with no host read: each row's expert found on the device, rows past the last offset zero."""
+    from polyaccel.ops.reference.grouped_mm import check_grouped_mm_shapes
+
+    check_grouped_mm_shapes(x, weight, offsets)
+    E = weight.shape[0]
+    expert = torch.searchsorted(offsets.to(torch.int64), torch.arange(x.shape[0]), right=True)
+    out = torch.bmm(x.unsqueeze(1), weight[expert.clamp(max=E - 1)]).squeeze(1)
+    return out * (expert < E).unsqueeze(1).to(out.dtype)
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """Device graphs on the host, and capture-safe grouped_mm / gather_sum builders for the cpu device."""
+    import polyaccel
+    from polyaccel.hookspecs import hookimpl
+    from polyaccel.ops.reference.gather_sum import gather_sum_backward, gather_sum_forward, make_gather_sum
+
+    unchecked_gather_sum = make_gather_sum(gather_sum_forward, gather_sum_backward)
+
+    class CaptureSafe:
+        POLYACCEL_API_VERSION = "1.0"
+
+        @hookimpl
+        def polyaccel_register_ops(self, registry):
+            registry.register("grouped_mm", "masked_grouped_mm", ("cpu",), lambda: masked_grouped_mm, priority=99)
+            registry.register("gather_sum", "unchecked_gather_sum", ("cpu",), lambda: unchecked_gather_sum,
+                              priority=99)
+
+    polyaccel.register_plugin("capture_safe", CaptureSafe())
+    device = CPUWithGraphs()
+    monkeypatch.setattr(graphed, "accelerator_for", lambda dev: device)
+    return device
+
+
+def blocks_of(model):
+    return [m for m in model.modules() if isinstance(m, moe.AutoEPMoE)]
+
+
+def assert_same_training(family, steps=3, model_kw=None, check=None):
+    """capture_graphs on one copy, off on another: AdamW steps on fresh batches give the same logits and grads."""
+    eager = build(family, **(model_kw or {}))
+    graphed_model = copy.deepcopy(eager)
+    apply_autoep(eager, {})
+    apply_autoep(graphed_model, {"capture_graphs": True})
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01) for m in (eager, graphed_model)]
+    for step in range(steps):
+        ids = batch(step, 0)
+        losses = []
+        for m, opt in zip((eager, graphed_model), opts, strict=True):
+            opt.zero_grad()
+            loss = lm_loss(m, ids)
+            loss.backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-10, atol=1e-10)
+        want = dict(eager.named_parameters())
+        for name, p in graphed_model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-10, atol=1e-10,
+                                       msg=lambda m, n=name, s=step: f"step {s} {n}: {m}")
+        for a, b in zip(blocks_of(graphed_model), blocks_of(eager), strict=True):
+            assert torch.equal(a.last_dispatch["counts"], b.last_dispatch["counts"])
+        if check is not None:
+            check(step, blocks_of(graphed_model))
+        for opt in opts:
+            opt.step()
+    return graphed_model
+
+
+@pytest.mark.parametrize("family,kw", [("mixtral", {}), ("qwen2_moe", {}), ("deepseek_v3", {"topk_group": 4}),
+                                       ("mixtral", {"experts": 4, "top_k": 4})])
+def test_replayed_steps_equal_eager_ones(graphs, family, kw):
+    """Routing changes every step (new tokens, updated router): the replays must follow it. The last case
+    (top-k = experts) captures the dense path."""
+    model = assert_same_training(family, model_kw=kw)
+    for b in blocks_of(model):
+        assert b._graphs.stats == {"captured": 1, "replayed": 3}, b._graphs.stats
+    assert graphs.graphs and all(g.replays == 3 for g in graphs.graphs)  # each layer's forward and backward graph
+
+
+def test_a_second_forward_before_the_backward_runs_eagerly(graphs):
+    eager = build("mixtral")
+    model = copy.deepcopy(eager)
+    apply_autoep(eager, {})
+    apply_autoep(model, {"capture_graphs": True})
+    lm_loss(model, batch(9, 0)).backward()  # captured and replayed once
+    a, b = batch(0, 0), batch(1, 0)
+    for m in (eager, model):
+        m.zero_grad()
+        (lm_loss(m, a) + 2 * lm_loss(m, b)).backward()  # the graph serves a; b, with a's backward due, runs eagerly
+    want = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    stats = blocks_of(model)[0]._graphs.stats
+    assert stats["replayed"] == 2 and stats["eager: the previous forward's backward is still due"] == 1
+
+
+def test_no_grad_runs_eagerly_and_moved_parameters_are_captured_again(graphs):
+    def check(step, blocks):
+        if step == 0:
+            with torch.no_grad():  # evaluation: nothing to capture
+                blocks[0](torch.randn(1, 5, blocks[0].spec.hidden_size, dtype=torch.float64))
+        if step == 1:
+            for b in blocks:  # new storage for the experts (what a .to() or a re-materialisation does)
+                for p in b.local_experts.parameters():
+                    p.data = p.data.clone()
+
+    model = assert_same_training("mixtral", steps=4, check=check)
+    stats = blocks_of(model)[0]._graphs.stats
+    assert stats["eager: grad mode off"] == 1
+    assert stats["recaptured: parameters moved"] == 1 and stats["captured"] == 2
+
+
+def test_hooked_experts_are_refused_with_the_reason(graphs):
+    model = build("mixtral")
+    apply_autoep(model, {"capture_graphs": True})
+    blocks_of(model)[0].local_experts.register_forward_pre_hook(lambda m, a: None)
+    with pytest.raises(PolyaccelError, match="forward hooks.*ZeRO stage 3"):
+        lm_loss(model, batch(0, 0))
+
+
+def test_a_host_read_on_the_path_fails_the_capture_clearly(monkeypatch):
+    """The cpu plugin's reference grouped_mm checks the offsets on the host: capture must refuse, not freeze them."""
+    monkeypatch.setattr(graphed, "accelerator_for", lambda dev: CPUWithGraphs())
+    model = build("mixtral")
+    apply_autoep(model, {"capture_graphs": True})
+    with pytest.raises(PolyaccelError, match="without reading values back to the host") as info:
+        lm_loss(model, batch(0, 0))
+    assert "reads a device value back" in str(info.value.__cause__)
+
+
+def test_a_backend_without_graphs_raises_unsupported():
+    model = build("mixtral")
+    apply_autoep(model, {"capture_graphs": True})
+    with pytest.raises(Unsupported, match="graphs") as info:
+        lm_loss(model, batch(0, 0))
+    assert "capture_graphs to false" in str(info.value)
+    with torch.no_grad():  # evaluation never captures
+        model(input_ids=batch(0, 0))
+
+
+@pytest.mark.parametrize("section,words", [
+    ({"capture_graphs": True, "autoep_size": 2}, "needs 'expert_parallel.autoep_size' 1"),
+    ({"capture_graphs": "yes"}, "must be true or false"),
+])
+def test_capture_graphs_config_is_checked(section, words):
+    given = copy.deepcopy(section)
+    with pytest.raises(ConfigError, match=words):
+        parse_config(section)
+    assert section == given
+    assert parse_config({"capture_graphs": True}).capture_graphs is True
