@@ -24,8 +24,9 @@ pool until the next replay. So:
   their host-side value checks while capturing; a builder that reads back fails the capture
   with an error that says so, and nothing is half-replaced;
 - expert parameters must stay where they are: a parameter that moved (``to()``, a new
-  storage) makes the layer capture again; modules hooked around their forward (ZeRO stage 3
-  gathers the experts there) are refused, since a replay would skip the hooks;
+  storage) before a forward makes the layer capture again, one that moved between a forward
+  and its backward is an error; modules hooked around their forward (ZeRO stage 3 gathers the
+  experts there) are refused, since a replay would skip the hooks;
 - each captured shape keeps its pool (the layer's activations and its backward's
   temporaries) allocated between steps; at most :data:`MAX_SHAPES` shapes are captured per
   layer, others run eagerly.
@@ -104,6 +105,12 @@ class _Replay(torch.autograd.Function):
             raise PolyaccelError("capture_graphs: this layer's forward graph ran again since the forward this backward "
                                  "belongs to (a backward through a retained graph after a later forward), so the "
                                  "activations it needs are gone; set expert_parallel.capture_graphs to false for this")
+        moved = [i for i, (p, at) in enumerate(zip(entry.params, entry.param_ptrs, strict=True)) if p.data_ptr() != at]
+        if moved:
+            raise PolyaccelError(
+                f"capture_graphs: expert parameter(s) {moved} moved to new storage between this layer's forward and "
+                "its backward (ZeRO stage 3 gathers parameters again for backward), and the backward graph reads "
+                "them where they were; use ZeRO stage 1 or 2 with capture_graphs, or set it to false")
         entry.grad_out.copy_(grad_out)
         entry.acc.replay_graph(entry.bwd)
         entry.pending = None

@@ -138,6 +138,17 @@ def test_no_grad_runs_eagerly_and_moved_parameters_are_captured_again(graphs):
     assert stats["recaptured: parameters moved"] == 1 and stats["captured"] == 2
 
 
+def test_parameters_moved_between_forward_and_backward_are_an_error(graphs):
+    model = build("mixtral")
+    apply_autoep(model, {"capture_graphs": True})
+    lm_loss(model, batch(0, 0)).backward()
+    loss = lm_loss(model, batch(1, 0))  # replayed
+    for b in blocks_of(model):
+        b.local_experts.down_proj.data = b.local_experts.down_proj.data.clone()
+    with pytest.raises(PolyaccelError, match=r"moved to new storage between this layer's forward and its backward"):
+        loss.backward()
+
+
 def test_hooked_experts_are_refused_with_the_reason(graphs):
     model = build("mixtral")
     apply_autoep(model, {"capture_graphs": True})
@@ -176,3 +187,45 @@ def test_capture_graphs_config_is_checked(section, words):
         parse_config(section)
     assert section == given
     assert parse_config({"capture_graphs": True}).capture_graphs is True
+
+
+def _zero_config(stage: int, graphs: bool) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 5000}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0  # every parameter gathered by hooks, none kept whole
+    return {"optimizer": {"type": "adamw", "params": {"lr": 1e-2, "weight_decay": 0.01}}, "zero_optimization": zero,
+            "gradient_clipping": 1.0, "expert_parallel": {"capture_graphs": graphs}}
+
+
+def test_zero_stage2_with_replayed_experts_trains_like_eager(graphs):
+    """The replayed layer's gradients reach ZeRO's gradient hooks and buckets as the eager layer's do."""
+    import polyaccel
+
+    engines = [polyaccel.initialize(build("mixtral"), _zero_config(2, g)) for g in (False, True)]
+    try:
+        for step in range(3):
+            losses = []
+            for engine in engines:
+                loss = lm_loss(engine, batch(step, 0))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            assert abs(losses[1] - losses[0]) <= 1e-10, (step, losses)
+        want = engines[0].full_state_dict()
+        for name, value in engines[1].full_state_dict().items():
+            torch.testing.assert_close(value, want[name], rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+        assert blocks_of(engines[1].module)[0]._graphs.stats["replayed"] == 3
+    finally:
+        for engine in engines:
+            engine.destroy()
+
+
+def test_zero_stage3_with_replayed_experts_is_refused(graphs):
+    import polyaccel
+
+    engine = polyaccel.initialize(build("mixtral"), _zero_config(3, True))
+    try:
+        with pytest.raises(PolyaccelError, match="ZeRO stage 3"):
+            lm_loss(engine, batch(0, 0))
+    finally:
+        engine.destroy()
