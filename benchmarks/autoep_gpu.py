@@ -158,14 +158,18 @@ def graphs_check(graphed, eager, x, g, acc) -> dict:
     """Capture ``graphed`` (one warm step), then one step of each on the same input: max |diff| of the output and
     of the expert gradients, and the device memory the graphs hold (allocated by the capture, gradients aside)."""
     params = list(graphed.parameters())
+    stats = acc.has("memory_stats")
+    if stats:
+        acc.empty_cache()
     acc.synchronize()
-    before = acc.memory_allocated() if acc.has("memory_stats") else None
+    before = acc.memory_reserved() if stats else None
     train_step(graphed, x, g)()
     acc.synchronize()
     held = None
-    if before is not None:
+    if stats:  # what stays reserved once the caching allocator lets go of its free blocks: the graphs' pools
+        acc.empty_cache()
         grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-        held = acc.memory_allocated() - before - grads
+        held = acc.memory_reserved() - before - grads
     outs = []
     for block in (graphed, eager):
         for p in block.parameters():
