@@ -15,7 +15,8 @@ the 16-byte vector loads). Offsets are clamped in the kernel (to ``[previous end
 even invalid offsets cannot make it read or write out of bounds; outside CUDA graph capture
 they are also validated on the host first (one sync), with the reference's error messages. An
 offsets tensor that passed is remembered (by identity and version counter), so a MoE layer's
-GEMMs that share one offsets tensor pay that sync once, not once per call.
+GEMMs that share one offsets tensor pay that sync once, not once per call (and convert them to
+int32 for ``torch._grouped_mm`` once).
 
 Backward (:data:`grouped_mm`, autograd-aware): ``dx`` is the same grouped kernel on
 ``grad_out`` and the per-expert transposed weights (a strided view, no copy); ``dw[e] =
@@ -215,19 +216,32 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     return off64, _checked_last_offset(off64, x.shape[0])
 
 
-#: (weak reference to the int64 offsets last checked, their version counter, rows, last offset)
-_last_checked: tuple = (None, -1, -1, 0)
+#: (weak reference to the int64 offsets last checked, their version counter, rows, last offset, their int32 copy)
+_last_checked: tuple = (None, -1, -1, 0, None)
 
 
 def _checked_last_offset(off64: torch.Tensor, rows: int) -> int:
     """``last_offset`` with its host sync skipped for the tensor checked last, unchanged since."""
     global _last_checked
-    ref, version, checked_rows, last = _last_checked
+    ref, version, checked_rows, last, _ = _last_checked
     if ref is not None and ref() is off64 and version == off64._version and checked_rows == rows:
         return last
     last = last_offset(off64, rows)
-    _last_checked = (weakref.ref(off64), off64._version, rows, last)
+    _last_checked = (weakref.ref(off64), off64._version, rows, last, None)
     return last
+
+
+def _int32_offsets(off64: torch.Tensor) -> torch.Tensor:
+    """``off64`` as int32 (what torch._grouped_mm takes), converted once for the offsets checked last, unchanged
+    since: a layer's GEMMs share one offsets tensor. Never cached while capturing (the values change per replay)."""
+    global _last_checked
+    ref, version, rows, last, off32 = _last_checked
+    if _capturing(off64) or ref is None or ref() is not off64 or version != off64._version:
+        return off64.to(torch.int32)
+    if off32 is None:
+        off32 = off64.to(torch.int32)
+        _last_checked = (ref, version, rows, last, off32)
+    return off32
 
 
 def _launch_grouped(a, b, off64, out, cfg: TileConfig | None):
@@ -389,4 +403,4 @@ def torch_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tenso
     ok, _ = torch_grouped_mm_applies(x, weight)
     if not ok or weight.shape[0] == 0:
         return reference_grouped_mm(x, weight, offsets)
-    return _TorchGroupedMM.apply(x, weight, off64.to(torch.int32), off64, last)
+    return _TorchGroupedMM.apply(x, weight, _int32_offsets(off64), off64, last)

@@ -159,6 +159,22 @@ def test_offsets_shared_by_two_calls_are_checked_on_the_host_once(monkeypatch):
     assert len(calls) == 3
 
 
+def test_shared_offsets_are_converted_to_int32_once_and_again_after_a_change():
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(12, 16, generator=gen).bfloat16()
+    w = torch.randn(2, 16, 16, generator=gen).bfloat16()
+    offsets = torch.tensor([5, 12])
+    kg.torch_grouped_mm(x, w, offsets)
+    off32 = kg._last_checked[4]
+    assert off32.dtype == torch.int32 and off32.tolist() == [5, 12]
+    kg.torch_grouped_mm(x, w, offsets)
+    assert kg._last_checked[4] is off32  # the second GEMM of a layer reuses the copy
+    offsets[0] = 9  # in place: checked and converted again, and the product follows
+    out = kg.torch_grouped_mm(x, w, offsets)
+    assert kg._last_checked[4] is not off32 and kg._last_checked[4].tolist() == [9, 12]
+    _check(out, reference(x.double(), w.double(), offsets), torch.bfloat16, 16, "after the change")
+
+
 def test_torch_grouped_mm_wrapper_sends_what_torch_does_not_take_to_the_reference():
     x, w = torch.randn(10, 12), torch.randn(2, 12, 8)
     ok, why = kg.torch_grouped_mm_applies(x, w)
