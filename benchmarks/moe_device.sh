@@ -8,7 +8,9 @@
 #             onto the fused builders (the 'fused' columns) -> autoep.json
 #   rows32k   autoep_gpu.py on the two E=8, 32k-token rows only (top-2 and top-8), 10 timed steps
 #   profile8  autoep_profile.py on the k=E row (E=8, 32k tokens, top-8): where AutoEP's device time goes
-#   host4k    autoep_profile.py --host on the two host-bound rows (4k tokens, top-2, E=8 and 64), HF beside
+#   host4k    autoep_profile.py --host on the two host-bound rows (4k tokens, top-2, E=8 and 64), HF beside,
+#             AutoEP with capture_graphs too
+#   graphs4k  autoep_gpu.py on the two host-bound rows only (with the capture_graphs line), 10 timed steps
 #   experts   moe_experts_gpu.py: the fused builders (forced by override) vs the unfused chain, expert MLP alone
 # STEPS=N sets the timed steps of autoep/experts (default 5).
 set -u
@@ -33,10 +35,11 @@ for step in "$@"; do
             --json "$OUT/conf.json" ;;
     autoep) (cd benchmarks && run autoep 330 python3 autoep_gpu.py --steps "$STEPS" --out "$OUT/autoep.json") ;;
     rows32k) (cd benchmarks && run rows32k 150 python3 autoep_gpu.py --experts 8 --tokens 32768 --topk 2 8 --steps 10) ;;
+    graphs4k) (cd benchmarks && run graphs4k 150 python3 autoep_gpu.py --experts 8 64 --tokens 4096 --topk 2 --steps 10) ;;
     profile8) (cd benchmarks && TAIL=45 run profile8 90 python3 autoep_profile.py --experts 8 --tokens 32768 --topk 8) ;;
     host4k) (cd benchmarks && for e in 8 64; do
                TAIL=90 run "host4k_e$e" 90 python3 autoep_profile.py --experts "$e" --tokens 4096 --topk 2 --hf --host \
-                 --rows 22
+                 --graphs --rows 22
              done) ;;
     experts) (cd benchmarks && run experts 150 python3 moe_experts_gpu.py --steps "$STEPS" --out "$OUT/experts.json") ;;
     *) echo "unknown step $step" ;;
