@@ -68,14 +68,14 @@ class _Captured:
 
     acc: object
     inputs: tuple[torch.Tensor, ...]  # x, weights, idx
-    params: tuple[torch.nn.Parameter, ...]
+    params: tuple[torch.nn.Parameter, ...]  # every expert parameter, trained or not: the graphs read them all
     param_ptrs: tuple[int, ...]
     fwd: object = None
     bwd: object = None
     out: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)  # static tensors the layer reports (the expert counts)
     grad_out: torch.Tensor | None = None
-    grads: tuple = ()  # aligned with inputs[:2] + params; None where no gradient is wanted
+    grads: tuple = ()  # aligned with (x, weights, *trained parameters); None where no gradient is wanted
     pending: weakref.ref | None = None
     replays: int = 0  # forward replays so far: a backward belongs to the forward replay it was made with
 
@@ -88,7 +88,7 @@ class _Replay(torch.autograd.Function):
     replay the backward graph, hand back the static gradients (autograd accumulates them into ``.grad``)."""
 
     @staticmethod
-    def forward(ctx, entry: _Captured, x, weights, idx, *params):
+    def forward(ctx, entry: _Captured, x, weights, idx, *trained):
         for static, given in zip(entry.inputs, (x, weights, idx), strict=True):
             static.copy_(given)
         entry.acc.replay_graph(entry.fwd)
@@ -144,9 +144,9 @@ class GraphedRoute:
             self._count(f"eager: {why}")
             return None
         self._refuse_hooks()
-        params = tuple(p for p in self.experts.parameters() if p.requires_grad)
+        params = tuple(self.experts.parameters())
         key = (tuple(x.shape), x.dtype, x.device, x.requires_grad, tuple(weights.shape), weights.dtype,
-               weights.requires_grad, idx.dtype, tuple(p.dtype for p in params))
+               weights.requires_grad, idx.dtype, tuple((p.dtype, p.requires_grad) for p in params))
         entry = self.entries.get(key)
         if entry is not None and entry.param_ptrs != tuple(p.data_ptr() for p in params):
             self.entries.clear()  # the parameters moved: every graph of this layer reads the old storage
@@ -161,7 +161,7 @@ class GraphedRoute:
         elif entry.backward_due():
             self._count("eager: the previous forward's backward is still due")
             return None
-        y = _Replay.apply(entry, x, weights, idx, *params)
+        y = _Replay.apply(entry, x, weights, idx, *(p for p in params if p.requires_grad))
         self._count("replayed")
         return y, entry.extras
 
@@ -188,7 +188,8 @@ class GraphedRoute:
         acc = accelerator_for(x.device)
         acc.require("graphs", "set expert_parallel.capture_graphs to false: this backend has no device graphs")
         static = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in (x, weights)) + (idx.clone(),)
-        wanted = [t for t in (*static[:2], *params) if t.requires_grad]
+        trained = [p for p in params if p.requires_grad]
+        wanted = [t for t in (*static[:2], *trained) if t.requires_grad]
         entry = _Captured(acc=acc, inputs=static, params=params, param_ptrs=tuple(p.data_ptr() for p in params))
         try:
             with _side_stream(acc):
@@ -213,7 +214,7 @@ class GraphedRoute:
                 "host; `polyaccel ops explain grouped_mm` (and swiglu, gather_sum) names the builders in use. Set "
                 "expert_parallel.capture_graphs to false to run eagerly") from exc
         got = iter(got)
-        entry.grads = tuple(next(got) if t.requires_grad else None for t in (*static[:2], *params))
+        entry.grads = tuple(next(got) if t.requires_grad else None for t in (*static[:2], *trained))
         return entry
 
 

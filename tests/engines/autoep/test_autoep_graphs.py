@@ -229,3 +229,31 @@ def test_zero_stage3_with_replayed_experts_is_refused(graphs):
             lm_loss(engine, batch(0, 0))
     finally:
         engine.destroy()
+
+
+def test_frozen_experts_replay_and_still_count_as_moved(graphs):
+    """Expert weights that take no gradient are still read by the graphs: replays follow their values, and
+    new storage for them is noticed like for trained ones."""
+    eager = build("mixtral")
+    model = copy.deepcopy(eager)
+    apply_autoep(eager, {})
+    apply_autoep(model, {"capture_graphs": True})
+    for m in (eager, model):
+        for b in blocks_of(m):
+            b.local_experts.down_proj.requires_grad_(False)
+    for step in range(3):
+        for m in (eager, model):
+            m.zero_grad()
+            with torch.no_grad():
+                for b in blocks_of(m):
+                    b.local_experts.down_proj.mul_(1.1)  # frozen, but changed in place between steps
+            lm_loss(m, batch(step, 0)).backward()
+        want = dict(eager.named_parameters())
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-10, atol=1e-10,
+                                           msg=lambda m, n=name: f"{n}: {m}")
+    b = blocks_of(model)[0]
+    b.local_experts.down_proj.data = b.local_experts.down_proj.data.clone()
+    lm_loss(model, batch(5, 0)).backward()
+    assert b._graphs.stats["recaptured: parameters moved"] == 1
