@@ -134,6 +134,12 @@ class GraphedRoute:
         #: how calls went: replayed, captured, eager (and why)
         self.stats: dict[str, int] = {}
 
+    def __getstate__(self):
+        """A copy (``copy.deepcopy`` of the model, pickling) captures afresh: graphs are bound to this one's memory."""
+        state = self.__dict__.copy()
+        state["entries"], state["stats"] = {}, {}
+        return state
+
     def _count(self, what: str) -> None:
         self.stats[what] = self.stats.get(what, 0) + 1
 

@@ -257,3 +257,16 @@ def test_frozen_experts_replay_and_still_count_as_moved(graphs):
     b.local_experts.down_proj.data = b.local_experts.down_proj.data.clone()
     lm_loss(model, batch(5, 0)).backward()
     assert b._graphs.stats["recaptured: parameters moved"] == 1
+
+
+def test_a_deep_copy_of_a_replaying_model_captures_afresh(graphs):
+    model = build("mixtral")
+    apply_autoep(model, {"capture_graphs": True})
+    lm_loss(model, batch(0, 0)).backward()
+    twin = copy.deepcopy(model)
+    assert all(not b._graphs.entries for b in blocks_of(twin))
+    lm_loss(twin, batch(1, 0)).backward()
+    lm_loss(model, batch(1, 0)).backward()
+    for a, b in zip(blocks_of(twin), blocks_of(model), strict=True):
+        assert a._graphs.entries and a._graphs.experts is a.local_experts and a._graphs.stats["captured"] == 1
+        assert b._graphs.stats["captured"] == 1 and b._graphs.stats["replayed"] == 2
