@@ -194,3 +194,33 @@ def test_float64_goes_to_the_reference_with_gradients():
     assert out.dtype == torch.float64 and torch.allclose(out, want, rtol=1e-12, atol=1e-12)
     out.sum().backward()
     assert x.grad is not None and w.grad is not None and bool((x.grad[7:] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("offsets", [[0, 0], [3, 17], [40, 70], [70, 70], []])
+def test_rows_past_the_last_offset_are_zeroed_with_the_end_read_on_the_device(dtype, offsets):
+    gen = torch.Generator().manual_seed(len(offsets) + sum(offsets))
+    t = (torch.rand(70, 200, generator=gen) + 0.5).to(dtype)  # no zero anywhere before
+    want = t.clone()
+    end = offsets[-1] if offsets else 0
+    want[end:] = 0
+    got = kg.zero_rows_past_on_device(t, torch.tensor(offsets, dtype=torch.int64))
+    assert got is t and torch.equal(t, want)
+
+
+def test_while_capturing_the_wrapper_reads_nothing_back_and_still_zeroes_the_tail(monkeypatch):
+    """Under graph capture the offsets are never read on the host; rows past the end are zeroed both ways."""
+    monkeypatch.setattr(kg, "_capturing", lambda t: True)
+    monkeypatch.setattr(kg, "last_offset", lambda *a: pytest.fail("host read while capturing"))
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(30, 32, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(3, 32, 16, generator=gen).bfloat16().requires_grad_()
+    offsets = torch.tensor([4, 4, 21])
+    grad_out = torch.randn(30, 16, generator=gen).bfloat16()
+    out = kg.torch_grouped_mm(x, w, offsets)
+    out.backward(grad_out)
+    want, want_dx, want_dw = _f64_forward_and_grads(x, w, offsets, grad_out)
+    assert bool((out[21:] == 0).all()) and bool((x.grad[21:] == 0).all())
+    _check(out, want, torch.bfloat16, 32, "out")
+    _check(x.grad, want_dx, torch.bfloat16, 16, "dx")
+    _check(w.grad, want_dw, torch.bfloat16, 30, "dw")
