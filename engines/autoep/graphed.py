@@ -27,6 +27,11 @@ pool until the next replay. So:
   storage) before a forward makes the layer capture again, one that moved between a forward
   and its backward is an error; modules hooked around their forward (ZeRO stage 3 gathers the
   experts there) are refused, since a replay would skip the hooks;
+- the weight gradients are handed to autograd as aliases of the graph's memory, so a ``.grad``
+  that was None adopts them without a copy (a pass over all expert weights otherwise, more than
+  the launches saved where experts are many and tokens few); the next backward moves a
+  ``.grad`` still on that memory (accumulation over micro-batches) to a copy first, and where
+  anything else still holds it, computes that backward eagerly instead of overwriting it;
 - each captured shape keeps its pool (the layer's activations and its backward's
   temporaries) allocated between steps; at most :data:`MAX_SHAPES` shapes are captured per
   layer, others run eagerly.
@@ -76,6 +81,10 @@ class _Captured:
     extras: dict = field(default_factory=dict)  # static tensors the layer reports (the expert counts)
     grad_out: torch.Tensor | None = None
     grads: tuple = ()  # aligned with (x, weights, *trained parameters); None where no gradient is wanted
+    trained: tuple[torch.nn.Parameter, ...] = ()  # the parameters that take a gradient, in ``grads`` order
+    own_users: tuple[int, ...] = ()  # per weight gradient, the tensors on its memory right after capture
+    fn: Callable | None = None  # the eager route: the backward's fallback recomputes with it
+    count: Callable[[str], None] = print
     pending: weakref.ref | None = None
     replays: int = 0  # forward replays so far: a backward belongs to the forward replay it was made with
 
@@ -83,9 +92,46 @@ class _Captured:
         return self.pending is not None and self.pending() is not None
 
 
+def _users(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s memory (``t`` included); 0 where torch cannot say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count(t.untyped_storage()._cdata) - 1 if count is not None else 0  # (less the storage object made here)
+
+
+def _reclaim(entry: _Captured) -> bool:
+    """Whether the backward graph may write its weight gradients' memory again: lent out as ``.grad`` by the
+    last backward, it must be back. A ``.grad`` still on it (gradients accumulating over micro-batches) moves
+    to a copy, which the next gradient is then added to; any other holder keeps it, and False is returned."""
+    for p, g, own in zip(entry.trained, entry.grads[2:], entry.own_users, strict=True):
+        if g is None or _users(g) == own:
+            continue
+        if p.grad is not None and p.grad.untyped_storage().data_ptr() == g.untyped_storage().data_ptr():
+            p.grad = p.grad.clone()
+        if _users(g) != own:
+            return False
+    return True
+
+
+def _recompute(entry: _Captured, grad_out: torch.Tensor) -> tuple:
+    """This forward's gradients computed eagerly from its inputs (still in the static tensors: no replay since)."""
+    x, weights, idx = (t.detach().requires_grad_(t.requires_grad) for t in entry.inputs)
+    ins = (x, weights, *entry.trained)
+    wanted = [t for t in ins if t.requires_grad]
+    with torch.enable_grad():
+        out, _ = entry.fn(x, weights, idx)
+        got = iter(torch.autograd.grad(out, wanted, grad_outputs=grad_out, allow_unused=True))
+    return tuple(next(got) if t.requires_grad else None for t in ins)
+
+
 class _Replay(torch.autograd.Function):
     """Forward: copy the inputs in, replay the forward graph. Backward: copy the output's gradient in,
-    replay the backward graph, hand back the static gradients (autograd accumulates them into ``.grad``)."""
+    replay the backward graph, hand back the static gradients.
+
+    The weight gradients go back as aliases, so autograd adopts them as ``.grad`` where that is None
+    instead of copying them (for many experts and few tokens the copy costs more than the launches a
+    graph saves); the next backward takes their memory back first (:func:`_reclaim`). Where something
+    else still holds it, that backward recomputes eagerly instead of overwriting it.
+    """
 
     @staticmethod
     def forward(ctx, entry: _Captured, x, weights, idx, *trained):
@@ -111,12 +157,15 @@ class _Replay(torch.autograd.Function):
                 f"capture_graphs: expert parameter(s) {moved} moved to new storage between this layer's forward and "
                 "its backward (ZeRO stage 3 gathers parameters again for backward), and the backward graph reads "
                 "them where they were; use ZeRO stage 1 or 2 with capture_graphs, or set it to false")
+        entry.pending = None
+        if not _reclaim(entry):
+            entry.count("backward eagerly: a weight gradient lent out is still held")
+            gx, gw, *gp = _recompute(entry, grad_out)
+            return (None, gx, gw, None, *gp)
         entry.grad_out.copy_(grad_out)
         entry.acc.replay_graph(entry.bwd)
-        entry.pending = None
-        # the static tensors themselves, not aliases: autograd then copies or adds them, never adopts them as .grad
-        gx, gw, *gp = entry.grads
-        return (None, gx, gw, None, *gp)
+        gx, gw, *gp = entry.grads  # the input gradients as themselves: autograd adds or copies them, never keeps them
+        return (None, gx, gw, None, *(g.detach() if g is not None and _users(g) else g for g in gp))
 
 
 class GraphedRoute:
@@ -196,7 +245,8 @@ class GraphedRoute:
         static = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in (x, weights)) + (idx.clone(),)
         trained = [p for p in params if p.requires_grad]
         wanted = [t for t in (*static[:2], *trained) if t.requires_grad]
-        entry = _Captured(acc=acc, inputs=static, params=params, param_ptrs=tuple(p.data_ptr() for p in params))
+        entry = _Captured(acc=acc, inputs=static, params=params, param_ptrs=tuple(p.data_ptr() for p in params),
+                          trained=tuple(trained), fn=self.fn, count=self._count)
         try:
             with _side_stream(acc):
                 for _ in range(WARMUP_RUNS):
@@ -221,6 +271,7 @@ class GraphedRoute:
                 "expert_parallel.capture_graphs to false to run eagerly") from exc
         got = iter(got)
         entry.grads = tuple(next(got) if t.requires_grad else None for t in (*static[:2], *trained))
+        entry.own_users = tuple(_users(g) if g is not None else 0 for g in entry.grads[2:])
         return entry
 
 

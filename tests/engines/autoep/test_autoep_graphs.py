@@ -26,15 +26,34 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+class _MaskedGroupedMM(torch.autograd.Function):
+    """grouped_mm with no host read: each row's expert found on the device, rows past the last offset zero; the
+    weight gradient in the weight's own layout (as the cuda builder gives it, so autograd can adopt it as .grad)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets):
+        E = weight.shape[0]
+        expert = torch.searchsorted(offsets.to(torch.int64), torch.arange(x.shape[0]), right=True)
+        inside = (expert < E).unsqueeze(1).to(x.dtype)
+        ctx.save_for_backward(x, weight, expert, inside)
+        return torch.bmm(x.unsqueeze(1), weight[expert.clamp(max=E - 1)]).squeeze(1) * inside
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, expert, inside = ctx.saved_tensors
+        E = weight.shape[0]
+        go = grad_out * inside
+        dx = torch.bmm(go.unsqueeze(1), weight[expert.clamp(max=E - 1)].transpose(1, 2)).squeeze(1)
+        rows = x.unsqueeze(2) * go.unsqueeze(1)  # [T, K, N]
+        dw = torch.zeros((E + 1, *weight.shape[1:]), dtype=weight.dtype).index_add_(0, expert, rows)[:E]
+        return dx, torch.empty_like(weight).copy_(dw), None
+
+
 def masked_grouped_mm(x, weight, offsets):
-    """grouped_mm with no host read: each row's expert found on the device, rows past the last offset zero."""
     from polyaccel.ops.reference.grouped_mm import check_grouped_mm_shapes
 
     check_grouped_mm_shapes(x, weight, offsets)
-    E = weight.shape[0]
-    expert = torch.searchsorted(offsets.to(torch.int64), torch.arange(x.shape[0]), right=True)
-    out = torch.bmm(x.unsqueeze(1), weight[expert.clamp(max=E - 1)]).squeeze(1)
-    return out * (expert < E).unsqueeze(1).to(out.dtype)
+    return _MaskedGroupedMM.apply(x, weight, offsets)
 
 
 @pytest.fixture
@@ -214,7 +233,7 @@ def test_zero_stage2_with_replayed_experts_trains_like_eager(graphs):
         want = engines[0].full_state_dict()
         for name, value in engines[1].full_state_dict().items():
             torch.testing.assert_close(value, want[name], rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
-        assert blocks_of(engines[1].module)[0]._graphs.stats["replayed"] == 3
+        assert blocks_of(engines[1].module)[0]._graphs.stats == {"captured": 1, "replayed": 3}
     finally:
         for engine in engines:
             engine.destroy()
@@ -270,3 +289,51 @@ def test_a_deep_copy_of_a_replaying_model_captures_afresh(graphs):
     for a, b in zip(blocks_of(twin), blocks_of(model), strict=True):
         assert a._graphs.entries and a._graphs.experts is a.local_experts and a._graphs.stats["captured"] == 1
         assert b._graphs.stats["captured"] == 1 and b._graphs.stats["replayed"] == 2
+
+
+def _expert_grads(model):
+    return [p.grad for b in blocks_of(model) for p in b.local_experts.parameters()]
+
+
+def test_weight_gradients_are_lent_not_copied_and_accumulate_over_micro_batches(graphs):
+    """The replayed backward hands its weight gradients over as .grad (no copy); a second backward before the
+    optimizer (accumulation) moves the first .grad off the graph's memory, then adds: the same sums as eager."""
+    eager = build("mixtral")
+    model = copy.deepcopy(eager)
+    apply_autoep(eager, {})
+    apply_autoep(model, {"capture_graphs": True})
+    lm_loss(model, batch(9, 0)).backward()  # captured
+    for m in (eager, model):
+        m.zero_grad()
+        for micro in range(3):
+            lm_loss(m, batch(micro, 0)).backward()
+            if m is model and micro == 0:
+                statics = [g for b in blocks_of(model) for g in next(iter(b._graphs.entries.values())).grads[2:]]
+                lent = [g.untyped_storage().data_ptr() for g in _expert_grads(model)]
+                assert lent == [g.untyped_storage().data_ptr() for g in statics]
+    want = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    assert "backward eagerly: a weight gradient lent out is still held" not in blocks_of(model)[0]._graphs.stats
+
+
+def test_a_lent_gradient_held_elsewhere_is_never_overwritten(graphs):
+    eager = build("mixtral")
+    model = copy.deepcopy(eager)
+    apply_autoep(eager, {})
+    apply_autoep(model, {"capture_graphs": True})
+    lm_loss(model, batch(9, 0)).backward()
+    model.zero_grad()
+    lm_loss(model, batch(0, 0)).backward()
+    kept = _expert_grads(model)  # a caller keeps the gradients of this step
+    snapshot = [g.clone() for g in kept]
+    model.zero_grad()
+    lm_loss(model, batch(1, 0)).backward()  # must not write into the kept tensors
+    for got, was in zip(kept, snapshot, strict=True):
+        assert torch.equal(got, was)
+    eager.zero_grad()
+    lm_loss(eager, batch(1, 0)).backward()
+    want = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+    assert blocks_of(model)[0]._graphs.stats["backward eagerly: a weight gradient lent out is still held"] == 1
