@@ -33,13 +33,15 @@ pool until the next replay. So:
   ``.grad`` still on that memory (accumulation over micro-batches) to a copy first, and where
   anything else still holds it, computes that backward eagerly instead of overwriting it;
 - each captured shape keeps its pool (the layer's activations and its backward's
-  temporaries) allocated between steps; at most :data:`MAX_SHAPES` shapes are captured per
-  layer, others run eagerly.
+  temporaries) allocated between steps, per layer; at most :data:`MAX_SHAPES` shapes are
+  captured per layer, others run eagerly (one warning), as does a shape whose capture ran out
+  of device memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,8 +49,8 @@ from dataclasses import dataclass, field
 import torch
 from polyaccel.errors import PolyaccelError
 
-#: input shapes captured per layer; further shapes run eagerly
-MAX_SHAPES = 8
+#: input shapes captured per layer (each holds its pool); further shapes run eagerly, with one warning
+MAX_SHAPES = 4
 #: forward + backward runs before capture (kernels compiled, autotuned and libraries set up outside capture)
 WARMUP_RUNS = 2
 
@@ -61,6 +63,10 @@ def accelerator_for(device: torch.device):
     if acc is None:
         raise PolyaccelError(f"capture_graphs: no usable polyaccel accelerator serves device type {device.type!r}")
     return acc
+
+
+class _OutOfMemory(Exception):
+    """A capture that ran out of device memory (that shape then runs eagerly)."""
 
 
 class _Pending:
@@ -180,17 +186,24 @@ class GraphedRoute:
         self.experts = experts
         self.name = name
         self.entries: dict[tuple, _Captured] = {}
+        self.uncapturable: set[tuple] = set()  # shapes whose capture ran out of device memory: eager
         #: how calls went: replayed, captured, eager (and why)
         self.stats: dict[str, int] = {}
+        self._warned: set[str] = set()
 
     def __getstate__(self):
         """A copy (``copy.deepcopy`` of the model, pickling) captures afresh: graphs are bound to this one's memory."""
         state = self.__dict__.copy()
-        state["entries"], state["stats"] = {}, {}
+        state["entries"], state["stats"], state["uncapturable"], state["_warned"] = {}, {}, set(), set()
         return state
 
     def _count(self, what: str) -> None:
         self.stats[what] = self.stats.get(what, 0) + 1
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(f"capture_graphs: {self.name}: {message}", RuntimeWarning, stacklevel=4)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor):
         """``(y, extras)`` from the graphs, or None where this call must run eagerly (counted in ``stats``)."""
@@ -208,10 +221,23 @@ class GraphedRoute:
             self._count("recaptured: parameters moved")
             entry = None
         if entry is None:
+            if key in self.uncapturable:
+                self._count("eager: capture ran out of device memory")
+                return None
             if len(self.entries) >= MAX_SHAPES:
                 self._count("eager: shapes beyond MAX_SHAPES")
+                self._warn_once("shapes", f"more than {MAX_SHAPES} input shapes; the others run eagerly (pad batches "
+                                          "to a few fixed lengths to replay them all)")
                 return None
-            entry = self.entries[key] = self._capture(x, weights, idx, params)
+            try:
+                entry = self._capture(x, weights, idx, params)
+            except _OutOfMemory as exc:
+                self.uncapturable.add(key)
+                self._count("eager: capture ran out of device memory")
+                self._warn_once(f"oom {key[0]}", f"capturing input {key[0]} ran out of device memory ({exc}); that "
+                                                  "shape runs eagerly")
+                return None
+            self.entries[key] = entry
             self._count("captured")
         elif entry.backward_due():
             self._count("eager: the previous forward's backward is still due")
@@ -263,6 +289,8 @@ class GraphedRoute:
                 got = torch.autograd.grad(entry.out, wanted, grad_outputs=entry.grad_out, allow_unused=True)
         except PolyaccelError:
             raise
+        except torch.OutOfMemoryError as exc:
+            raise _OutOfMemory(str(exc).splitlines()[0] if str(exc) else "out of memory") from exc
         except Exception as exc:
             raise PolyaccelError(
                 f"capture_graphs: capturing {self.name}'s routed experts for input {tuple(x.shape)} {x.dtype} failed "

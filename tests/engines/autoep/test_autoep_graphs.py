@@ -337,3 +337,44 @@ def test_a_lent_gradient_held_elsewhere_is_never_overwritten(graphs):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
     assert blocks_of(model)[0]._graphs.stats["backward eagerly: a weight gradient lent out is still held"] == 1
+
+
+def _steps_equal(eager, model, batches):
+    for ids in batches:
+        for m in (eager, model):
+            m.zero_grad()
+            lm_loss(m, ids).backward()
+        want = dict(eager.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-10, atol=1e-10,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _pair():
+    eager = build("mixtral")
+    model = copy.deepcopy(eager)
+    apply_autoep(eager, {})
+    apply_autoep(model, {"capture_graphs": True})
+    return eager, model
+
+
+def test_shapes_beyond_the_cap_run_eagerly_with_one_warning(graphs, monkeypatch):
+    monkeypatch.setattr(graphed, "MAX_SHAPES", 1)
+    eager, model = _pair()
+    with pytest.warns(RuntimeWarning, match="more than 1 input shapes") as seen:
+        _steps_equal(eager, model, [batch(0, 0), batch(1, 0, size=3), batch(2, 0, size=3), batch(3, 0)])
+    stats = blocks_of(model)[0]._graphs.stats
+    assert stats == {"captured": 1, "replayed": 2, "eager: shapes beyond MAX_SHAPES": 2}, stats
+    assert len([w for w in seen if "input shapes" in str(w.message)]) == len(blocks_of(model))  # once per layer
+
+
+def test_a_capture_that_runs_out_of_memory_leaves_that_shape_eager(graphs, monkeypatch):
+    def no_memory(graph, pool=None, stream=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(graphs, "capture_to_graph", no_memory)
+    eager, model = _pair()
+    with pytest.warns(RuntimeWarning, match="ran out of device memory .*Tried to allocate 2.00 GiB"):
+        _steps_equal(eager, model, [batch(0, 0), batch(1, 0)])
+    stats = blocks_of(model)[0]._graphs.stats
+    assert stats == {"eager: capture ran out of device memory": 2} and not blocks_of(model)[0]._graphs.entries
