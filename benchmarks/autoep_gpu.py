@@ -144,6 +144,7 @@ class FusedAutoEP(torch.nn.Module):
 
 
 def train_step(block, x, g):
+    """A forward + backward of ``block`` on ``x`` (loss ``(out * g).sum()``), gradients reset; returns the output."""
     def fn():
         for p in block.parameters():
             p.grad = None
@@ -151,6 +152,7 @@ def train_step(block, x, g):
         out = block(xx)
         out = out[0] if isinstance(out, tuple) else out
         (out.float() * g).sum().backward()
+        return out
     return fn
 
 
@@ -172,12 +174,7 @@ def graphs_check(graphed, eager, x, g, acc) -> dict:
         held = acc.memory_reserved() - before - grads
     outs = []
     for block in (graphed, eager):
-        for p in block.parameters():
-            p.grad = None
-        xx = x.detach().requires_grad_(True)
-        out = block(xx)
-        out = out[0] if isinstance(out, tuple) else out
-        (out.float() * g).sum().backward()
+        out = train_step(block, x, g)()
         outs.append((out.detach().float(), [p.grad.float() for p in block.local_experts.parameters()]))
     (yg, gg), (ye, ge) = outs
     return {"graphs_max_abs_diff": float((yg - ye).abs().max()),

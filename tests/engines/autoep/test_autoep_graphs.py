@@ -18,14 +18,6 @@ from polyaccel.engines.autoep import apply_autoep, graphed, moe, parse_config
 from polyaccel.errors import ConfigError, PolyaccelError, Unsupported
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class _MaskedGroupedMM(torch.autograd.Function):
     """grouped_mm with no host read: each row's expert found on the device, rows past the last offset zero; the
     weight gradient in the weight's own layout (as the cuda builder gives it, so autograd can adopt it as .grad)."""

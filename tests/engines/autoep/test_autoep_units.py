@@ -14,15 +14,6 @@ from polyaccel.errors import ConfigError
 from polyaccel.parallel import get_layout
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention next to other test workers."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 class FakeMesh:
     """Sizes and ranks of a mesh without a process group (enough to place experts; not to run them)."""
 
