@@ -90,7 +90,7 @@ class _Captured:
     trained: tuple[torch.nn.Parameter, ...] = ()  # the parameters that take a gradient, in ``grads`` order
     own_users: tuple[int, ...] = ()  # per weight gradient, the tensors on its memory right after capture
     fn: Callable | None = None  # the eager route: the backward's fallback recomputes with it
-    count: Callable[[str], None] = print
+    count: Callable[[str], None] = lambda what: None  # the layer's stats counter
     pending: weakref.ref | None = None
     replays: int = 0  # forward replays so far: a backward belongs to the forward replay it was made with
 
@@ -295,7 +295,7 @@ class GraphedRoute:
             raise PolyaccelError(
                 f"capture_graphs: capturing {self.name}'s routed experts for input {tuple(x.shape)} {x.dtype} failed "
                 f"({type(exc).__name__}: {exc}). Every op on the path must run without reading values back to the "
-                "host; `polyaccel ops explain grouped_mm` (and swiglu, gather_sum) names the builders in use. Set "
+                "host; `polyaccel.ops.explain('grouped_mm')` (and swiglu, gather_sum) names the builders in use. Set "
                 "expert_parallel.capture_graphs to false to run eagerly") from exc
         got = iter(got)
         entry.grads = tuple(next(got) if t.requires_grad else None for t in (*static[:2], *trained))
