@@ -19,7 +19,9 @@ pool until the next replay. So:
   eagerly), not under autocast (eager);
 - a second forward of the same shape before the first one's backward (activation
   checkpointing's recompute, a layer called twice) runs eagerly: replaying would overwrite
-  the activations the pending backward reads;
+  the activations the pending backward reads. That run, and the capture, keep their saved
+  tensors away from outer saved-tensor hooks (checkpointing's), so a recompute saves what the
+  replayed forward saved;
 - every op on the routed path must capture: no host reads. The cuda plugin's builders skip
   their host-side value checks while capturing; a builder that reads back fails the capture
   with an error that says so, and nothing is half-replaced;
@@ -240,8 +242,11 @@ class GraphedRoute:
             self.entries[key] = entry
             self._count("captured")
         elif entry.backward_due():
+            # e.g. activation checkpointing's recompute in backward: the original forward was replayed and saved
+            # nothing through the checkpoint's hooks, so neither may this eager run
             self._count("eager: the previous forward's backward is still due")
-            return None
+            with _own_saved_tensors():
+                return self.fn(x, weights, idx)
         y = _Replay.apply(entry, x, weights, idx, *(p for p in params if p.requires_grad))
         self._count("replayed")
         return y, entry.extras
@@ -274,18 +279,18 @@ class GraphedRoute:
         entry = _Captured(acc=acc, inputs=static, params=params, param_ptrs=tuple(p.data_ptr() for p in params),
                           trained=tuple(trained), fn=self.fn, count=self._count)
         try:
-            with _side_stream(acc):
+            with _own_saved_tensors(), _side_stream(acc):
                 for _ in range(WARMUP_RUNS):
                     out, _ = self.fn(*static)
                     torch.autograd.grad(out, wanted, grad_outputs=torch.ones_like(out), allow_unused=True)
                 del out
             entry.fwd = acc.create_graph()
-            with acc.capture_to_graph(entry.fwd):
+            with _own_saved_tensors(), acc.capture_to_graph(entry.fwd):
                 entry.out, entry.extras = self.fn(*static)
             entry.grad_out = torch.empty_like(entry.out)
             entry.bwd = acc.create_graph()
             pool = entry.fwd.pool() if hasattr(entry.fwd, "pool") else None
-            with acc.capture_to_graph(entry.bwd, pool=pool):
+            with _own_saved_tensors(), acc.capture_to_graph(entry.bwd, pool=pool):
                 got = torch.autograd.grad(entry.out, wanted, grad_outputs=entry.grad_out, allow_unused=True)
         except PolyaccelError:
             raise
@@ -301,6 +306,17 @@ class GraphedRoute:
         entry.grads = tuple(next(got) if t.requires_grad else None for t in (*static[:2], *trained))
         entry.own_users = tuple(_users(g) if g is not None else 0 for g in entry.grads[2:])
         return entry
+
+
+def _own_saved_tensors():
+    """Autograd saves tensors as they are within: outer saved-tensor hooks (activation checkpointing's) must
+    neither see the capture's own graphs (unpacking one would start a recompute mid-capture) nor tensors of an
+    eager run the replayed forward it stands in for did not save."""
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def _same(t):
+    return t
 
 
 @contextlib.contextmanager

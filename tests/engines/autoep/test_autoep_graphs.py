@@ -342,8 +342,8 @@ def _steps_equal(eager, model, batches):
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _pair():
-    eager = build("mixtral")
+def _pair(family="mixtral"):
+    eager = build(family)
     model = copy.deepcopy(eager)
     apply_autoep(eager, {})
     apply_autoep(model, {"capture_graphs": True})
@@ -370,3 +370,22 @@ def test_a_capture_that_runs_out_of_memory_leaves_that_shape_eager(graphs, monke
         _steps_equal(eager, model, [batch(0, 0), batch(1, 0)])
     stats = blocks_of(model)[0]._graphs.stats
     assert stats == {"eager: capture ran out of device memory": 2} and not blocks_of(model)[0]._graphs.entries
+
+
+@pytest.mark.parametrize("family,reentrant,early_stop", [("mixtral", False, True), ("qwen2_moe", False, False),
+                                                          ("mixtral", True, True)])
+def test_activation_checkpointing_recomputes_eagerly_and_trains_like_eager(graphs, family, reentrant, early_stop):
+    """HF activation checkpointing calls the layer again in backward: with the replayed forward's backward still
+    due (non-reentrant; without early stop the recompute runs through the layer and must save what the replay
+    saved: Qwen's shared expert saves its own after it), or first under no_grad then with grad (reentrant),
+    every step still equals eager."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    eager, model = _pair(family)
+    for m in (eager, model):
+        m.train()
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    with set_checkpoint_early_stop(early_stop):
+        _steps_equal(eager, model, [batch(s, 0) for s in range(3)])
+    stats = blocks_of(model)[0]._graphs.stats
+    assert stats.get("replayed", 0) >= 2, stats
