@@ -125,7 +125,7 @@ def _recompute(entry: _Captured, grad_out: torch.Tensor) -> tuple:
     x, weights, idx = (t.detach().requires_grad_(t.requires_grad) for t in entry.inputs)
     ins = (x, weights, *entry.trained)
     wanted = [t for t in ins if t.requires_grad]
-    with torch.enable_grad():
+    with torch.enable_grad(), _own_saved_tensors():
         out, _ = entry.fn(x, weights, idx)
         got = iter(torch.autograd.grad(out, wanted, grad_outputs=grad_out, allow_unused=True))
     return tuple(next(got) if t.requires_grad else None for t in ins)
