@@ -4,7 +4,7 @@
 #   bash benchmarks/zero_device_run.sh OUTDIR STEP...
 # Steps: peers220m peers1b iso220m iso3r isooff phases2 overlap2 overlap1 overlap1w memory memoff memsnap overlap3 profile1 profile3
 #        profile3b profile3o profile3g verify
-#        ckpt largest largestpa largestds host w1 w1b iso1b off220 off1b
+#        ckpt largest largestpa largestds largestfsdp host w1 w1b iso1b off220 off1b
 set -u
 OUT=${1:?usage: zero_device_run.sh OUTDIR STEP...}
 shift
@@ -50,6 +50,8 @@ for step in "$@"; do
                  --out "$OUT/largestpa.json" ;;
     largestds) run largestds python3 zero_largest.py --systems deepspeed --start 30 --budget $((LIMIT - 15)) \
                  --trial-timeout $((LIMIT - 20)) --out "$OUT/largestds.json" ;;
+    largestfsdp) run largestfsdp python3 zero_largest.py --systems fsdp2 --start 34 --budget $((LIMIT - 15)) \
+                   --out "$OUT/largestfsdp.json" ;;
     host) for s in 1 3; do run host$s python3 zero_host.py --stage $s --steps 3 --rows 12 --trace "$OUT/trace$s.json.gz"; done ;;
     w1) run w1 python3 zero_gpu.py --isolate --rounds 3 --only "=stage 1,=stage 3" --no-granular --peers '' --steps 8 \
           --out "$OUT/w1.json" ;;
