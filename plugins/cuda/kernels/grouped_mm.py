@@ -184,18 +184,8 @@ def _grouped_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, off_ptr, T, K, N,
 
 
 def _check_layout(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None:
-    """The checks that need no device values (safe inside CUDA graph capture)."""
-    if x.dim() != 2 or weight.dim() != 3:
-        raise OpArgumentError(f"grouped_mm: x must be 2-D and weight 3-D, got {x.dim()}-D and {weight.dim()}-D")
-    if x.shape[1] != weight.shape[1]:
-        raise OpArgumentError(f"grouped_mm: x has {x.shape[1]} features but weight expects {weight.shape[1]}")
-    if offsets.dim() != 1 or offsets.numel() != weight.shape[0]:
-        raise OpArgumentError(f"grouped_mm: offsets must be 1-D with one entry per expert ({weight.shape[0]}), "
-                         f"got shape {tuple(offsets.shape)}")
-    if offsets.dtype not in (torch.int32, torch.int64):
-        raise OpArgumentError(f"grouped_mm: offsets must be int32 or int64, got {offsets.dtype}")
-    if x.dtype != weight.dtype:
-        raise OpArgumentError(f"grouped_mm: x is {x.dtype} but weight is {weight.dtype}")
+    """The checks that need no device values (safe inside CUDA graph capture): the reference's, and one device."""
+    check_grouped_mm_shapes(x, weight, offsets)
     if x.device != weight.device or offsets.device != x.device:
         raise OpArgumentError(f"grouped_mm: x ({x.device}), weight ({weight.device}) and offsets ({offsets.device}) "
                          "must be on one device")
@@ -212,7 +202,6 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     off64 = offsets.to(torch.int64)
     if _capturing(x):
         return off64, None
-    check_grouped_mm_shapes(x, weight, offsets)
     return off64, _checked_last_offset(off64, x.shape[0])
 
 
