@@ -413,10 +413,14 @@ class _TorchGroupedMM(torch.autograd.Function):
 def torch_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The op through ``torch._grouped_mm``, autograd-aware, rows past the last offset zeroed.
 
-    Inputs it does not take (not bf16, unaligned K or N, 2**31 rows) go to the reference.
+    Inputs it does not take (not bf16, unaligned K or N, 2**31 rows) go to the reference. Where no gradient
+    is wanted the product is called directly, without an autograd node.
     """
     off64, last = check_args(x, weight, offsets)
     ok, _ = torch_grouped_mm_applies(x, weight)
     if not ok or weight.shape[0] == 0:
         return reference_grouped_mm(x, weight, offsets)
-    return _TorchGroupedMM.apply(x, weight, _int32_offsets(off64), off64, last)
+    off32 = _int32_offsets(off64)
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return _zero_rows_past(torch._grouped_mm(x, weight, offs=off32), off64, last)
+    return _TorchGroupedMM.apply(x, weight, off32, off64, last)

@@ -126,6 +126,21 @@ def test_torch_grouped_mm_wrapper_zeroes_rows_past_the_end_both_ways(capturing, 
     _check(w.grad, want_dw, torch.bfloat16, 30, "dw")
 
 
+def test_torch_grouped_mm_without_gradients_is_the_same_product_with_no_autograd_node():
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(30, 32, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(3, 32, 16, generator=gen).bfloat16().requires_grad_()
+    offsets = torch.tensor([4, 9, 21])
+    with_grad = kg.torch_grouped_mm(x, w, offsets)
+    with torch.no_grad():
+        plain = kg.torch_grouped_mm(x, w, offsets)
+    detached = kg.torch_grouped_mm(x.detach(), w.detach(), offsets)
+    assert with_grad.grad_fn is not None and plain.grad_fn is None and detached.grad_fn is None
+    assert torch.equal(plain, with_grad.detach()) and torch.equal(detached, plain)
+    assert bool((plain[21:] == 0).all())
+    _check(plain, reference(x.detach().double(), w.detach().double(), offsets), torch.bfloat16, 32, "no grad")
+
+
 def test_torch_grouped_mm_weight_gradient_keeps_a_transposed_parameters_layout():
     """Experts stored [E, N, K] and passed as a transposed view: dw is right and lands contiguous in the
     parameter's layout (no strided copy when it accumulates)."""
