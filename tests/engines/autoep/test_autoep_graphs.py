@@ -77,24 +77,28 @@ def blocks_of(model):
 
 
 def assert_same_training(family, steps=3, model_kw=None, check=None):
-    """capture_graphs on one copy, off on another: AdamW steps on fresh batches give the same logits and grads."""
-    eager = build(family, **(model_kw or {}))
-    graphed_model = copy.deepcopy(eager)
+    """The untouched HF model, AutoEP eager and AutoEP with capture_graphs: AdamW steps on fresh batches give the
+    same losses and gradients (the replayed layer against HF itself), and the same expert counts as eager."""
+    hf = build(family, **(model_kw or {}))
+    eager, graphed_model = copy.deepcopy(hf), copy.deepcopy(hf)
     apply_autoep(eager, {})
     apply_autoep(graphed_model, {"capture_graphs": True})
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01) for m in (eager, graphed_model)]
+    models = (hf, eager, graphed_model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01) for m in models]
     for step in range(steps):
         ids = batch(step, 0)
         losses = []
-        for m, opt in zip((eager, graphed_model), opts, strict=True):
+        for m, opt in zip(models, opts, strict=True):
             opt.zero_grad()
             loss = lm_loss(m, ids)
             loss.backward()
             losses.append(loss)
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-10, atol=1e-10)
-        want = dict(eager.named_parameters())
+        torch.testing.assert_close(losses[2], losses[0], rtol=1e-10, atol=1e-10)
+        want = dict(hf.named_parameters())
         for name, p in graphed_model.named_parameters():
-            torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-10, atol=1e-10,
+            # (DeepSeek-V3 computes its router logits in float32 by design: that gradient to fp32 rounding)
+            tol = 1e-6 if family == "deepseek_v3" and name.endswith("mlp.gate.weight") else 1e-10
+            torch.testing.assert_close(p.grad, want[name].grad, rtol=tol, atol=tol,
                                        msg=lambda m, n=name, s=step: f"step {s} {n}: {m}")
         for a, b in zip(blocks_of(graphed_model), blocks_of(eager), strict=True):
             assert torch.equal(a.last_dispatch["counts"], b.last_dispatch["counts"])
