@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tensor-parallel degree (AutoTP): ranks = data x tensor, N must divide them (default 1)")
     g.add_argument("--ep", type=int, default=d.ep, metavar="N",
                    help="expert parallelism for MoE models (--model mixtral): experts over N ranks (default 1)")
+    g.add_argument("--capture-graphs", action="store_true",
+                   help="MoE models at --ep 1, --stage 1 or 2, on an accelerator with device graphs: replay each MoE "
+                        "layer's routed experts from graphs captured once per shape (less host time per step where "
+                        "tokens are few; docs/autoep.md)")
     g.add_argument("--offload", action="store_true",
                    help="offload optimizer state to host memory (and parameters too with --stage 3)")
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")

@@ -45,6 +45,7 @@ class TrainOptions:
     offload: bool = False
     tp: int = 1  # tensor-parallel degree: ranks = data x tensor
     ep: int = 1  # expert-parallel degree (MoE models): experts over ep ranks, carved out of data
+    capture_graphs: bool = False  # MoE models at ep 1: the routed experts replayed from device graphs
     dtype: str = "fp32"
     seed: int = 1234
     nproc: int = 2
@@ -93,6 +94,8 @@ class TrainOptions:
             cfg["tensor_parallel"] = {"autotp_size": self.tp}
         if self.model.name in MOE_MODELS:  # AutoEP runs the experts (grouped_mm), at ep 1 too
             cfg["expert_parallel"] = {"autoep_size": self.ep}
+            if self.capture_graphs:
+                cfg["expert_parallel"]["capture_graphs"] = True
         if self.dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
         elif self.dtype == "fp16":
@@ -193,6 +196,8 @@ def options_from_args(args, accelerator) -> TrainOptions:
     _check_tp(tp, nproc, spec)
     _check_ep(ep, nproc, tp, spec)
     _check_plans(tp, ep, spec)
+    capture_graphs = getattr(args, "capture_graphs", False)
+    _check_capture_graphs(capture_graphs, spec, ep, args.stage, accelerator)
     init_from = _init_from(args, spec)
     # the ranks share the host's cores: for the model itself on cpu, for the offloaded optimizer on a device
     threads = args.threads or max(1, _cpu_count() // nproc)
@@ -207,7 +212,8 @@ def options_from_args(args, accelerator) -> TrainOptions:
         model=spec, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
         lr=lr, weight_decay=args.weight_decay, optimizer=optimizer, adam_lr=adam_lr, grad_clip=args.grad_clip,
         stage=args.stage,
-        offload=args.offload, tp=tp, ep=ep, dtype=args.dtype, seed=args.seed, nproc=nproc, threads=threads,
+        offload=args.offload, tp=tp, ep=ep, capture_graphs=capture_graphs, dtype=args.dtype, seed=args.seed,
+        nproc=nproc, threads=threads,
         accelerator=accelerator.name, text=args.text, save=args.save, save_every=args.save_every,
         resume=args.resume, resume_tag=resume_tag, init_from=init_from, start_step=start_step, log_every=log_every,
         metrics_out=args.metrics_out,
@@ -342,6 +348,25 @@ def _check_ep(ep: int, nproc: int, tp: int, spec: ModelSpec) -> None:
         raise ConfigError(f"--ep {ep} does not divide the {data} data-parallel ranks ({what}; experts are spread "
                           f"over ep ranks carved out of data); use an --ep among "
                           f"{[d for d in range(1, data + 1) if data % d == 0]} or change --nproc/--tp")
+
+
+def _check_capture_graphs(capture_graphs: bool, spec: ModelSpec, ep: int, stage: int, accelerator) -> None:
+    """``--capture-graphs`` where AutoEP can replay its experts: a MoE model at ep 1, ZeRO stage 1 or 2 (stage 3
+    gathers the experts in hooks a replay would skip), an accelerator with device graphs."""
+    if not capture_graphs:
+        return
+    if spec.name not in MOE_MODELS:
+        raise ConfigError(f"--capture-graphs replays the experts of a MoE layer; model {spec.name!r} has none: use "
+                          f"--model {' or '.join(MOE_MODELS)}")
+    if ep > 1:
+        raise ConfigError(f"--capture-graphs needs --ep 1 (got {ep}): a device graph fixes the rows each expert rank "
+                          "receives, which the all-to-all changes every step")
+    if stage == 3:
+        raise ConfigError("--capture-graphs needs --stage 1 or 2: stage 3 gathers the experts' parameters in module "
+                          "hooks, which a graph replay would skip")
+    if not accelerator.has("graphs"):
+        raise ConfigError(f"--capture-graphs: accelerator {accelerator.name!r} has no device graphs; drop the flag "
+                          "(or pick an accelerator with graphs, e.g. --accelerator cuda)")
 
 
 def _check_plans(tp: int, ep: int, spec: ModelSpec) -> None:

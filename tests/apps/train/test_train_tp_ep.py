@@ -58,6 +58,25 @@ def test_bad_tp_ep_combinations_refused_before_spawning(no_spawn, capsys, argv, 
     assert words in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--nproc", "2", "--ep", "2"], "--capture-graphs needs --ep 1 (got 2)"),
+    (["--nproc", "1", "--stage", "3"], "--capture-graphs needs --stage 1 or 2"),
+    (["--nproc", "1", "--model", "llama"], "--capture-graphs replays the experts of a MoE layer; model 'llama'"),
+    (["--nproc", "1"], "--capture-graphs: accelerator 'cpu' has no device graphs"),
+])
+def test_capture_graphs_refused_where_it_cannot_serve_before_spawning(no_spawn, capsys, argv, words):
+    assert main(["train", *TINY, "--capture-graphs", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_capture_graphs_reaches_the_expert_parallel_section(monkeypatch):
+    acc = polyaccel.get_accelerator()
+    monkeypatch.setattr(type(acc), "has", lambda self, cap: cap == "graphs" or cap in self.capabilities())
+    cfg = _opts([*TINY, "--nproc", "1", "--capture-graphs"]).engine_config()
+    assert cfg["expert_parallel"] == {"autoep_size": 1, "capture_graphs": True}
+    assert "capture_graphs" not in _opts([*TINY, "--nproc", "1"]).engine_config()["expert_parallel"]
+
+
 def test_init_from_checked_before_spawning(no_spawn, capsys, tmp_path):
     good = _init_file(tmp_path)
     assert _opts([*TINY, "--nproc", "4", "--tp", "2", "--ep", "2", "--init-from", good]).init_from == good
