@@ -100,10 +100,15 @@ class _Captured:
         return self.pending is not None and self.pending() is not None
 
 
+#: torch's count of the tensors on one storage (None where this torch has none: gradients are then never lent)
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _users(t: torch.Tensor) -> int:
     """How many tensors share ``t``'s memory (``t`` included); 0 where torch cannot say."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return count(t.untyped_storage()._cdata) - 1 if count is not None else 0  # (less the storage object made here)
+    if _storage_use_count is None:
+        return 0
+    return _storage_use_count(t.untyped_storage()._cdata) - 1  # (less the storage object made here)
 
 
 def _reclaim(entry: _Captured) -> bool:
@@ -173,7 +178,7 @@ class _Replay(torch.autograd.Function):
         entry.grad_out.copy_(grad_out)
         entry.acc.replay_graph(entry.bwd)
         gx, gw, *gp = entry.grads  # the input gradients as themselves: autograd adds or copies them, never keeps them
-        return (None, gx, gw, None, *(g.detach() if g is not None and _users(g) else g for g in gp))
+        return (None, gx, gw, None, *(g.detach() if g is not None and _storage_use_count else g for g in gp))
 
 
 class GraphedRoute:

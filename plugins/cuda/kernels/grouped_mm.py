@@ -343,20 +343,19 @@ def torch_grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> tuple[boo
 
 
 @triton.jit
-def _zero_rows_past_kernel(t_ptr, off_ptr, E, T, N, stride, BR: tl.constexpr, BN: tl.constexpr):
+def _zero_rows_past_kernel(t_ptr, off_ptr, E, T, N, stride_r, stride_c, BR: tl.constexpr, BN: tl.constexpr):
     """Zero rows ``off[E-1]:T`` of ``t`` [T, N]; tiles wholly before the end store nothing (a masked-off store)."""
     end = tl.load(off_ptr + E - 1).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
     mask = ((rows >= end) & (rows < T))[:, None] & (cols < N)[None, :]
     zeros = tl.zeros((BR, BN), dtype=t_ptr.dtype.element_ty)
-    tl.store(t_ptr + rows[:, None] * stride + cols[None, :], zeros, mask=mask)
+    tl.store(t_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, zeros, mask=mask)
 
 
 def zero_rows_past_on_device(t: torch.Tensor, off64: torch.Tensor) -> torch.Tensor:
-    """Zero the rows of ``t`` [T, N] (unit column stride) past ``off64[-1]``, read on the device: what the
-    wrapper does while capturing, where the host has no value (a full-tensor masked fill would read and
-    write every row)."""
+    """Zero the rows of ``t`` [T, N] past ``off64[-1]``, read on the device: what the wrapper does while
+    capturing, where the host has no value (a full-tensor masked fill would read and write every row)."""
     T, N = t.shape
     if T == 0 or N == 0:
         return t
@@ -364,7 +363,7 @@ def zero_rows_past_on_device(t: torch.Tensor, off64: torch.Tensor) -> torch.Tens
         return t.zero_()
     br, bn = 32, 128
     _zero_rows_past_kernel[(triton.cdiv(T, br), triton.cdiv(N, bn))](t, off64, off64.numel(), T, N, t.stride(0),
-                                                                      BR=br, BN=bn)
+                                                                      t.stride(1), BR=br, BN=bn)
     return t
 
 
@@ -372,14 +371,10 @@ def _zero_rows_past(t: torch.Tensor, off64: torch.Tensor, last: int | None) -> t
     """Zero the rows of ``t`` past the last offset (torch._grouped_mm leaves them unwritten)."""
     if t.shape[0] == 0:
         return t
-    if last is not None:
-        if last < t.shape[0]:  # (none past the last offset, the usual case: no slice, no launch)
-            t[last:].zero_()
-    elif t.stride(1) == 1:  # capturing: no host value, the end read on the device
-        zero_rows_past_on_device(t, off64)
-    else:
-        end = off64[-1] if off64.numel() else off64.new_zeros(())
-        t.masked_fill_((torch.arange(t.shape[0], device=t.device) >= end)[:, None], 0)
+    if last is None:  # capturing: no host value, the end read on the device
+        return zero_rows_past_on_device(t, off64)
+    if last < t.shape[0]:  # (none past the last offset, the usual case: no slice, no launch)
+        t[last:].zero_()
     return t
 
 

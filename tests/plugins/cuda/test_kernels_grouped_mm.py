@@ -218,9 +218,12 @@ def test_float64_goes_to_the_reference_with_gradients():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("offsets", [[0, 0], [3, 17], [40, 70], [70, 70], []])
-def test_rows_past_the_last_offset_are_zeroed_with_the_end_read_on_the_device(dtype, offsets):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_rows_past_the_last_offset_are_zeroed_with_the_end_read_on_the_device(dtype, offsets, transposed):
     gen = torch.Generator().manual_seed(len(offsets) + sum(offsets))
     t = (torch.rand(70, 200, generator=gen) + 0.5).to(dtype)  # no zero anywhere before
+    if transposed:  # a strided [70, 200] view
+        t = (torch.rand(200, 70, generator=gen) + 0.5).to(dtype).t()
     want = t.clone()
     end = offsets[-1] if offsets else 0
     want[end:] = 0
