@@ -29,7 +29,7 @@ _ZERO_KEYS = {
     "prefetch_bucket_size", "stage3_param_persistence_threshold", "offload_optimizer", "offload_param",
     "stage3_leaf_modules", "stage3_check_schedule", "stage3_module_granularity_threshold",
 }
-_OFFLOAD_KEYS = {"device", "pin_memory", "overlap_step"}
+_OFFLOAD_KEYS = {"device", "pin_memory", "overlap_step", "ratio"}
 #: ``checkpoint.verify``: check every file's checksum when loading (see ``integrity``); false skips it
 _CHECKPOINT_KEYS = {"verify"}
 _BF16_KEYS = {"enabled"}
@@ -70,6 +70,10 @@ class OffloadConfig:
     pin_memory: bool = True
     #: offload_optimizer only: step each bucket on the host while backward runs, when the step allows it
     overlap_step: bool = True
+    #: offload_optimizer only: the fraction of each partition whose optimizer state and step stay on the host;
+    #: the rest (the buckets whose gradients arrive last in backward) stays on the device (see
+    #: :mod:`.split_partition`). Rounded to whole gradient buckets.
+    ratio: float = 1.0
 
     @property
     def enabled(self) -> bool:
@@ -166,8 +170,15 @@ def _offload(key: str, value: Any) -> OffloadConfig:
             f"config key '{key}.device' must be one of {', '.join(OFFLOAD_DEVICES)} (got {device!r}; "
             "nvme offload is not implemented)"
         )
+    ratio = value.get("ratio", 1.0)
+    if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1):
+        raise ConfigError(f"config key '{key}.ratio' must be a number in (0, 1] (the fraction of the optimizer "
+                          f"state kept on the host), got {ratio!r}")
+    if ratio != 1 and device != "cpu":
+        raise ConfigError(f"config key '{key}.ratio' ({ratio}) needs '{key}.device' 'cpu'")
     return OffloadConfig(device=device, pin_memory=_bool(f"{key}.pin_memory", value.get("pin_memory", True)),
-                         overlap_step=_bool(f"{key}.overlap_step", value.get("overlap_step", True)))
+                         overlap_step=_bool(f"{key}.overlap_step", value.get("overlap_step", True)),
+                         ratio=float(ratio))
 
 
 def _optimizer(value: Any) -> OptimizerConfig:
@@ -257,6 +268,13 @@ def _zero_optimization(zero: dict) -> dict[str, Any]:
         out["stage3_check_schedule"] = _bool("zero_optimization.stage3_check_schedule", zero["stage3_check_schedule"])
     out["offload_optimizer"] = _offload("zero_optimization.offload_optimizer", zero.get("offload_optimizer"))
     out["offload_param"] = _offload("zero_optimization.offload_param", zero.get("offload_param"))
+    if out["offload_param"].ratio != 1:
+        raise ConfigError("config key 'zero_optimization.offload_param.ratio' is not supported: parameters are "
+                          "offloaded whole; the ratio applies to offload_optimizer")
+    if out["offload_optimizer"].ratio != 1 and stage == 3:
+        raise ConfigError("config key 'zero_optimization.offload_optimizer.ratio' below 1 needs "
+                          "'zero_optimization.stage' 1 or 2 (stage 3 offloads its optimizer whole); remove the "
+                          "ratio or use stage 2")
     if out["offload_param"].enabled and stage != 3:
         raise ConfigError(
             f"config key 'zero_optimization.offload_param' needs 'zero_optimization.stage' 3 (got stage {stage}); "
@@ -311,6 +329,10 @@ def parse_config(config: dict | None, world_size: int = 1) -> ZeroConfig:
         raise ConfigError("config keys 'bf16.enabled' and 'fp16.enabled' are both true; enable at most one")
     out.update(bf16=bf16_on, fp16=fp16, optimizer=_optimizer(cfg.get("optimizer")),
                activation_checkpointing=parse_activation_checkpointing(cfg.get("activation_checkpointing")))
+    if out["offload_optimizer"].ratio != 1 and out["optimizer"].type in ("lamb", "muon"):
+        raise ConfigError(f"config key 'zero_optimization.offload_optimizer.ratio' below 1 needs an element-wise "
+                          f"optimizer (adam, adamw, lion); {out['optimizer'].type} steps whole parameters or "
+                          "partitions at once; remove the ratio")
     ckpt = _check_keys("checkpoint", cfg.get("checkpoint", {}), _CHECKPOINT_KEYS)
     out["checkpoint_verify"] = _bool("checkpoint.verify", ckpt.get("verify", True))
     return ZeroConfig(**out, raw=raw)

@@ -20,6 +20,7 @@ from .loss_scaler import LossScaler
 from .offload import HostBuffers, HostTransfer
 from .optimizer import PartitionOptimizer
 from .partitioner import PartitionSetup
+from .split_partition import squared_norm
 from .stage12 import FlatPartitioner
 from .weight_decay import decay_runs, resolve_param_groups
 
@@ -222,6 +223,10 @@ class ZeroEngine:
         if self.mesh is None and parallel:
             raise ConfigError("some parameters carry a tensor- or expert-parallel layout but the engine has no mesh; "
                               "let polyaccel.initialize apply the layers from the config, or pass mesh=")
+        if self.config.offload_optimizer.ratio < 1 and any(key[1] for key in by_key):
+            raise ConfigError("zero_optimization.offload_optimizer.ratio below 1 is not supported with parameters "
+                              "replicated over tensor ranks (their partial gradients are summed over the whole "
+                              "partition after backward); remove the ratio")
         if self.mesh is not None and self.config.optimizer.type == "lamb" and list(by_key) != [DEFAULT_KEY]:
             raise ConfigError("optimizer.type 'lamb' is not supported with tensor or expert parallelism: its trust "
                               "ratio needs the norm of each whole parameter, which is split over ranks here; "
@@ -248,7 +253,7 @@ class ZeroEngine:
                 runs = decay_runs(layout.param_ranges(coll.rank), layout.names, self.weight_decays,
                                   cfg.optimizer.weight_decay)
             opt = PartitionOptimizer(
-                cfg.optimizer, part.master, setup.alloc_master,
+                cfg.optimizer, part.master, part.alloc_master,
                 segment_ids=lambda layout=layout, rank=coll.rank: layout.segment_ids(rank),
                 num_segments=len(layout.names), all_reduce=coll.all_reduce, decay_runs=runs)
         copies = 1
@@ -470,7 +475,7 @@ class ZeroEngine:
             known = self.transfer.squared_norm(part.grad)
             if known is not None:
                 return known
-        return torch.linalg.vector_norm(part.grad, dtype=torch.float64).square()
+        return squared_norm(part.grad)
 
     def _apply(self, g, scale: float) -> None:
         """Optimizer step and write-back of one group. With the optimizer offloaded and an element-wise

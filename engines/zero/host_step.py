@@ -21,6 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from polyaccel.errors import PolyaccelError
 
+from .split_partition import SplitPartition
+
 
 class OverlapError(PolyaccelError):
     """A gradient arrived for a bucket whose optimizer step had already started."""
@@ -54,7 +56,16 @@ class HostStepper:
         self.active = True
 
     def submit(self, ranges: list[tuple[int, int]]) -> None:
-        """Step and upload these master ranges once the copy down just issued has landed."""
+        """Step and upload these master ranges once the copy down just issued has landed. Ranges kept on the
+        device (a partial offload, see :mod:`.split_partition`) are stepped at once, in the caller's stream
+        order, right after their gradient."""
+        master = self._group.partitioner.master
+        if isinstance(master, SplitPartition):
+            here = [r for r in ranges if master.on_device(r[0])]
+            self._run(here, None)
+            ranges = [r for r in ranges if not master.on_device(r[0])]
+            if not ranges:
+                return
         event = self.transfer.copy_event("down") if self.has_events else None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyaccel-host-step")

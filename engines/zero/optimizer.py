@@ -22,6 +22,7 @@ from polyaccel import ops
 from polyaccel.ops.reference.optimizers import lamb_trust_ratio
 
 from .config import OptimizerConfig
+from .split_partition import ranges
 
 _OP_FOR = {"adam": "fused_adam", "adamw": "fused_adam", "lion": "fused_lion", "lamb": "fused_lamb",
            "muon": "fused_adam"}  # muon: its auxiliary Adam (the matrices are in .muon)
@@ -119,11 +120,12 @@ class PartitionOptimizer:
         per weight decay in the slice (one call without parameter groups)."""
         if not self.steps_in_slices:
             raise RuntimeError("lamb steps the whole partition at once")
-        if self.uniform_decay is not None:
-            self._step_pieces(grad, [(lo, hi)], self.uniform_decay)
-            return
-        for wd, pieces in self._plan(lo, hi):
-            self._step_pieces(grad, pieces, wd)
+        for a, b in ranges(self.master, lo, hi):  # one op call per place a split partition is kept
+            if self.uniform_decay is not None:
+                self._step_pieces(grad, [(a, b)], self.uniform_decay)
+                continue
+            for wd, pieces in self._plan(a, b):
+                self._step_pieces(grad, pieces, wd)
 
     def _step_pieces(self, grad: torch.Tensor, pieces: list[tuple[int, int]], weight_decay: float) -> None:
         c = self.cfg

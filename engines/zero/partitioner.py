@@ -60,6 +60,8 @@ class Partitioner(abc.ABC):
         self.accelerator = setup.accelerator
         self.eager = setup.eager  # False: reduce every bucket after backward (the engine orders several groups)
         self.divisor = setup.divisor or coll.world  # gradients are averaged over this many data-parallel ranks
+        #: ``alloc(numel, dtype)`` for this partitioner's master, moment and gradient partitions
+        self.alloc_master = setup.alloc_master
         self.transfer = setup.transfer or HostTransfer(HostBuffers(setup.accelerator), setup.accelerator,
                                                        setup.device)
         self._pending: list = []  # (bucket key, work, reduced output, input kept alive until the work is done)

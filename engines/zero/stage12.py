@@ -19,6 +19,7 @@ from .bucket_order import BucketOrder
 from .host_step import OverlapError, overlap_message
 from .partition import FlatLayout, GradientPartition
 from .partitioner import Partitioner, PartitionSetup
+from .split_partition import host_cut, split_allocator
 
 
 class FlatPartitioner(Partitioner):
@@ -57,9 +58,13 @@ class FlatPartitioner(Partitioner):
         """This rank's master partition (a copy of its slice of the flat buffer), the gradient partition and the
         order in which buckets complete."""
         lay, master_dtype = self.layout, setup.master_dtype
-        self.master = setup.alloc_master(lay.partition_size, master_dtype)
-        self.master.copy_(lay.partition_of(self.flat, self.rank).to(self.master.device, master_dtype))
-        self._grad = GradientPartition(setup.alloc_master, lay.partition_size, setup.grad_dtype or master_dtype,
+        ratio = setup.config.offload_optimizer.ratio
+        if ratio < 1:  # the buckets that land last stay on the device (see split_partition)
+            cut = host_cut([b.part_offset for b in lay.buckets], lay.partition_size, ratio)
+            self.alloc_master = split_allocator(setup.alloc_master, self.device, lay.partition_size, cut)
+        self.master = self.alloc_master(lay.partition_size, master_dtype)
+        self.master.copy_(lay.partition_of(self.flat, self.rank).to(master_dtype))
+        self._grad = GradientPartition(self.alloc_master, lay.partition_size, setup.grad_dtype or master_dtype,
                                        self.device)
         self._unwritten = set(range(len(lay.buckets)))
         self._buffers: dict[int, torch.Tensor] = {}

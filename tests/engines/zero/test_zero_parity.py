@@ -27,6 +27,12 @@ CASES = {
     "llama-s1-offload": ("llama", torch.float64, {"stage": 1, "offload": True}, {}),
     "llama-s2": ("llama", torch.float64, {"stage": 2}, {}),
     "llama-s2-offload": ("llama", torch.float64, {"stage": 2, "offload": True}, {}),
+    # partial offload: the last-arriving buckets stepped on the device, the rest on the host under backward
+    "llama-s2-offload-ratio": ("llama", torch.float64, {"stage": 2, "offload": True, "ratio": 0.5}, {}),
+    # accumulation into both places, the norm from both parts, clipping
+    "llama-s2-gas2-clip-offload-ratio": ("llama", torch.float64,
+                                         {"stage": 2, "gas": 2, "clip": 0.05, "offload": True, "ratio": 0.4},
+                                         {"gas": 2, "clip": 0.05}),
     "llama-s3": ("llama", torch.float64, {"stage": 3}, {}),
     "llama-s3-offload": ("llama", torch.float64, {"stage": 3, "offload": True}, {}),
     "llama-s3-offload-param": ("llama", torch.float64, {"stage": 3, "offload": True, "offload_param": True}, {}),
@@ -97,6 +103,7 @@ def train_all_cases(rank: int, world: int, names: list[str]) -> dict:
             "master_numel": engine.partitioner.master.numel(),
             "state_numel": engine.optimizer_state_elements(),
             "master_device": engine.partitioner.master.device.type,
+            "host_cut": getattr(engine.partitioner.master, "cut", None),  # a partial offload's host part
             "device_param_elements": engine.partitioner.device_param_elements(),
             "schedule": schedule,
             "buckets": len(getattr(engine.partitioner.layout, "buckets", [])),
@@ -160,6 +167,11 @@ def test_partition_sizes(results, name):
             assert got["master_numel"] == sum(math.ceil(n / WORLD) for n in trainable)
         assert got["state_numel"] == got["master_numel"] * (1 + n_states)
         assert got["master_device"] == "cpu"
+        if "ratio" in kw:  # split near the ratio, on a bucket boundary, with buckets on both sides
+            assert 0 < got["host_cut"] < got["master_numel"], got["host_cut"]
+            assert abs(got["host_cut"] / got["master_numel"] - kw["ratio"]) < 0.3
+        else:
+            assert got["host_cut"] is None
         assert got["builder"].startswith("cpu_fused_"), got["builder"]
         if kw["stage"] == 3:
             shard_elems = sum(math.ceil(n / WORLD) for n in every)

@@ -89,7 +89,7 @@ def reference_run(kind, dtype, steps, world, opt="adamw", lr=1e-2, wd=0.01, clip
 
 
 def zero_config(stage, opt="adamw", lr=1e-2, wd=0.01, offload=False, offload_param=False, clip=0.0, gas=1,
-                bucket=2000, persistence=0, granularity=0, **extra):
+                bucket=2000, persistence=0, granularity=0, ratio=1.0, **extra):
     zero = {"stage": stage, "reduce_bucket_size": bucket}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = persistence
@@ -97,7 +97,7 @@ def zero_config(stage, opt="adamw", lr=1e-2, wd=0.01, offload=False, offload_par
         if granularity:
             zero["stage3_module_granularity_threshold"] = granularity
     if offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
+        zero["offload_optimizer"] = {"device": "cpu", **({"ratio": ratio} if ratio != 1 else {})}
     if offload_param:
         zero["offload_param"] = {"device": "cpu"}
     cfg = {"optimizer": {"type": opt, "params": {"lr": lr, "weight_decay": wd}}, "zero_optimization": zero,

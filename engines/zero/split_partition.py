@@ -1,0 +1,115 @@
+"""Partial optimizer offload (``offload_optimizer.ratio`` < 1): one flat partition kept in two places.
+
+With the optimizer offloaded, the host steps each gradient bucket as soon as it lands, under
+the rest of backward (:mod:`.host_step`). What it cannot hide is the tail: the buckets whose
+gradients arrive last (the first layers and the embedding) are stepped and uploaded after
+backward, and the next forward needs exactly those first. So the part of the partition that
+stays on the device is the *tail* of the flat order — the last-arriving buckets — and the
+host keeps the head, whose step overlaps backward. The cut lies on a bucket boundary, so every
+bucket is stepped and uploaded in one place.
+
+:class:`SplitPartition` stands for a master, moment or gradient partition of ``numel``
+elements held as ``low`` (elements ``[0, cut)``, on the host) and ``high`` (``[cut, numel)``, on
+the device). It offers what the engine does with a whole partition — slicing within one
+place, zeroing, copying in, a host copy for checkpoints, its squared norm — and nothing else,
+so whole-tensor arithmetic on it fails loudly instead of computing on half of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SplitPartition:
+    def __init__(self, low: torch.Tensor, high: torch.Tensor):
+        if low.dtype != high.dtype or low.dim() != 1 or high.dim() != 1:
+            raise ValueError("a split partition is two flat tensors of one dtype")
+        self.low, self.high = low, high
+        self.cut = low.numel()
+        self.shape = torch.Size([low.numel() + high.numel()])
+        self.dtype = low.dtype
+        #: where the partition is said to live (a gradient partition there is kept between steps)
+        self.device = low.device
+
+    def numel(self) -> int:
+        return self.shape[0]
+
+    def element_size(self) -> int:
+        return self.low.element_size()
+
+    def data_ptr(self) -> int:
+        """The host part's address: offsets below :attr:`cut` count from it."""
+        return self.low.data_ptr()
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("a split partition is sliced by a contiguous range only")
+        lo, hi, _ = index.indices(self.numel())
+        hi = max(lo, hi)
+        if hi <= self.cut:
+            return self.low[lo:hi]
+        if lo >= self.cut:
+            return self.high[lo - self.cut:hi - self.cut]
+        raise IndexError(f"range [{lo}, {hi}) crosses the cut at {self.cut} between host and device parts")
+
+    def ranges(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` cut where the partition changes place (one or two ranges)."""
+        if lo < self.cut < hi:
+            return [(lo, self.cut), (self.cut, hi)]
+        return [(lo, hi)]
+
+    def on_device(self, lo: int) -> bool:
+        """Whether element ``lo`` is kept in the device part."""
+        return lo >= self.cut
+
+    def zero_(self) -> SplitPartition:
+        self.low.zero_()
+        self.high.zero_()
+        return self
+
+    def copy_(self, src: torch.Tensor) -> SplitPartition:
+        if src.shape != self.shape:
+            raise ValueError(f"cannot copy {tuple(src.shape)} into a split partition of {tuple(self.shape)}")
+        self.low.copy_(src[:self.cut])
+        self.high.copy_(src[self.cut:])
+        return self
+
+    def detach(self) -> SplitPartition:
+        return self
+
+    def cpu(self) -> torch.Tensor:
+        """Both parts in one host tensor (what a checkpoint stores: it does not depend on the ratio)."""
+        return torch.cat([self.low.cpu(), self.high.cpu()])
+
+
+def ranges(t, lo: int, hi: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of a partition, cut where it changes place."""
+    return t.ranges(lo, hi) if isinstance(t, SplitPartition) else [(lo, hi)]
+
+
+def squared_norm(t) -> torch.Tensor:
+    """The float64 squared norm of a partition (a scalar tensor where its host part is)."""
+    if isinstance(t, SplitPartition):
+        return squared_norm(t.low) + squared_norm(t.high).to(t.low.device)
+    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+
+
+def host_cut(bucket_starts: list[int], numel: int, ratio: float) -> int:
+    """The bucket boundary nearest ``ratio * numel``: where the host part of a partition ends.
+
+    ``bucket_starts`` are the buckets' offsets in the partition, in order. Ties go to the host (the
+    device keeps no more than asked for)."""
+    target = ratio * numel
+    return min([*bucket_starts, numel], key=lambda b: (abs(b - target), -b))
+
+
+def split_allocator(alloc_host, device: torch.device, numel: int, cut: int):
+    """``alloc(numel, dtype)`` for the partitions of one partitioner: a :class:`SplitPartition` with
+    ``[0, cut)`` from ``alloc_host`` and the rest on ``device``."""
+
+    def alloc(n: int, dtype: torch.dtype) -> SplitPartition:
+        if n != numel:
+            raise ValueError(f"a split partition has {numel} elements, {n} were asked for")
+        return SplitPartition(alloc_host(cut, dtype), torch.empty(numel - cut, dtype=dtype, device=device))
+
+    return alloc
