@@ -94,6 +94,13 @@ def wanted(args, name: str) -> bool:
     return any(name == item[1:] if item.startswith("=") else item in name for item in args.only.split(","))
 
 
+def ratios_for(args, zero: dict) -> list[float]:
+    """The ``--ratio`` values that apply to configuration ``zero`` (an offloaded optimizer at stage 1 or 2)."""
+    if not args.ratio or "offload_optimizer" not in zero or zero["stage"] == 3:
+        return []
+    return [float(r) for r in args.ratio.split(",")]
+
+
 def row_names(args, peers) -> list[str]:
     """The rows ``main`` runs for these arguments, in order (``--isolate`` runs each in its own process)."""
     from zero_peers import fsdp2_unsupported
@@ -105,6 +112,7 @@ def row_names(args, peers) -> list[str]:
         names.append(f"polyaccel {name}")
         if args.muon:
             names.append(f"polyaccel {name} muon")
+        names.extend(f"polyaccel {name} ratio {r}" for r in ratios_for(args, zero))
         if zero["stage"] == 3 and args.granular:
             names.append(f"polyaccel {name} (layer granularity)")
         names.extend(f"{peer} {name}" for peer in peers if peer != "fsdp2" or fsdp2_unsupported(zero) is None)
@@ -241,6 +249,9 @@ def main() -> int:
     ap.add_argument("--muon", action="store_true",
                     help="after each polyaccel row, the same row with optimizer.type muon (Muon on the hidden "
                          "matrices, AdamW on the rest) and its time against the AdamW row")
+    ap.add_argument("--ratio", default=None,
+                    help="after each stage 1/2 offload_optimizer row, the same row with offload_optimizer.ratio set "
+                         "to each of these comma-separated values (the host's share of the optimizer; polyaccel only)")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # --isolate's child: run this row only
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -353,6 +364,10 @@ def main() -> int:
         if args.muon:
             muon = {**config, "optimizer": {"type": "muon", "params": MUON_PARAMS}}
             measure(f"polyaccel {name} muon", lambda c=muon: polyaccel_row(c))
+        for r in ratios_for(args, zero):
+            part = {**config, "zero_optimization": {**zero, "offload_optimizer": {**zero["offload_optimizer"],
+                                                                                 "ratio": r}}}
+            measure(f"polyaccel {name} ratio {r}", lambda c=part: polyaccel_row(c))
         if zero["stage"] == 3 and args.granular:
             granular = {**config, "zero_optimization": {**zero, **GRANULAR}}
             measure(f"polyaccel {name} (layer granularity)", lambda c=granular: polyaccel_row(c))

@@ -75,7 +75,8 @@ params: {lr, betas, eps, weight_decay, adam_w_mode, bias_correction, max_coeff, 
 ``zero_optimization.{stage: 1|2|3, reduce_bucket_size, overlap_comm, contiguous_gradients,
 stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_leaf_modules: [class
 name or module path, ...], stage3_check_schedule: bool, offload_optimizer: {device:
-none|cpu, pin_memory}, offload_param: {device: none|cpu, pin_memory} (stage 3)}``,
+none|cpu, pin_memory, overlap_step, ratio (stages 1 and 2)}, offload_param: {device: none|cpu,
+pin_memory} (stage 3)}``,
 ``activation_checkpointing.{cpu_checkpointing, synchronize_checkpoint_boundary,
 number_checkpoints}`` (``partition_activations``, ``contiguous_memory_optimization`` and
 ``profile`` are refused when true: not implemented).
@@ -84,7 +85,14 @@ Offload: gradients leave the device in the master dtype, converted on the device
 changes dtype across devices leaves the fast DMA path), straight into the pinned fp32 partition
 the first time in an accumulation window; their squared norm is taken on the device on the way,
 so the host never reduces the whole partition. The host optimizer then steps bucket by bucket,
-and each bucket's 16-bit result is uploaded while the host steps the next.
+and each bucket's 16-bit result is uploaded while the host steps the next (during backward, where
+nothing needs the whole gradient first: ``overlap_step``, see :mod:`.host_step`).
+``offload_optimizer.ratio`` (default 1) is the share of each partition whose master, moments,
+gradient and step live on the host; the rest stays on the device: the buckets whose gradients
+arrive last in backward, whose host step could not hide under backward and which the next
+forward needs first (:mod:`.split_partition`; rounded to whole buckets; stages 1 and 2 with an
+element-wise optimizer). It trades device memory (about 14 bytes per parameter kept there) for
+the host's step time and the bus; a checkpoint does not depend on it.
 
 Invariant: every rank issues the same collectives in the same order, whatever its local
 gradients and control flow. Ranks may disagree about which parameters got a gradient (an MoE
