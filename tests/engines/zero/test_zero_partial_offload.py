@@ -160,13 +160,16 @@ def test_a_checkpoint_does_not_depend_on_the_ratio(tmp_path):
 
 
 @pytest.mark.parametrize(("zero", "optimizer", "match"), [
-    ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0}}, "adamw", r"ratio' must be a number in \(0, 1\]"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0}}, "adamw",
+     r"ratio' must be a number in \(0, 1\]"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}, "adamw", "must be a number in"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": float("nan")}}, "adamw", "must be a number in"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": True}}, "adamw", "must be a number in"),
     ({"stage": 2, "offload_optimizer": {"device": "none", "ratio": 0.5}}, "adamw", "needs .*device' 'cpu'"),
-    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "adamw", "needs 'zero_optimization.stage' 1 or 2"),
-    ({"stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5}}, "adamw", "offload_param.ratio' is not supported"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "adamw",
+     "needs 'zero_optimization.stage' 1 or 2"),
+    ({"stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5}}, "adamw",
+     "offload_param.ratio' is not supported"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "lamb", "needs an element-wise optimizer"),
 ])
 def test_ratio_refusals_name_the_key_and_the_fix(zero, optimizer, match):
