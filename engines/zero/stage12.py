@@ -63,7 +63,7 @@ class FlatPartitioner(Partitioner):
             cut = host_cut([b.part_offset for b in lay.buckets], lay.partition_size, ratio)
             self.alloc_master = split_allocator(setup.alloc_master, self.device, lay.partition_size, cut)
         self.master = self.alloc_master(lay.partition_size, master_dtype)
-        self.master.copy_(lay.partition_of(self.flat, self.rank).to(master_dtype))
+        self.master.copy_(lay.partition_of(self.flat, self.rank).to(self.master.device, master_dtype))
         self._grad = GradientPartition(self.alloc_master, lay.partition_size, setup.grad_dtype or master_dtype,
                                        self.device)
         self._unwritten = set(range(len(lay.buckets)))
