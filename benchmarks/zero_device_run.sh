@@ -65,10 +65,9 @@ for step in "$@"; do
              --only "=stage 1,=stage 1 + offload_optimizer,=stage 3 + offload_optimizer + offload_param" \
              --out "$OUT/off1b.json" ;;
     offratio) run offratio220 python3 zero_gpu.py --isolate --rounds 1 --no-granular --peers '' --steps 6 \
-                --only "=stage 1,=stage 1 + offload_optimizer,=stage 2 + offload_optimizer" --ratio 0.5,0.8 \
-                --out "$OUT/offratio220.json"
+                --only "=stage 1,=stage 1 + offload_optimizer" --ratio 0.5,0.8 --out "$OUT/offratio220.json"
               run offratio1b python3 zero_gpu.py --isolate --size 1b --no-granular --peers '' --steps 4 \
-                --only "=stage 1,=stage 1 + offload_optimizer" --ratio 0.5,0.75 --out "$OUT/offratio1b.json" ;;
+                --only "=stage 1,=stage 1 + offload_optimizer" --ratio 0.5 --out "$OUT/offratio1b.json" ;;
     *) echo "unknown step $step" ;;
   esac
 done
