@@ -20,7 +20,7 @@ from .loss_scaler import LossScaler
 from .offload import HostBuffers, HostTransfer
 from .optimizer import PartitionOptimizer
 from .partitioner import PartitionSetup
-from .split_partition import squared_norm
+from .split_partition import SplitPartition, squared_norm
 from .stage12 import FlatPartitioner
 from .weight_decay import decay_runs, resolve_param_groups
 
@@ -489,7 +489,10 @@ class ZeroEngine:
             return
         opt.begin_step()
         self.transfer.start_upload(part.master.numel(), self.compute_dtype)
-        for lo, hi in part.upload_chunks():
+        chunks = part.upload_chunks()
+        if isinstance(part.master, SplitPartition):  # the device's share first: it runs while the host steps
+            chunks.sort(key=lambda c: not part.master.on_device(c[0]))
+        for lo, hi in chunks:
             if scale != 1.0:
                 grad[lo:hi].mul_(scale)
             opt.step_slice(grad, lo, hi)
