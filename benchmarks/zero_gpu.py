@@ -358,7 +358,10 @@ def main() -> int:
                 engine.step()
                 return loss.detach()
 
-            return zero_step, engine.destroy, {"engine": "polyaccel", "optimizer_builder": engine.optimizer_builder}
+            extra = {"engine": "polyaccel", "optimizer_builder": engine.optimizer_builder}
+            if engine.offload_optimizer:
+                extra["host_optimizer_share"] = round(engine.host_optimizer_share, 3)
+            return zero_step, engine.destroy, extra
 
         measure(f"polyaccel {name}", polyaccel_row)
         if args.muon:

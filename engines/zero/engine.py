@@ -530,6 +530,17 @@ class ZeroEngine:
         for g in self.groups:
             g.optimizer.lr = float(lr)
 
+    @property
+    def host_optimizer_share(self) -> float:
+        """The share of this rank's master elements whose optimizer step runs on the host: 0 without
+        ``offload_optimizer``, 1 with it, in between with ``offload_optimizer.ratio`` below 1 (the ratio rounded
+        to whole buckets)."""
+        if not self.offload_optimizer:
+            return 0.0
+        total = sum(g.partitioner.master.numel() for g in self.groups)
+        host = sum(getattr(g.partitioner.master, "cut", g.partitioner.master.numel()) for g in self.groups)
+        return host / total if total else 1.0
+
     def optimizer_state_elements(self) -> int:
         """Elements of optimizer state (master copy + moments) this rank holds."""
         return sum(g.partitioner.master.numel() + g.optimizer.state_elements() for g in self.groups)

@@ -76,6 +76,7 @@ def test_partial_offload_with_asynchronous_copies_matches_adamw(monkeypatch, sta
         seen["master"] = self.partitioner.master
         seen["state"] = dict(self.optimizer.state)
         seen["grad"] = self.partitioner.grad
+        seen["share"] = self.host_optimizer_share
 
     monkeypatch.setattr(engine_module.ZeroEngine, "__init__", keep)
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "ratio": ratio, "overlap_step": overlap}}
@@ -89,6 +90,7 @@ def test_partial_offload_with_asynchronous_copies_matches_adamw(monkeypatch, sta
     for t in (seen["master"], *seen["state"].values(), seen["grad"]):
         assert isinstance(t, SplitPartition) and 0 < t.cut < t.numel() == seen["master"].numel()
         assert mode.is_host(t.low) and not mode.is_host(t.high)
+    assert seen["share"] == seen["master"].cut / seen["master"].numel()
     if overlap:  # both places stepped during backward: the device part at once, the host part by the worker
         assert True in places and False in places
 
@@ -181,3 +183,20 @@ def test_ratio_refusals_name_the_key_and_the_fix(zero, optimizer, match):
     with pytest.raises(ConfigError, match=match):
         parse_config(config)
     assert repr(config) == snapshot
+
+
+def test_host_optimizer_share_reports_the_rounded_ratio():
+    import polyaccel
+    from polyaccel.engines.zero.split_partition import host_cut
+
+    total = sum(p.numel() for p in _model().parameters())
+    for zero, share in (({}, 0.0), ({"offload_optimizer": {"device": "cpu"}}, 1.0),
+                        ({"offload_optimizer": {"device": "cpu", "ratio": 0.45}},
+                         host_cut(list(range(0, total, 100)), total, 0.45) / total)):
+        config = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 100, **zero}}
+        engine = polyaccel.initialize(_model(), config=config)
+        try:
+            assert engine.host_optimizer_share == share
+        finally:
+            engine.destroy()
+    assert 0 < share < 1
