@@ -17,6 +17,8 @@ so whole-tensor arithmetic on it fails loudly instead of computing on half of it
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -101,6 +103,19 @@ def host_cut(bucket_starts: list[int], numel: int, ratio: float) -> int:
     device keeps no more than asked for)."""
     target = ratio * numel
     return min([*bucket_starts, numel], key=lambda b: (abs(b - target), -b))
+
+
+#: a realised host share further than this from the configured ratio is worth a warning
+COARSE = 0.1
+
+
+def warn_if_coarse(ratio: float, cut: int, numel: int, buckets: int, bucket_size: int) -> None:
+    """Warn when whole buckets put the host's share far from ``ratio`` (few, large buckets)."""
+    share = cut / numel if numel else 1.0
+    if abs(share - ratio) > COARSE:
+        warnings.warn(f"zero_optimization.offload_optimizer.ratio {ratio} rounds to a host share of {share:.2f}: the "
+                      f"partition has {buckets} gradient bucket(s) of reduce_bucket_size {bucket_size} and the split "
+                      "falls between buckets; lower reduce_bucket_size for a finer split", stacklevel=2)
 
 
 def split_allocator(alloc_host, device: torch.device, numel: int, cut: int):

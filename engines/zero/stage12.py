@@ -19,7 +19,7 @@ from .bucket_order import BucketOrder
 from .host_step import OverlapError, overlap_message
 from .partition import FlatLayout, GradientPartition
 from .partitioner import Partitioner, PartitionSetup
-from .split_partition import host_cut, split_allocator
+from .split_partition import host_cut, split_allocator, warn_if_coarse
 
 
 class FlatPartitioner(Partitioner):
@@ -61,6 +61,7 @@ class FlatPartitioner(Partitioner):
         ratio = setup.config.offload_optimizer.ratio
         if ratio < 1:  # the buckets that land last stay on the device (see split_partition)
             cut = host_cut([b.part_offset for b in lay.buckets], lay.partition_size, ratio)
+            warn_if_coarse(ratio, cut, lay.partition_size, len(lay.buckets), setup.config.reduce_bucket_size)
             self.alloc_master = split_allocator(setup.alloc_master, self.device, lay.partition_size, cut)
         self.master = self.alloc_master(lay.partition_size, master_dtype)
         self.master.copy_(lay.partition_of(self.flat, self.rank).to(self.master.device, master_dtype))

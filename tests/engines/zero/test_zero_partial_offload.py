@@ -7,6 +7,8 @@ allocated, and a copy between it and anything else lands late, as on a GPU.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from test_zero_offload_ordering import AsyncCopies, _async_transfer, _model, _reference, _train
@@ -200,3 +202,21 @@ def test_host_optimizer_share_reports_the_rounded_ratio():
         finally:
             engine.destroy()
     assert 0 < share < 1
+
+
+def test_a_ratio_that_whole_buckets_cannot_honour_warns_with_the_fix():
+    import polyaccel
+
+    config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 10_000,  # one bucket: all or nothing
+                                    "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
+    with pytest.warns(UserWarning, match=r"ratio 0.5 rounds to a host share of 1.00.*1 gradient bucket.*lower "
+                                         r"reduce_bucket_size"):
+        engine = polyaccel.initialize(_model(), config=config)
+    try:
+        assert engine.host_optimizer_share == 1.0
+    finally:
+        engine.destroy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config["zero_optimization"]["reduce_bucket_size"] = 100
+        polyaccel.initialize(_model(), config=config).destroy()
