@@ -1,12 +1,12 @@
 """Partial optimizer offload (``offload_optimizer.ratio`` < 1): one flat partition kept in two places.
 
 With the optimizer offloaded, the host steps each gradient bucket as soon as it lands, under
-the rest of backward (:mod:`.host_step`). What it cannot hide is the tail: the buckets whose
-gradients arrive last (the first layers and the embedding) are stepped and uploaded after
-backward, and the next forward needs exactly those first. So the part of the partition that
-stays on the device is the *tail* of the flat order — the last-arriving buckets — and the
-host keeps the head, whose step overlaps backward. The cut lies on a bucket boundary, so every
-bucket is stepped and uploaded in one place.
+the rest of backward (:mod:`.host_step`), at the host's memory bandwidth. Where that work
+outlasts backward the step waits for it; a ratio below 1 gives the device a share of it. The
+share that stays on the device is the *tail* of the flat order — the buckets whose gradients
+arrive last (the first layers and the embedding): their host step could never overlap backward,
+and the next forward needs them first. The host keeps the head, whose step overlaps backward.
+The cut lies on a bucket boundary, so every bucket is stepped and uploaded in one place.
 
 :class:`SplitPartition` stands for a master, moment or gradient partition of ``numel``
 elements held as ``low`` (elements ``[0, cut)``, on the host) and ``high`` (``[cut, numel)``, on
