@@ -72,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "tokens are few; docs/autoep.md)")
     g.add_argument("--offload", action="store_true",
                    help="offload optimizer state to host memory (and parameters too with --stage 3)")
+    g.add_argument("--offload-ratio", type=float, default=d.offload_ratio, metavar="R",
+                   help="with --offload at --stage 1 or 2: the share of the optimizer (master, moments, step) kept on "
+                        "the host; the rest, the layers whose gradients arrive last in backward, stays on the device "
+                        "(faster steps for more device memory; default 1: all on the host)")
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
                    help="adamw: AdamW for every parameter; muon: Muon (momentum, then Newton-Schulz "

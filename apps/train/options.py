@@ -43,6 +43,10 @@ class TrainOptions:
     grad_clip: float = 1.0
     stage: int = 2
     offload: bool = False
+    #: --offload at stage 1/2: the host's share of the optimizer (the rest stays on the device)
+    offload_ratio: float = 1.0
+    #: the gradient buckets' size in elements when a partial offload needs several (None: the engine's default)
+    bucket_size: int | None = None
     tp: int = 1  # tensor-parallel degree: ranks = data x tensor
     ep: int = 1  # expert-parallel degree (MoE models): experts over ep ranks, carved out of data
     capture_graphs: bool = False  # MoE models at ep 1: the routed experts replayed from device graphs
@@ -78,6 +82,10 @@ class TrainOptions:
             zero["offload_optimizer"] = {"device": "cpu"}
             if self.stage == 3:
                 zero["offload_param"] = {"device": "cpu"}
+            if self.offload_ratio != 1:
+                zero["offload_optimizer"]["ratio"] = self.offload_ratio
+        if self.bucket_size is not None:
+            zero["reduce_bucket_size"] = self.bucket_size
         cfg: dict = {
             "train_micro_batch_size_per_gpu": self.batch_size,
             "zero_optimization": zero,
@@ -198,6 +206,9 @@ def options_from_args(args, accelerator) -> TrainOptions:
     _check_plans(tp, ep, spec)
     capture_graphs = getattr(args, "capture_graphs", False)
     _check_capture_graphs(capture_graphs, spec, ep, args.stage, accelerator)
+    offload_ratio = getattr(args, "offload_ratio", 1.0)
+    _check_offload_ratio(offload_ratio, args, optimizer, tp)
+    bucket_size = partial_offload_bucket_size(spec) if offload_ratio != 1 else None
     init_from = _init_from(args, spec)
     # the ranks share the host's cores: for the model itself on cpu, for the offloaded optimizer on a device
     threads = args.threads or max(1, _cpu_count() // nproc)
@@ -212,7 +223,8 @@ def options_from_args(args, accelerator) -> TrainOptions:
         model=spec, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
         lr=lr, weight_decay=args.weight_decay, optimizer=optimizer, adam_lr=adam_lr, grad_clip=args.grad_clip,
         stage=args.stage,
-        offload=args.offload, tp=tp, ep=ep, capture_graphs=capture_graphs, dtype=args.dtype, seed=args.seed,
+        offload=args.offload, offload_ratio=offload_ratio, bucket_size=bucket_size, tp=tp, ep=ep,
+        capture_graphs=capture_graphs, dtype=args.dtype, seed=args.seed,
         nproc=nproc, threads=threads,
         accelerator=accelerator.name, text=args.text, save=args.save, save_every=args.save_every,
         resume=args.resume, resume_tag=resume_tag, init_from=init_from, start_step=start_step, log_every=log_every,
@@ -367,6 +379,40 @@ def _check_capture_graphs(capture_graphs: bool, spec: ModelSpec, ep: int, stage:
     if not accelerator.has("graphs"):
         raise ConfigError(f"--capture-graphs: accelerator {accelerator.name!r} has no device graphs; drop the flag "
                           "(or pick an accelerator with graphs, e.g. --accelerator cuda)")
+
+
+def _check_offload_ratio(ratio: float, args, optimizer: str, tp: int) -> None:
+    """``--offload-ratio`` where the engine can split the optimizer between host and device."""
+    if ratio == 1:
+        return
+    if not (math.isfinite(ratio) and 0 < ratio < 1):
+        raise ConfigError(f"--offload-ratio {ratio}: must be in (0, 1], the share of the optimizer stepped on the "
+                          "host (e.g. 0.5)")
+    if not args.offload:
+        raise ConfigError(f"--offload-ratio {ratio} needs --offload (it splits the offloaded optimizer)")
+    if args.stage == 3:
+        raise ConfigError(f"--offload-ratio {ratio} needs --stage 1 or 2 (stage 3 offloads its optimizer whole)")
+    if optimizer != "adamw":
+        raise ConfigError(f"--offload-ratio {ratio} needs --optimizer adamw (Muon steps whole matrices)")
+    if tp > 1:
+        raise ConfigError(f"--offload-ratio {ratio} needs --tp 1 (parameters replicated over tensor ranks are "
+                          "summed over the whole partition)")
+
+
+#: gradient buckets per rank's partition when a partial offload splits it (the split falls between buckets)
+PARTIAL_OFFLOAD_BUCKETS = 20
+
+
+def partial_offload_bucket_size(spec: ModelSpec) -> int:
+    """A bucket size giving each rank's partition about :data:`PARTIAL_OFFLOAD_BUCKETS` buckets, so an
+    ``--offload-ratio`` lands within a few percent (the model counted on the meta device)."""
+    import torch
+
+    from .model import build_model
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in build_model(spec).parameters())
+    return max(1, n // PARTIAL_OFFLOAD_BUCKETS)
 
 
 def _check_plans(tp: int, ep: int, spec: ModelSpec) -> None:

@@ -49,6 +49,9 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
     offload = "off"
     if result["offload"]:
         offload = "optimizer + params -> cpu" if result["stage"] == 3 else "optimizer -> cpu"
+        share = result.get("host_optimizer_share", 1.0)
+        if share < 1:
+            offload += f" ({share:.0%} of it; the rest on the device)"
     losses = result["losses"]
     builders = ", ".join(
         f"{b['op']}: {b['builder']} ({b['kind']}, plugin {b['plugin'] or '-'}, on {b['device_type']})"

@@ -76,3 +76,52 @@ def test_a_failing_rank_is_reported_clearly(capfd, tmp_path):
     err = capfd.readouterr().err
     assert rc == 2
     assert err.startswith("polyaccel train: error: rank ") and "failed" in err
+
+
+def test_partial_offload_trains_like_the_whole_offload(capfd, tmp_path):
+    """--offload-ratio 0.5 on 2 ranks: the device steps about half of each partition, the host the rest, and the
+    losses are those of the fully offloaded run (the same fp32 AdamW arithmetic; only its placement differs)."""
+    whole, _ = _run(capfd, tmp_path, "whole", "--model", "llama", "--stage", "2", "--offload", "--steps", "4")
+    part, out = _run(capfd, tmp_path, "part", "--model", "llama", "--stage", "2", "--offload", "--offload-ratio",
+                     "0.5", "--steps", "4")
+    assert whole["host_optimizer_share"] == 1.0
+    assert abs(part["host_optimizer_share"] - 0.5) < 0.1, part["host_optimizer_share"]
+    assert part["losses"] == pytest.approx(whole["losses"], rel=1e-6)
+    assert part["losses"][-1] < part["losses"][0]
+    assert f"optimizer -> cpu ({part['host_optimizer_share']:.0%} of it;" in out  # (the table wraps the rest)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--offload-ratio", "0.5"], "--offload-ratio 0.5 needs --offload"),
+    (["--offload", "--offload-ratio", "0"], "--offload-ratio 0.0: must be in (0, 1]"),
+    (["--offload", "--offload-ratio", "nan"], "--offload-ratio nan: must be in (0, 1]"),
+    (["--offload", "--offload-ratio", "1.5"], "--offload-ratio 1.5: must be in (0, 1]"),
+    (["--offload", "--offload-ratio", "0.5", "--stage", "3"], "needs --stage 1 or 2"),
+    (["--offload", "--offload-ratio", "0.5", "--optimizer", "muon"], "needs --optimizer adamw"),
+    (["--offload", "--offload-ratio", "0.5", "--tp", "2"], "needs --tp 1"),
+])
+def test_offload_ratio_refused_where_it_cannot_apply_before_spawning(no_spawn, capsys, argv, words):
+    assert main(["train", *TINY, "--nproc", "2", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_offload_ratio_reaches_the_engine_config_with_buckets_to_split():
+    from polyaccel.apps.train.options import PARTIAL_OFFLOAD_BUCKETS, options_from_args
+    from polyaccel.cli import build_parser
+
+    def opts(*argv):
+        return options_from_args(build_parser().parse_args(["train", *TINY, "--nproc", "2", *argv]),
+                                 polyaccel.get_accelerator())
+
+    zero = opts("--offload", "--offload-ratio", "0.25").engine_config()["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "ratio": 0.25}
+    n = sum(p.numel() for p in _model_of(opts().model).parameters())
+    assert zero["reduce_bucket_size"] == n // PARTIAL_OFFLOAD_BUCKETS
+    plain = opts("--offload").engine_config()["zero_optimization"]
+    assert plain["offload_optimizer"] == {"device": "cpu"} and "reduce_bucket_size" not in plain
+
+
+def _model_of(spec):
+    from polyaccel.apps.train.model import build_model
+
+    return build_model(spec)
