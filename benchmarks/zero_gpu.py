@@ -95,8 +95,8 @@ def wanted(args, name: str) -> bool:
 
 
 def ratios_for(args, zero: dict) -> list[float]:
-    """The ``--ratio`` values that apply to configuration ``zero`` (an offloaded optimizer at stage 1 or 2)."""
-    if not args.ratio or "offload_optimizer" not in zero or zero["stage"] == 3:
+    """The ``--ratio`` values that apply to configuration ``zero`` (an offloaded optimizer, parameters not)."""
+    if not args.ratio or "offload_optimizer" not in zero or "offload_param" in zero:
         return []
     return [float(r) for r in args.ratio.split(",")]
 
@@ -250,8 +250,9 @@ def main() -> int:
                     help="after each polyaccel row, the same row with optimizer.type muon (Muon on the hidden "
                          "matrices, AdamW on the rest) and its time against the AdamW row")
     ap.add_argument("--ratio", default=None,
-                    help="after each stage 1/2 offload_optimizer row, the same row with offload_optimizer.ratio set "
-                         "to each of these comma-separated values (the host's share of the optimizer; polyaccel only)")
+                    help="after each offload_optimizer row without offload_param, the same row with "
+                         "offload_optimizer.ratio set to each of these comma-separated values (the host's share of "
+                         "the optimizer; polyaccel only)")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # --isolate's child: run this row only
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

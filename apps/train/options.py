@@ -391,7 +391,8 @@ def _check_offload_ratio(ratio: float, args, optimizer: str, tp: int) -> None:
     if not args.offload:
         raise ConfigError(f"--offload-ratio {ratio} needs --offload (it splits the offloaded optimizer)")
     if args.stage == 3:
-        raise ConfigError(f"--offload-ratio {ratio} needs --stage 1 or 2 (stage 3 offloads its optimizer whole)")
+        raise ConfigError(f"--offload-ratio {ratio} needs --stage 1 or 2 (with --stage 3, --offload moves the "
+                          "parameters to the host too, and those are not split)")
     if optimizer != "adamw":
         raise ConfigError(f"--offload-ratio {ratio} needs --optimizer adamw (Muon steps whole matrices)")
     if tp > 1:

@@ -75,8 +75,8 @@ params: {lr, betas, eps, weight_decay, adam_w_mode, bias_correction, max_coeff, 
 ``zero_optimization.{stage: 1|2|3, reduce_bucket_size, overlap_comm, contiguous_gradients,
 stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_leaf_modules: [class
 name or module path, ...], stage3_check_schedule: bool, offload_optimizer: {device:
-none|cpu, pin_memory, overlap_step, ratio (stages 1 and 2)}, offload_param: {device: none|cpu,
-pin_memory} (stage 3)}``,
+none|cpu, pin_memory, overlap_step, ratio (not with offload_param)}, offload_param: {device:
+none|cpu, pin_memory} (stage 3)}``,
 ``activation_checkpointing.{cpu_checkpointing, synchronize_checkpoint_boundary,
 number_checkpoints}`` (``partition_activations``, ``contiguous_memory_optimization`` and
 ``profile`` are refused when true: not implemented).
@@ -90,9 +90,10 @@ nothing needs the whole gradient first: ``overlap_step``, see :mod:`.host_step`)
 ``offload_optimizer.ratio`` (default 1) is the share of each partition whose master, moments,
 gradient and step live on the host; the rest stays on the device: the buckets whose gradients
 arrive last in backward, whose host step could not hide under backward and which the next
-forward needs first (:mod:`.split_partition`; rounded to whole buckets; stages 1 and 2 with an
-element-wise optimizer). It trades device memory (about 14 bytes per parameter kept there) for
-the host's step time and the bus; a checkpoint does not depend on it.
+forward needs first (:mod:`.split_partition`; rounded to whole buckets in stages 1 and 2, to whole
+parameters in stage 3, with a warning where that lands far from the ratio; element-wise optimizers,
+parameters not offloaded). It trades device memory (about 14 bytes per parameter kept there, 16 in
+stage 3) for the host's step time and the bus; a checkpoint does not depend on it.
 
 Invariant: every rank issues the same collectives in the same order, whatever its local
 gradients and control flow. Ranks may disagree about which parameters got a gradient (an MoE

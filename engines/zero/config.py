@@ -71,8 +71,8 @@ class OffloadConfig:
     #: offload_optimizer only: step each bucket on the host while backward runs, when the step allows it
     overlap_step: bool = True
     #: offload_optimizer only: the fraction of each partition whose optimizer state and step stay on the host;
-    #: the rest (the buckets whose gradients arrive last in backward) stays on the device (see
-    #: :mod:`.split_partition`). Rounded to whole gradient buckets.
+    #: the rest (the parameters whose gradients arrive last in backward) stays on the device (see
+    #: :mod:`.split_partition`). Rounded to whole gradient buckets (stages 1, 2) or parameters (stage 3).
     ratio: float = 1.0
 
     @property
@@ -271,10 +271,10 @@ def _zero_optimization(zero: dict) -> dict[str, Any]:
     if out["offload_param"].ratio != 1:
         raise ConfigError("config key 'zero_optimization.offload_param.ratio' is not supported: parameters are "
                           "offloaded whole; the ratio applies to offload_optimizer")
-    if out["offload_optimizer"].ratio != 1 and stage == 3:
-        raise ConfigError("config key 'zero_optimization.offload_optimizer.ratio' below 1 needs "
-                          "'zero_optimization.stage' 1 or 2 (stage 3 offloads its optimizer whole); remove the "
-                          "ratio or use stage 2")
+    if out["offload_optimizer"].ratio != 1 and out["offload_param"].enabled:
+        raise ConfigError("config key 'zero_optimization.offload_optimizer.ratio' below 1 is not supported with "
+                          "offload_param (the parameters' shards live on the host there); remove the ratio or "
+                          "offload_param")
     if out["offload_param"].enabled and stage != 3:
         raise ConfigError(
             f"config key 'zero_optimization.offload_param' needs 'zero_optimization.stage' 3 (got stage {stage}); "

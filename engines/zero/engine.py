@@ -538,7 +538,7 @@ class ZeroEngine:
         if not self.offload_optimizer:
             return 0.0
         total = sum(g.partitioner.master.numel() for g in self.groups)
-        host = sum(getattr(g.partitioner.master, "cut", g.partitioner.master.numel()) for g in self.groups)
+        host = sum(getattr(g.partitioner.master, "host_elements", g.partitioner.master.numel()) for g in self.groups)
         return host / total if total else 1.0
 
     def optimizer_state_elements(self) -> int:

@@ -61,8 +61,8 @@ class HostStepper:
         order, right after their gradient."""
         master = self._group.partitioner.master
         if isinstance(master, SplitPartition):
-            here = [r for r in ranges if master.on_device(r[0])]
-            self._run(here, None)
+            ranges = [piece for lo, hi in ranges for piece in master.ranges(lo, hi)]
+            self._run([r for r in ranges if master.on_device(r[0])], None)
             ranges = [r for r in ranges if not master.on_device(r[0])]
             if not ranges:
                 return

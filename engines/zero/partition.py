@@ -25,8 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .split_partition import SplitPartition
-
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -203,8 +201,8 @@ class GradientPartition:
     dropped by :meth:`release` after the step when it lives on the compute device. A step's device peak
     comes early in backward (the logits and their gradient) before any bucket has landed, so a partition
     kept from one step to the next would add its whole size to that peak. On the host (optimizer offload)
-    it stays: pinned memory is slow to allocate and host memory is not what runs out. A partition split
-    between host and device (a partial offload) stays too.
+    it stays: pinned memory is slow to allocate and host memory is not what runs out. So does one split
+    between host and device (a partial offload: it says it lives where its host part is).
     """
 
     def __init__(self, alloc, numel: int, dtype: torch.dtype, device: torch.device):
@@ -218,6 +216,5 @@ class GradientPartition:
         return self._tensor
 
     def release(self) -> None:
-        if self._tensor is not None and self._tensor.device == self._device and not isinstance(self._tensor,
-                                                                                                SplitPartition):
+        if self._tensor is not None and self._tensor.device == self._device:
             self._tensor = None

@@ -3,16 +3,18 @@
 With the optimizer offloaded, the host steps each gradient bucket as soon as it lands, under
 the rest of backward (:mod:`.host_step`), at the host's memory bandwidth. Where that work
 outlasts backward the step waits for it; a ratio below 1 gives the device a share of it. The
-share that stays on the device is the *tail* of the flat order — the buckets whose gradients
-arrive last (the first layers and the embedding): their host step could never overlap backward,
-and the next forward needs them first. The host keeps the head, whose step overlaps backward.
-The cut lies on a bucket boundary, so every bucket is stepped and uploaded in one place.
+share that stays on the device is the parameters whose gradients arrive last (the first layers
+and the embedding): their host step could never overlap backward, and the next forward needs
+them first. The host keeps the rest, whose step overlaps backward. In stages 1 and 2 those
+parameters are the tail of the flat partition (it is laid out in reverse registration order)
+and the cut lies on a bucket boundary; in stage 3 they are its head (registration order) and
+the cut lies between parameters.
 
 :class:`SplitPartition` stands for a master, moment or gradient partition of ``numel``
-elements held as ``low`` (elements ``[0, cut)``, on the host) and ``high`` (``[cut, numel)``, on
-the device). It offers what the engine does with a whole partition — slicing within one
-place, zeroing, copying in, a host copy for checkpoints, its squared norm — and nothing else,
-so whole-tensor arithmetic on it fails loudly instead of computing on half of it.
+elements held as ``low`` (elements ``[0, cut)``) and ``high`` (``[cut, numel)``), one of them on
+the host and the other on the device. It offers what the engine does with a whole partition —
+slicing within one place, zeroing, copying in, a host copy for checkpoints, its squared norm —
+and nothing else, so whole-tensor arithmetic on it fails loudly instead of computing on half of it.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ import torch
 
 
 class SplitPartition:
-    def __init__(self, low: torch.Tensor, high: torch.Tensor):
+    def __init__(self, low: torch.Tensor, high: torch.Tensor, device_low: bool = False):
         if low.dtype != high.dtype or low.dim() != 1 or high.dim() != 1:
             raise ValueError("a split partition is two flat tensors of one dtype")
         self.low, self.high = low, high
         self.cut = low.numel()
+        #: whether ``low`` is the device part (stage 3) rather than ``high`` (stages 1 and 2)
+        self.device_low = device_low
+        self.host_part = high if device_low else low
         self.shape = torch.Size([low.numel() + high.numel()])
         self.dtype = low.dtype
         #: where the partition is said to live (a gradient partition there is kept between steps)
-        self.device = low.device
+        self.device = self.host_part.device
 
     def numel(self) -> int:
         return self.shape[0]
@@ -40,8 +45,14 @@ class SplitPartition:
         return self.low.element_size()
 
     def data_ptr(self) -> int:
-        """The host part's address: offsets below :attr:`cut` count from it."""
-        return self.low.data_ptr()
+        """Where element 0 would be if the host part spanned the whole partition: the host part's address less
+        its start, so that an address in the host part, less this, over the element size, is a partition offset."""
+        start = self.cut if self.device_low else 0
+        return self.host_part.data_ptr() - start * self.element_size()
+
+    @property
+    def host_elements(self) -> int:
+        return self.host_part.numel()
 
     def __getitem__(self, index: slice) -> torch.Tensor:
         if not isinstance(index, slice) or index.step not in (None, 1):
@@ -62,7 +73,7 @@ class SplitPartition:
 
     def on_device(self, lo: int) -> bool:
         """Whether element ``lo`` is kept in the device part."""
-        return lo >= self.cut
+        return (lo < self.cut) == self.device_low
 
     def zero_(self) -> SplitPartition:
         self.low.zero_()
@@ -96,35 +107,41 @@ def squared_norm(t) -> torch.Tensor:
     return torch.linalg.vector_norm(t, dtype=torch.float64).square()
 
 
-def host_cut(bucket_starts: list[int], numel: int, ratio: float) -> int:
-    """The bucket boundary nearest ``ratio * numel``: where the host part of a partition ends.
+def host_cut(starts: list[int], numel: int, ratio: float, host_first: bool = True) -> int:
+    """The boundary nearest a host share of ``ratio``: where a partition is cut between host and device.
 
-    ``bucket_starts`` are the buckets' offsets in the partition, in order. Ties go to the host (the
-    device keeps no more than asked for)."""
-    target = ratio * numel
-    return min([*bucket_starts, numel], key=lambda b: (abs(b - target), -b))
+    ``starts`` are the offsets where a piece may begin (buckets in stages 1 and 2, parameters in stage 3);
+    ``host_first``: the host part is ``[0, cut)``, else ``[cut, numel)``. Ties go to the host (the device
+    keeps no more than asked for)."""
+    target = ratio * numel if host_first else (1 - ratio) * numel
+    host = (lambda b: b) if host_first else (lambda b: numel - b)
+    return min([*starts, numel], key=lambda b: (abs(b - target), -host(b)))
 
 
 #: a realised host share further than this from the configured ratio is worth a warning
 COARSE = 0.1
 
 
-def warn_if_coarse(ratio: float, cut: int, numel: int, buckets: int, bucket_size: int) -> None:
-    """Warn when whole buckets put the host's share far from ``ratio`` (few, large buckets)."""
-    share = cut / numel if numel else 1.0
+def warn_if_coarse(ratio: float, host: int, numel: int, pieces: str) -> None:
+    """Warn when whole pieces (``pieces`` says which, and how to make them finer) put the host's share of
+    ``host`` elements far from ``ratio``."""
+    share = host / numel if numel else 1.0
     if abs(share - ratio) > COARSE:
-        warnings.warn(f"zero_optimization.offload_optimizer.ratio {ratio} rounds to a host share of {share:.2f}: the "
-                      f"partition has {buckets} gradient bucket(s) of reduce_bucket_size {bucket_size} and the split "
-                      "falls between buckets; lower reduce_bucket_size for a finer split", stacklevel=2)
+        warnings.warn(f"zero_optimization.offload_optimizer.ratio {ratio} rounds to a host share of {share:.2f}: "
+                      f"the split falls between {pieces}", stacklevel=2)
 
 
-def split_allocator(alloc_host, device: torch.device, numel: int, cut: int):
-    """``alloc(numel, dtype)`` for the partitions of one partitioner: a :class:`SplitPartition` with
-    ``[0, cut)`` from ``alloc_host`` and the rest on ``device``."""
+def split_allocator(alloc_host, device: torch.device, numel: int, cut: int, device_low: bool = False):
+    """``alloc(numel, dtype)`` for the partitions of one partitioner: a :class:`SplitPartition` cut at ``cut``,
+    its host part from ``alloc_host`` and its device part on ``device`` (``device_low``: ``[0, cut)`` is the
+    device part)."""
 
     def alloc(n: int, dtype: torch.dtype) -> SplitPartition:
         if n != numel:
             raise ValueError(f"a split partition has {numel} elements, {n} were asked for")
+        if device_low:
+            return SplitPartition(torch.empty(cut, dtype=dtype, device=device), alloc_host(numel - cut, dtype),
+                                  device_low=True)
         return SplitPartition(alloc_host(cut, dtype), torch.empty(numel - cut, dtype=dtype, device=device))
 
     return alloc

@@ -61,7 +61,9 @@ class FlatPartitioner(Partitioner):
         ratio = setup.config.offload_optimizer.ratio
         if ratio < 1:  # the buckets that land last stay on the device (see split_partition)
             cut = host_cut([b.part_offset for b in lay.buckets], lay.partition_size, ratio)
-            warn_if_coarse(ratio, cut, lay.partition_size, len(lay.buckets), setup.config.reduce_bucket_size)
+            warn_if_coarse(ratio, cut, lay.partition_size,
+                           f"the partition's {len(lay.buckets)} gradient bucket(s) of reduce_bucket_size "
+                           f"{setup.config.reduce_bucket_size}; lower reduce_bucket_size for a finer split")
             self.alloc_master = split_allocator(setup.alloc_master, self.device, lay.partition_size, cut)
         self.master = self.alloc_master(lay.partition_size, master_dtype)
         self.master.copy_(lay.partition_of(self.flat, self.rank).to(self.master.device, master_dtype))

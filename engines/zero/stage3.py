@@ -40,6 +40,7 @@ from .leaves import find_leaf_modules
 from .partition import GradientPartition, ShardLayout
 from .partitioner import Partitioner, PartitionSetup
 from .schedule import END_BACKWARD, END_FORWARD, GatherSchedule
+from .split_partition import host_cut, split_allocator, warn_if_coarse
 
 
 class _Info:
@@ -221,7 +222,13 @@ class ShardedParameters(Partitioner):
     def _partition_master(self, setup: PartitionSetup, derive_shards: bool) -> None:
         """The master partition, filled from the trainable shards (dropped when ``derive_shards``), and the
         gradient partition."""
-        self.master = setup.alloc_master(self.layout.partition_size, setup.master_dtype)
+        ratio, size = setup.config.offload_optimizer.ratio, self.layout.partition_size
+        if ratio < 1:  # the parameters whose gradients land last (the first registered) stay on the device
+            starts = sorted(self.layout.part_offsets)
+            cut = host_cut(starts, size, ratio, host_first=False)
+            warn_if_coarse(ratio, size - cut, size, "parameters (a large one, such as the embedding, is one piece)")
+            self.alloc_master = split_allocator(setup.alloc_master, self.device, size, cut, device_low=True)
+        self.master = self.alloc_master(size, setup.master_dtype)
         for info in self.infos.values():
             if info.index is not None:
                 off = self.layout.part_offsets[info.index]
@@ -232,7 +239,7 @@ class ShardedParameters(Partitioner):
             for info in self.infos.values():
                 source = info.shard if info.shard is not None else self._master_piece(info)
                 info.whole = source[:info.numel].view(info.shape)
-        self._grad = GradientPartition(setup.alloc_master, self.layout.partition_size,
+        self._grad = GradientPartition(self.alloc_master, self.layout.partition_size,
                                        setup.grad_dtype or setup.master_dtype, self.device)
 
     def _hook_modules(self, model, cfg) -> None:
@@ -609,7 +616,7 @@ class ShardedParameters(Partitioner):
         """Start copying the updated master shards in ``[lo, hi)`` into the parameter shards."""
         offsets = self.layout.part_offsets
         infos = [i for i in self._by_offset if lo <= offsets[i.index] < hi and i.index not in self._uploaded]
-        self.transfer.upload([(i.shard, self.master[offsets[i.index]:][:i.shard_size]) for i in infos
+        self.transfer.upload([(i.shard, self.master[offsets[i.index]:offsets[i.index] + i.shard_size]) for i in infos
                               if i.shard is not None])  # a derived shard is read from the master when gathered
         self._uploaded.update(i.index for i in infos)
 

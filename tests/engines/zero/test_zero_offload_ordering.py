@@ -24,6 +24,7 @@ class AsyncCopies(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.host: set[int] = set()
+        self.kept: list[torch.Tensor] = []  # the host buffers (see _async_transfer)
         self.queue: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self.issued = 0  # copies queued so far; an event marks a position in this sequence
         self.completed = 0
@@ -141,6 +142,7 @@ def _async_transfer(mode: AsyncCopies, broken: bool = False, streams: list | Non
         def empty(self, numel, dtype):
             t = super().empty(numel, dtype)
             mode.host.add(t.untyped_storage().data_ptr())
+            mode.kept.append(t)  # never freed while the mode lives, so no device tensor can take its address
             return t
 
     return AsyncHostTransfer, TrackedHostBuffers

@@ -35,6 +35,7 @@ CASES = {
                                          {"gas": 2, "clip": 0.05}),
     "llama-s3": ("llama", torch.float64, {"stage": 3}, {}),
     "llama-s3-offload": ("llama", torch.float64, {"stage": 3, "offload": True}, {}),
+    "llama-s3-offload-ratio": ("llama", torch.float64, {"stage": 3, "offload": True, "ratio": 0.5}, {}),
     "llama-s3-offload-param": ("llama", torch.float64, {"stage": 3, "offload": True, "offload_param": True}, {}),
     "llama-s3-persist": ("llama", torch.float64, {"stage": 3, "persistence": 100}, {}),
     # each decoder layer (2208 elements) gathered whole; with the offloaded step overlapping backward
@@ -103,7 +104,7 @@ def train_all_cases(rank: int, world: int, names: list[str]) -> dict:
             "master_numel": engine.partitioner.master.numel(),
             "state_numel": engine.optimizer_state_elements(),
             "master_device": engine.partitioner.master.device.type,
-            "host_cut": getattr(engine.partitioner.master, "cut", None),  # a partial offload's host part
+            "host_elements": getattr(engine.partitioner.master, "host_elements", None),  # a partial offload's
             "device_param_elements": engine.partitioner.device_param_elements(),
             "schedule": schedule,
             "buckets": len(getattr(engine.partitioner.layout, "buckets", [])),
@@ -167,11 +168,11 @@ def test_partition_sizes(results, name):
             assert got["master_numel"] == sum(math.ceil(n / WORLD) for n in trainable)
         assert got["state_numel"] == got["master_numel"] * (1 + n_states)
         assert got["master_device"] == "cpu"
-        if "ratio" in kw:  # split near the ratio, on a bucket boundary, with buckets on both sides
-            assert 0 < got["host_cut"] < got["master_numel"], got["host_cut"]
-            assert abs(got["host_cut"] / got["master_numel"] - kw["ratio"]) < 0.3
+        if "ratio" in kw:  # split near the ratio (on a bucket or parameter boundary), pieces on both sides
+            assert 0 < got["host_elements"] < got["master_numel"], got["host_elements"]
+            assert abs(got["host_elements"] / got["master_numel"] - kw["ratio"]) < 0.3
         else:
-            assert got["host_cut"] is None
+            assert got["host_elements"] is None
         assert got["builder"].startswith("cpu_fused_"), got["builder"]
         if kw["stage"] == 3:
             shard_elems = sum(math.ceil(n / WORLD) for n in every)

@@ -1,4 +1,4 @@
-"""``offload_optimizer.ratio`` < 1: the partition's last-arriving buckets stepped on the device, the rest on the host.
+"""``offload_optimizer.ratio`` < 1: the last-arriving gradients' share stepped on the device, the rest on the host.
 
 The cpu plugin's host and device are one memory, so the asynchronous-copy stand-in of
 ``test_zero_offload_ordering`` plays the device here: host memory is what ``HostBuffers``
@@ -48,8 +48,9 @@ def test_host_cut_is_the_nearest_bucket_boundary(ratio, cut):
     assert host_cut([0, 100, 200, 300], 400, ratio) == cut
 
 
+@pytest.mark.filterwarnings("ignore:zero_optimization.offload_optimizer.ratio")  # (stage 3: whole parameters)
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap_step", "step_after_backward"])
-@pytest.mark.parametrize(("stage", "ratio"), [(1, 0.6), (2, 0.6), (1, 0.3), (2, 0.3), (2, 0.8)])
+@pytest.mark.parametrize(("stage", "ratio"), [(1, 0.6), (2, 0.6), (1, 0.3), (2, 0.3), (2, 0.8), (3, 0.5), (3, 0.3)])
 def test_partial_offload_with_asynchronous_copies_matches_adamw(monkeypatch, stage, ratio, overlap):
     """fp64 AdamW steps equal torch's with the partition split between the host and the stand-in device; the
     device part never crosses (no copies of its elements), the host part does, and each lives where it should."""
@@ -82,6 +83,8 @@ def test_partial_offload_with_asynchronous_copies_matches_adamw(monkeypatch, sta
 
     monkeypatch.setattr(engine_module.ZeroEngine, "__init__", keep)
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "ratio": ratio, "overlap_step": overlap}}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 20
     with mode:
         losses, _, params = _train(_model(), zero)
     ref_losses, ref_params = _reference(zero)
@@ -91,8 +94,11 @@ def test_partial_offload_with_asynchronous_copies_matches_adamw(monkeypatch, sta
     assert mode.violations == [] and mode.deferred["down"] > 0 and mode.deferred["up"] > 0
     for t in (seen["master"], *seen["state"].values(), seen["grad"]):
         assert isinstance(t, SplitPartition) and 0 < t.cut < t.numel() == seen["master"].numel()
-        assert mode.is_host(t.low) and not mode.is_host(t.high)
-    assert seen["share"] == seen["master"].cut / seen["master"].numel()
+        device_part = t.low if t.device_low else t.high
+        assert mode.is_host(t.host_part) and not mode.is_host(device_part)
+        # the device keeps the parameters whose gradients arrive last: the flat tail (stages 1, 2), the head (3)
+        assert t.device_low == (stage == 3)
+    assert seen["share"] == seen["master"].host_elements / seen["master"].numel()
     if overlap:  # both places stepped during backward: the device part at once, the host part by the worker
         assert True in places and False in places
 
@@ -170,8 +176,8 @@ def test_a_checkpoint_does_not_depend_on_the_ratio(tmp_path):
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": float("nan")}}, "adamw", "must be a number in"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": True}}, "adamw", "must be a number in"),
     ({"stage": 2, "offload_optimizer": {"device": "none", "ratio": 0.5}}, "adamw", "needs .*device' 'cpu'"),
-    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "adamw",
-     "needs 'zero_optimization.stage' 1 or 2"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}, "offload_param": {"device": "cpu"}},
+     "adamw", "ratio' below 1 is not supported with offload_param"),
     ({"stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5}}, "adamw",
      "offload_param.ratio' is not supported"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "lamb", "needs an element-wise optimizer"),
@@ -220,3 +226,12 @@ def test_a_ratio_that_whole_buckets_cannot_honour_warns_with_the_fix():
         warnings.simplefilter("error")
         config["zero_optimization"]["reduce_bucket_size"] = 100
         polyaccel.initialize(_model(), config=config).destroy()
+    # stage 3 cuts between parameters: the first layer (208 of 531 elements) is the device's smallest share
+    config["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}
+    with pytest.warns(UserWarning, match=r"ratio 0.5 rounds to a host share of 0.61: the split falls between "
+                                         r"parameters"):
+        engine = polyaccel.initialize(_model(), config=config)
+    try:
+        assert engine.host_optimizer_share == pytest.approx((531 - 208) / 531)
+    finally:
+        engine.destroy()
