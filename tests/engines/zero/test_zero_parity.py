@@ -30,6 +30,8 @@ CASES = {
     # partial offload: the last-arriving buckets stepped on the device, the rest on the host under backward
     "llama-s2-offload-ratio": ("llama", torch.float64, {"stage": 2, "offload": True, "ratio": 0.5}, {}),
     # accumulation into both places, the norm from both parts, clipping
+    "llama-s1-gas2-offload-ratio": ("llama", torch.float64, {"stage": 1, "gas": 2, "offload": True, "ratio": 0.5},
+                                    {"gas": 2}),
     "llama-s2-gas2-clip-offload-ratio": ("llama", torch.float64,
                                          {"stage": 2, "gas": 2, "clip": 0.05, "offload": True, "ratio": 0.4},
                                          {"gas": 2, "clip": 0.05}),
