@@ -534,7 +534,7 @@ class ZeroEngine:
     def host_optimizer_share(self) -> float:
         """The share of this rank's master elements whose optimizer step runs on the host: 0 without
         ``offload_optimizer``, 1 with it, in between with ``offload_optimizer.ratio`` below 1 (the ratio rounded
-        to whole buckets)."""
+        to whole buckets, or whole parameters in stage 3)."""
         if not self.offload_optimizer:
             return 0.0
         total = sum(g.partitioner.master.numel() for g in self.groups)

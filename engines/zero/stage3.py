@@ -616,7 +616,7 @@ class ShardedParameters(Partitioner):
         """Start copying the updated master shards in ``[lo, hi)`` into the parameter shards."""
         offsets = self.layout.part_offsets
         infos = [i for i in self._by_offset if lo <= offsets[i.index] < hi and i.index not in self._uploaded]
-        self.transfer.upload([(i.shard, self.master[offsets[i.index]:offsets[i.index] + i.shard_size]) for i in infos
+        self.transfer.upload([(i.shard, self._master_piece(i)) for i in infos
                               if i.shard is not None])  # a derived shard is read from the master when gathered
         self._uploaded.update(i.index for i in infos)
 
