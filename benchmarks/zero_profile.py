@@ -1,6 +1,7 @@
 """Profile a few ZeRO steps (world size 1) and print where host and device time go.
 
-    python benchmarks/zero_profile.py [--stage 3] [--offload] [--muon] [--granularity N] [--size 220m] [--rows 30]
+    python benchmarks/zero_profile.py [--stage 3] [--offload [--offload-param]] [--muon] [--granularity N]
+                                      [--size 220m] [--rows 30]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", type=int, default=3)
     ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--offload-param", action="store_true", help="with --offload at stage 3: offload_param too")
     ap.add_argument("--muon", action="store_true", help="optimizer.type muon (zero_gpu.py's MUON_PARAMS)")
     ap.add_argument("--granularity", type=int, default=0, help="stage3_module_granularity_threshold")
     ap.add_argument("--size", default="220m")
@@ -32,6 +34,8 @@ def main() -> int:
         zero["stage3_module_granularity_threshold"] = args.granularity
     if args.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+        if args.offload_param:
+            zero["offload_param"] = {"device": "cpu"}
     optimizer = {"type": "muon", "params": MUON_PARAMS} if args.muon else {"type": "adamw", "params": {"lr": 1e-4}}
     engine = polyaccel.initialize(build(args), {"bf16": {"enabled": True}, "zero_optimization": zero,
                                                 "optimizer": optimizer})

@@ -31,6 +31,8 @@ time (their optimizer state is still partitioned; they are re-gathered after eac
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -71,8 +73,9 @@ class _Info:
 class _Gather:
     """One coalesced all-gather of several parameters; materialised on first use."""
 
-    def __init__(self, infos, out, work, inp):
+    def __init__(self, infos, out, work, inp, uploaded=None):
         self.infos, self.out, self.work, self.inp = infos, out, work, inp
+        self.uploaded = uploaded  # host shards still being copied up: the reader's stream waits (a callable)
         self.numel = sum(i.numel for i in infos)
         self.done = False
 
@@ -80,6 +83,9 @@ class _Gather:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self.uploaded is not None:
+            self.uploaded()
+            self.uploaded = None
         total = sum(i.shard_size for i in self.infos)
         rows = self.out.view(world, total)
         col = 0
@@ -327,14 +333,23 @@ class ShardedParameters(Partitioner):
         total = sum(i.shard_size for i in infos)
         if self.check_schedule:
             self._agree((infos[0].order, len(infos), total))
-        shards = [self._shard(i).to(self.device, non_blocking=True) for i in infos]
-        inp = shards[0] if len(shards) == 1 else torch.cat(shards)
+        uploaded = None
+        if self.offload_param:  # host shards: copied up beside the compute stream's kernels
+            inp, event = self.transfer.upload_shards([self._shard(i) for i in infos], self.device)
+            if event is not None:
+                uploaded = functools.partial(self.transfer.join, event)
+        else:
+            shards = [self._shard(i) for i in infos]
+            inp = shards[0] if len(shards) == 1 else torch.cat(shards)
         if self.world == 1:  # the shard is the parameter: nothing to gather
             out, work = inp, None
         else:
+            if uploaded is not None:  # the collective reads it in this stream's order
+                uploaded()
+                uploaded = None
             out = torch.empty(total * self.world, dtype=self.compute_dtype, device=self.device)
             work = self.coll.all_gather(out, inp, async_op=async_op)
-        g = _Gather(infos, out, work, inp)
+        g = _Gather(infos, out, work, inp, uploaded)
         for i in infos:
             i.inflight = g
         return g

@@ -91,6 +91,11 @@ class FakeStream:
 
     def wait_stream(self, other):
         self.waits += 1
+        self.waited_on = getattr(self, "waited_on", []) + [other]
+
+    def wait_event(self, event):
+        self.waits += 1
+        self.events_waited = getattr(self, "events_waited", 0) + 1
 
 
 def _async_transfer(mode: AsyncCopies, broken: bool = False, streams: list | None = None):
@@ -131,9 +136,12 @@ def _async_transfer(mode: AsyncCopies, broken: bool = False, streams: list | Non
             return getattr(self._accelerator, name)
 
     class AsyncHostTransfer(offload.HostTransfer):
+        last = None  # the latest one made
+
         def __init__(self, host, accelerator, device):
             super().__init__(host, Syncing(accelerator), device)
             self.crosses = True
+            AsyncHostTransfer.last = self
 
         def _crosses(self, a, b):
             return mode.is_host(a) != mode.is_host(b)
@@ -179,7 +187,8 @@ ZERO = {
     "stage 1": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
     "stage 2": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
     "stage 3": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 20},
-    "stage 3 + params": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+    "stage 3 + params": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                         "stage3_param_persistence_threshold": 20},
 }
 
 
@@ -307,10 +316,12 @@ def test_a_gradient_after_its_bucket_was_stepped_is_refused_with_the_fix(overlap
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap_step", "step_after_backward"])
-@pytest.mark.parametrize("name", ["stage 1", "stage 2", "stage 3"])
+@pytest.mark.parametrize("name", ["stage 1", "stage 2", "stage 3", "stage 3 + params"])
 def test_copy_streams_and_device_side_conversion_equal_the_synchronous_path(monkeypatch, name, overlap):
     """bf16 compute, fp32 master: uploads go up as fp32 in pieces (three elements here) and are converted on the
-    device, every copy on a copy stream of its own direction; the result equals the cpu plugin's own run."""
+    device, every copy on a copy stream of its own direction; the result equals the cpu plugin's own run. With
+    offload_param the gathers copy the host shards up on a third stream, and the compute stream waits for each
+    gather's event before reading it."""
     from polyaccel.engines.zero import engine as engine_module
     from polyaccel.engines.zero import host_step, offload
 
@@ -354,7 +365,15 @@ def test_copy_streams_and_device_side_conversion_equal_the_synchronous_path(monk
     with mode:
         losses, got = train()
     assert mode.deferred["down"] > 0 and mode.deferred["up"] > 0 and mode.violations == []
-    assert len(streams) == 2 and all(s.entered and s.waits and s.recorded for s in streams)
+    used = [streams[0], streams[2]] if "offload_param" in zero else streams  # (host master -> host shard: no upload)
+    assert all(s.entered and s.waits and s.recorded for s in used)
+    if "offload_param" in zero:  # down, up (made together at the first copy across) and the gathers' stream
+        assert len(streams) == 3 and streams[2].entered >= 2 * 2 * 3  # two Linears, forward and backward, 3 steps
+        compute = transfer.last.accelerator.compute
+        assert compute.events_waited == streams[2].entered  # every gather joined before its module ran
+        assert streams[2] in streams[0].waited_on  # copies down (and the host steps after them) wait for gathers
+    else:
+        assert len(streams) == 2
     assert losses == plain_losses
     for key, p in plain.items():
         assert got[key].dtype == p.dtype and torch.equal(got[key], p), key
