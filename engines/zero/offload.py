@@ -232,11 +232,12 @@ class HostTransfer:
         way of forward and backward: 76 ms of a 1B model's step on an H100). Copies down wait for them, so the
         host step that follows a gradient's copy down never overwrites a shard an upload still reads."""
         flat = [s.reshape(-1) for s in shards]
-        # allocated in the caller's stream, which frees it; the copy stream waits for that stream's work first
+        # allocated in the caller's stream, which frees it only after it waited for the event (so it is not held
+        # here: a released parameter's memory is free at once); the copy stream waits for that stream's work first
         out = torch.empty(sum(f.numel() for f in flat), dtype=flat[0].dtype, device=device)
         if not self._crosses(out, flat[0]):
             return flat[0] if len(flat) == 1 else torch.cat(flat, out=out), None
-        with self._on_copy_stream("params", out):
+        with self._on_copy_stream("params"):
             col = 0
             for f in flat:
                 out[col:col + f.numel()].copy_(f, non_blocking=True)
