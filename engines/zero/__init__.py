@@ -94,6 +94,10 @@ forward needs first (:mod:`.split_partition`; rounded to whole buckets in stages
 parameters in stage 3, with a warning where that lands far from the ratio; element-wise optimizers,
 parameters not offloaded). It trades device memory (about 14 bytes per parameter kept there, 16 in
 stage 3) for the host's step time and the bus; a checkpoint does not depend on it.
+With ``offload_param`` (stage 3) each rank's parameter shards live in one registered host buffer;
+a gather copies them up on a copy stream of their own, which the compute stream waits for only
+where the module runs, so the copies of prefetched modules run beside the kernels before them
+(:meth:`.offload.HostTransfer.upload_shards`).
 
 Invariant: every rank issues the same collectives in the same order, whatever its local
 gradients and control flow. Ranks may disagree about which parameters got a gradient (an MoE
