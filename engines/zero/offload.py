@@ -228,8 +228,8 @@ class HostTransfer:
         and an event the reader's stream must wait for (:meth:`join`) before reading it (None: ready as returned).
 
         The copies run on a stream of their own (``params``), after the caller's stream's work so far: queued
-        in the compute stream they ran between its kernels, in line with them (about 2 bytes a parameter each
-        way of forward and backward: 76 ms of a 1B model's step on an H100). Copies down wait for them, so the
+        in the compute stream they ran between its kernels, in line with them (2 bytes a parameter in forward
+        and again in backward: 76 ms of a 1B model's step on an H100). Copies down wait for them, so the
         host step that follows a gradient's copy down never overwrites a shard an upload still reads."""
         flat = [s.reshape(-1) for s in shards]
         # allocated in the caller's stream, which frees it only after it waited for the event (so it is not held

@@ -87,15 +87,16 @@ class FakeStream:
     a position in it); it counts what was run on it, waited for and recorded."""
 
     def __init__(self):
-        self.entered = self.waits = self.recorded = 0
+        self.entered = self.waits = self.recorded = self.events_waited = 0
+        self.waited_on: list[FakeStream] = []
 
     def wait_stream(self, other):
         self.waits += 1
-        self.waited_on = getattr(self, "waited_on", []) + [other]
+        self.waited_on.append(other)
 
     def wait_event(self, event):
         self.waits += 1
-        self.events_waited = getattr(self, "events_waited", 0) + 1
+        self.events_waited += 1
 
 
 def _async_transfer(mode: AsyncCopies, broken: bool = False, streams: list | None = None):
