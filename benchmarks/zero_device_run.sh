@@ -5,6 +5,7 @@
 # Steps: peers220m peers1b iso220m iso3r isooff phases2 overlap2 overlap1 overlap1w memory memoff memsnap overlap3 profile1 profile3
 #        profile3b profile3o profile3g verify
 #        ckpt largest largestpa largestds largestfsdp host w1 w1b iso1b off220 off1b offratio220 offratio1b largest22
+#        param1b
 set -u
 OUT=${1:?usage: zero_device_run.sh OUTDIR STEP...}
 shift
@@ -68,6 +69,8 @@ for step in "$@"; do
                    --only "=stage 1,=stage 1 + offload_optimizer" --ratio 0.5,0.8 --out "$OUT/offratio220.json" ;;
     offratio1b) run offratio1b python3 zero_gpu.py --isolate --size 1b --no-granular --peers '' --steps 4 \
                   --only "=stage 1,=stage 1 + offload_optimizer" --ratio 0.5 --out "$OUT/offratio1b.json" ;;
+    param1b) run param1b python3 zero_gpu.py --isolate --rounds 3 --size 1b --no-granular --peers fsdp2 --steps 4 \
+               --only "=stage 3 + offload_optimizer + offload_param" --out "$OUT/param1b.json" ;;
     largest22) run largest22 python3 zero_largest.py --systems polyaccel,fsdp2 --start 22 --max-layers 22 \
                  --budget $((LIMIT - 15)) --out "$OUT/largest22.json" ;;
     *) echo "unknown step $step" ;;
