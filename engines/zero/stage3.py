@@ -333,23 +333,21 @@ class ShardedParameters(Partitioner):
         total = sum(i.shard_size for i in infos)
         if self.check_schedule:
             self._agree((infos[0].order, len(infos), total))
-        uploaded = None
+        event = None
         if self.offload_param:  # host shards: copied up beside the compute stream's kernels
             inp, event = self.transfer.upload_shards([self._shard(i) for i in infos], self.device)
-            if event is not None:
-                uploaded = functools.partial(self.transfer.join, event)
         else:
             shards = [self._shard(i) for i in infos]
             inp = shards[0] if len(shards) == 1 else torch.cat(shards)
         if self.world == 1:  # the shard is the parameter: nothing to gather
             out, work = inp, None
         else:
-            if uploaded is not None:  # the collective reads it in this stream's order
-                uploaded()
-                uploaded = None
+            if event is not None:  # the collective reads it in this stream's order
+                self.transfer.join(event)
+                event = None
             out = torch.empty(total * self.world, dtype=self.compute_dtype, device=self.device)
             work = self.coll.all_gather(out, inp, async_op=async_op)
-        g = _Gather(infos, out, work, inp, uploaded)
+        g = _Gather(infos, out, work, inp, functools.partial(self.transfer.join, event) if event is not None else None)
         for i in infos:
             i.inflight = g
         return g
