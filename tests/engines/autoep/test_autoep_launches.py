@@ -1,0 +1,102 @@
+"""What a routed MoE layer launches besides its experts: the short route for 16-bit softmax routers and the
+expert offsets from the sort. Layers with few tokens a step are bound by the host's kernel launches, so the
+number of ops is what is checked here (counted at the dispatcher, device-independent), with the numbers
+against float64 references."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from polyaccel.engines.autoep import moe
+from polyaccel.engines.autoep.presets import Routing
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: aten ops that launch no kernel (views, metadata, allocation without a fill)
+NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "as_strided", "detach", "alias", "expand", "slice", "select",
+             "split", "split_with_sizes", "permute", "unsqueeze", "squeeze", "_reshape_alias", "unbind", "empty",
+             "empty_strided", "new_empty", "new_empty_strided", "empty_like", "lift_fresh"}
+
+
+class Launches(TorchDispatchMode):
+    """Counts the aten ops that launch a kernel, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in NO_KERNEL:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def _route_launches(logits: torch.Tensor, routing: Routing) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(ops of route's forward + backward, weights, ids), the backward with a random gradient."""
+    leaf = logits.detach().requires_grad_(True)
+    grad = torch.randn(logits.shape[0], routing.top_k)
+    with Launches() as count:
+        weights, idx = moe.route(leaf, routing)
+        weights.backward(grad)
+    return count.total, weights, idx
+
+
+def _reference(logits: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """transformers' formula in float64: softmax over all experts, the chosen ones renormalised, scaled."""
+    probs = torch.softmax(logits.double(), dim=-1).gather(1, idx)
+    return probs / probs.sum(dim=-1, keepdim=True) * scale
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_short_route_gives_the_same_experts_and_weights_with_fewer_launches(scale):
+    torch.manual_seed(0)
+    T, E, k = 96, 16, 4
+    logits = torch.randn(T, E).to(torch.bfloat16)
+    routing = Routing(top_k=k, scale=scale)
+    short, weights, idx = _route_launches(logits, routing)
+    assert weights.dtype == torch.float32
+    # the experts: the k largest logits (softmax is monotonic), the same set the long formula picks
+    long_idx = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)[1]
+    assert torch.equal(idx.sort(dim=-1)[0], long_idx.sort(dim=-1)[0])
+    torch.testing.assert_close(weights.double(), _reference(logits, idx, scale), rtol=1e-6, atol=1e-7)
+    # the gradient with respect to the (bf16) logits, against float64 autograd of the long formula: within the
+    # one rounding to bf16
+    leaf = logits.detach().requires_grad_(True)
+    weights2 = moe.route(leaf, routing)[0]
+    grad = torch.randn(T, k)
+    (weights2 * grad).sum().backward()
+    ref_leaf = logits.double().requires_grad_(True)
+    (_reference(ref_leaf, idx, scale) * grad.double()).sum().backward()
+    torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, rtol=2**-8, atol=1e-6)
+    # the long formula (what fp32 logits take) launches 7 or more ops more
+    long, long_weights, long_ids = _route_launches(logits.float(), routing)
+    assert torch.equal(long_ids, idx)
+    torch.testing.assert_close(long_weights, weights, rtol=1e-6, atol=1e-7)
+    assert short <= 7 + 2 * (scale != 1.0) and long >= short + 7, (short, long)
+
+
+@pytest.mark.parametrize("routing", [Routing(top_k=2, route_norm=False), Routing(top_k=2, score_func="sigmoid"),
+                                     Routing(top_k=2, num_groups=2, limited_groups=1)])
+def test_other_routers_keep_the_long_formula(routing):
+    torch.manual_seed(1)
+    logits = torch.randn(10, 8).to(torch.bfloat16)
+    weights, idx = moe.route(logits, routing)
+    wide_weights, wide_idx = moe.route(logits.float(), routing)
+    assert torch.equal(idx, wide_idx) and torch.equal(weights, wide_weights)
+
+
+def test_wide_logits_keep_transformers_order_of_operations():
+    """fp32 and fp64 models: the exact sequence of transformers' router (softmax, top k, renormalise)."""
+    torch.manual_seed(2)
+    logits = torch.randn(12, 8, dtype=torch.float64)
+    weights, idx = moe.route(logits, Routing(top_k=2))
+    probs = torch.softmax(logits.float(), dim=-1)
+    want, want_idx = torch.topk(probs, 2, dim=-1)
+    assert torch.equal(idx, want_idx)
+    assert torch.equal(weights, want / want.sum(dim=-1, keepdim=True))
