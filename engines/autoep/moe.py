@@ -134,25 +134,26 @@ class GroupedExperts(torch.nn.Module):
             return gu, down
         return gu.transpose(1, 2), down.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, index: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, ends: torch.Tensor, index: torch.Tensor | None = None,
                 weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows of ``x`` sorted by local expert, ``counts[e]`` rows for local expert e.
+        """Rows of ``x`` sorted by local expert, local expert e's ending at row ``ends[e]`` (int64, cumulative:
+        the offsets ``grouped_mm`` takes).
 
         With ``index`` ([tokens, k], as ``gather_sum`` takes it), ``x`` holds the token rows
         instead and the result is each token's k slots summed with ``weights``: the fused
         expert ops (:func:`run_fused_experts`). With ``weights`` alone ([tokens, E_local]),
         ``x`` holds the token rows, every token goes to every expert and the result is their
-        weighted sum (:func:`run_dense_experts`; ``counts`` is not read).
+        weighted sum (:func:`run_dense_experts`; ``ends`` is not read).
 
         Called on every rank in every forward (with no rows too), so hooks that gather the
         parameters around a module's forward (ZeRO stage 3) see the same calls everywhere.
         """
         w1, w2 = self.weights()
         if index is not None:
-            return run_fused_experts(x, index, w1, w2, counts, weights)
+            return run_fused_experts(x, index, w1, w2, ends, weights)
         if weights is not None:
             return run_dense_experts(x, w1, w2, weights)
-        return run_experts(x, w1, w2, counts)
+        return run_experts(x, w1, w2, ends)
 
     def extra_repr(self) -> str:
         last = self.first_expert + self.num_local_experts - 1
@@ -173,18 +174,16 @@ class GateUpHalves(torch.autograd.Function):
         return whole if whole is not None else torch.cat((d_gate, d_up), dim=-1)
 
 
-def run_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def run_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts on rows sorted by local expert: grouped_mm -> swiglu -> grouped_mm."""
-    offsets = torch.cumsum(counts.to(torch.int64), dim=0)
     gate, up = GateUpHalves.apply(ops.grouped_mm(x, w1, offsets))
     return ops.grouped_mm(ops.swiglu(gate, up), w2, offsets)
 
 
 def run_fused_experts(x: torch.Tensor, index: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                      counts: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+                      offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """The same experts on token rows ``x`` dispatched by ``index`` and combined with ``weights``:
     ``moe_gate_up`` -> ``moe_down_combine`` (``gather_sum(run_experts(x dispatched), index, weights)``)."""
-    offsets = torch.cumsum(counts.to(torch.int64), dim=0)
     return ops.moe_down_combine(ops.moe_gate_up(x, index, w1, offsets), w2, offsets, index, weights)
 
 
@@ -203,6 +202,29 @@ def run_dense_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, weigh
     gate, up = GateUpHalves.apply(gu.view(T * E, F2))
     h = ops.weighted_swiglu(gate, up, weights.reshape(T * E))
     return h.view(T, E * (F2 // 2)) @ w2.reshape(E * (F2 // 2), H)
+
+
+def counts_of(ends: torch.Tensor) -> torch.Tensor:
+    """Rows per expert from the experts' cumulative end rows."""
+    return ends - torch.nn.functional.pad(ends[:-1], (1, 0))
+
+
+class DispatchRecord(dict):
+    """What a forward dispatched, detached: ``counts`` (rows this rank routed to each global expert),
+    ``received`` (rows each local expert computed), ``send`` / ``recv`` (rows to and from each peer; None
+    at ep 1).
+
+    At ep 1 the forward records only the experts' end rows (``ends``); ``counts`` and ``received`` are
+    derived from them when first read (``record["counts"]``), so a step nobody inspects launches
+    nothing for them.
+    """
+
+    def __missing__(self, key):
+        if key in ("counts", "received") and "ends" in self:
+            counts = counts_of(self["ends"])
+            self["counts"] = self["received"] = counts
+            return counts
+        raise KeyError(key)
 
 
 def fused_experts_provided(device_type: str) -> bool:
@@ -230,8 +252,8 @@ class AutoEPMoE(torch.nn.Module):
             self.add_module(spec.shared_name, shared)
         if shared_gate is not None:
             self.add_module(spec.shared_gate_name, shared_gate)
-        #: what the last forward dispatched (detached; for tests and monitoring)
-        self.last_dispatch: dict | None = None
+        #: what the last forward dispatched (for tests and monitoring; see :class:`DispatchRecord`)
+        self.last_dispatch: DispatchRecord | None = None
         #: the fused expert ops: None = where the device's plugin provides them, True/False = always/never
         self.fused_experts: bool | None = None
         #: every token to every expert as one dense MLP (see the module docstring); False keeps the routed path
@@ -239,6 +261,7 @@ class AutoEPMoE(torch.nn.Module):
         #: replay the routed experts from device graphs (ep 1; see :mod:`.graphed`)
         self.capture_graphs = False
         self._graphs: GraphedRoute | None = None
+        self._expert_id_cache: torch.Tensor | None = None
 
     @property
     def router(self) -> torch.nn.Module:
@@ -288,7 +311,7 @@ class AutoEPMoE(torch.nn.Module):
             if replayed is not None:
                 y, extras = replayed
                 counts = extras["counts"].clone()
-                self.last_dispatch = {"counts": counts, "received": counts, "send": None, "recv": None}
+                self.last_dispatch = DispatchRecord(counts=counts, received=counts, send=None, recv=None)
                 return y
         return self._routed_eagerly(x, weights, idx)
 
@@ -297,64 +320,81 @@ class AutoEPMoE(torch.nn.Module):
         y = self._routed_eagerly(x, weights, idx)
         return y, {"counts": self.last_dispatch["counts"]}
 
+    def _expert_ids(self, device: torch.device) -> torch.Tensor:
+        """``arange(E)`` on ``device``, made once (the values ``_sorted_routes`` searches for)."""
+        ids = self._expert_id_cache
+        if ids is None or ids.device != device:
+            ids = self._expert_id_cache = torch.arange(self.num_experts, device=device)
+        return ids
+
+    def _sorted_routes(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(order, inverse, ends) of the T*k assignments ``idx``: ``order`` sorts them expert-major (stable: within
+        an expert, token order), ``inverse`` is its inverse and ``ends[e]`` the end row of global expert e in that
+        order, found in the sorted ids (one search; no sync with the host, as bincount's would be)."""
+        expert_of_row, order = torch.sort(idx.reshape(-1), stable=True)
+        ends = torch.searchsorted(expert_of_row, self._expert_ids(idx.device), right=True)
+        return order, inverse_permutation(order), ends
+
+    def _exchange(self, ends: torch.Tensor):
+        """ep > 1: the counts this rank sends each expert, exchanged: (counts, received per local expert, the
+        received per [source rank][local expert], rows sent to each peer, rows received from each)."""
+        counts = counts_of(ends)
+        recv, send_rows, recv_rows = exchange_counts(counts, self.ep_size, self.group)
+        return counts, recv.sum(0), recv, send_rows, recv_rows
+
+    def _local_order(self, x: torch.Tensor, recv: torch.Tensor, rows: int) -> torch.Tensor:
+        """The permutation that sorts received rows ([source rank][local expert] order) by local expert."""
+        n_local = self.num_experts // self.ep_size
+        local_ids = torch.arange(n_local, device=x.device).repeat(self.ep_size)
+        row_expert = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=rows)
+        return torch.argsort(row_expert, stable=True)
+
     def _routed_eagerly(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         T, k = idx.shape
-        E, ep = self.num_experts, self.ep_size
+        E = self.num_experts
         if self._uses_dense(k):
             counts = torch.full((E,), T, dtype=torch.int64, device=x.device)
-            self.last_dispatch = {"counts": counts, "received": counts, "send": None, "recv": None}
+            self.last_dispatch = DispatchRecord(counts=counts, received=counts, send=None, recv=None)
             w = weights.to(x.dtype)
             per_expert = w.new_zeros(T, E).scatter(1, idx, w)
-            return self.local_experts(x, counts, None, per_expert)
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # expert-major; within an expert, token order
-        inverse = inverse_permutation(order)
+            return self.local_experts(x, None, None, per_expert)
+        order, inverse, ends = self._sorted_routes(idx)
         weights = weights.to(x.dtype)
         if self._uses_fused(x):
-            return self._routed_fused(x, weights, flat, order, inverse.view(T, k))
+            return self._routed_fused(x, weights, order, inverse.view(T, k), ends)
         routed = DispatchRows.apply(x, order, inverse, k)
         if self.routing.score_apply == "pre":
             routed = routed * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-        # (bincount would sync with the host to size its output; a scatter-add into E slots does not)
-        counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
         experts = self.local_experts
-        if ep == 1:
-            y = experts(routed, counts)
-            self.last_dispatch = {"counts": counts.detach(), "received": counts.detach(), "send": None, "recv": None}
+        if self.ep_size == 1:
+            y = experts(routed, ends)
+            self.last_dispatch = DispatchRecord(ends=ends.detach(), send=None, recv=None)
         else:
-            recv, send_rows, recv_rows = exchange_counts(counts, ep, self.group)
+            counts, received_counts, recv, send_rows, recv_rows = self._exchange(ends)
             received = AllToAllV.apply(routed, recv_rows, send_rows, self.group)  # [source][local expert] order
-            n_local = E // ep
-            local_ids = torch.arange(n_local, device=x.device).repeat(ep)
-            row_expert = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=sum(recv_rows))
-            perm = torch.argsort(row_expert, stable=True)
+            perm = self._local_order(x, recv, sum(recv_rows))
             back = inverse_permutation(perm)
-            y_local = experts(PermuteRows.apply(received, perm, back), recv.sum(0))
+            y_local = experts(PermuteRows.apply(received, perm, back), torch.cumsum(received_counts, 0))
             y = AllToAllV.apply(PermuteRows.apply(y_local, back, perm), send_rows, recv_rows, self.group)
-            self.last_dispatch = {"counts": counts.detach(), "received": recv.sum(0).detach(), "send": send_rows,
-                                  "recv": recv_rows}
+            self.last_dispatch = DispatchRecord(counts=counts.detach(), received=received_counts.detach(),
+                                                send=send_rows, recv=recv_rows)
         post = weights if self.routing.score_apply == "post" else None
         return ops.gather_sum(y, inverse.view(T, k), post)  # back to tokens, summed over their k slots
 
-    def _routed_fused(self, x: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor, order: torch.Tensor,
-                      index: torch.Tensor) -> torch.Tensor:
+    def _routed_fused(self, x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, index: torch.Tensor,
+                      ends: torch.Tensor) -> torch.Tensor:
         """``_routed`` through the fused expert ops (``score_apply == "post"``; see the module docstring)."""
-        E, ep = self.num_experts, self.ep_size
-        counts = torch.zeros(E, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
         experts = self.local_experts
-        if ep == 1:
-            self.last_dispatch = {"counts": counts.detach(), "received": counts.detach(), "send": None, "recv": None}
-            return experts(x, counts, index, weights)
+        if self.ep_size == 1:
+            self.last_dispatch = DispatchRecord(ends=ends.detach(), send=None, recv=None)
+            return experts(x, ends, index, weights)
         # the rows leave in expert order: this dispatch is the one gather outside the experts
         routed = DispatchRows.apply(x, order, index.reshape(-1), index.shape[1])
-        recv, send_rows, recv_rows = exchange_counts(counts, ep, self.group)
+        counts, received_counts, recv, send_rows, recv_rows = self._exchange(ends)
         received = AllToAllV.apply(routed, recv_rows, send_rows, self.group)  # [source][local expert] order
-        n_local = E // ep
-        local_ids = torch.arange(n_local, device=x.device).repeat(ep)
-        row_expert = torch.repeat_interleave(local_ids, recv.reshape(-1), output_size=sum(recv_rows))
-        back = inverse_permutation(torch.argsort(row_expert, stable=True)).view(-1, 1)
-        y_back = experts(received, recv.sum(0), back, None)  # in received order again
+        back = inverse_permutation(self._local_order(x, recv, sum(recv_rows))).view(-1, 1)
+        y_back = experts(received, torch.cumsum(received_counts, 0), back, None)  # in received order again
         y = AllToAllV.apply(y_back, send_rows, recv_rows, self.group)
-        self.last_dispatch = {"counts": counts.detach(), "received": recv.sum(0).detach(), "send": send_rows,
-                              "recv": recv_rows}
+        self.last_dispatch = DispatchRecord(counts=counts.detach(), received=received_counts.detach(),
+                                            send=send_rows, recv=recv_rows)
         return ops.gather_sum(y, index, weights)

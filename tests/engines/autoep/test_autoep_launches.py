@@ -100,3 +100,43 @@ def test_wide_logits_keep_transformers_order_of_operations():
     want, want_idx = torch.topk(probs, 2, dim=-1)
     assert torch.equal(idx, want_idx)
     assert torch.equal(weights, want / want.sum(dim=-1, keepdim=True))
+
+
+def _layer(family: str = "mixtral", **kw) -> moe.AutoEPMoE:
+    from autoep_testlib import BLOCK, build
+    from polyaccel.engines.autoep import apply_autoep
+
+    model = build(family, **kw)
+    apply_autoep(model, {})
+    return model.model.layers[BLOCK].mlp
+
+
+def test_sorted_routes_are_one_sort_one_search_and_the_inverse():
+    layer = _layer()
+    E = layer.num_experts
+    torch.manual_seed(3)
+    idx = torch.stack([torch.randperm(E)[:2] for _ in range(37)])  # 37 tokens, top-2, no repeats in a token
+    layer._sorted_routes(idx)  # (the expert ids are made on first use)
+    with Launches() as count:
+        order, inverse, ends = layer._sorted_routes(idx)
+    assert count.ops == Counter(sort=1, searchsorted=1, arange=1, index_put_=1), count.ops
+    flat = idx.reshape(-1)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert torch.equal(inverse[order], torch.arange(flat.numel()))
+    assert torch.equal(ends, torch.cumsum(torch.bincount(flat, minlength=E), 0))
+
+
+def test_the_dispatch_record_derives_counts_only_when_read():
+    layer = _layer(top_k=2)
+    x = torch.randn(11, layer.router.weight.shape[1], dtype=torch.float64)
+    layer(x.view(1, 11, -1))
+    record = layer.last_dispatch
+    assert "counts" not in record and record["send"] is None and record["recv"] is None
+    ids = moe.route(layer.router(x)[0], layer.routing)[1]
+    with Launches() as count:
+        counts = record["counts"]
+    assert count.total == 2, count.ops  # (a pad and a subtraction; read once, then kept)
+    assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=layer.num_experts))
+    assert record["received"] is counts and record["counts"] is counts
+    with pytest.raises(KeyError):
+        record["missing"]
