@@ -55,7 +55,6 @@ from .graphed import GraphedRoute
 from .permute import DispatchRows, PermuteRows, inverse_permutation
 from .presets import Routing
 
-
 #: logit dtypes for which ``route`` takes a renormalised top-k softmax as the softmax of the top-k logits
 SHORT_ROUTE_DTYPES = (torch.bfloat16, torch.float16)
 
