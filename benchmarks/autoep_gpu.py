@@ -30,8 +30,10 @@ hidden H, expert width F, random bf16 weights) is built once; AutoEP is applied 
   same FLOPs counted) where they are provided.
 
 Targets (issue): AutoEP >= 2x the HF eager block's tokens/s; expert GEMMs >= 80% of the
-``torch._grouped_mm`` rate. Timings are medians of ``--steps`` runs after warm-up, the device
-synchronised around each.
+``torch._grouped_mm`` rate. Step timings (tokens/s) are medians over ``--steps`` rounds in which
+every block runs a batch of back-to-back steps in turn (:func:`interleaved_step_s`; the device
+synchronised around each batch, not each step); the GEMM rates are medians of ``--steps`` calls
+after warm-up, the device synchronised around each.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import time
 
@@ -61,6 +64,39 @@ def median_s(fn, acc, steps: int, warmup: int = 2) -> float:
         _sync(acc)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def interleaved_step_s(fns: dict, acc, rounds: int, min_batch_s: float = 0.02, warmup: int = 2) -> dict:
+    """Median seconds a step of each of ``fns``, measured side by side.
+
+    Each of ``rounds`` rounds times a batch of back-to-back steps of every fn in turn (the order rotated
+    one place each round), the device synchronised around the batch only: the steps queue as in
+    training, so a host-bound step is timed by its host work, not by a sync's round trip; and a slow
+    stretch of the machine falls on every fn alike instead of on whichever ran then. A batch holds
+    enough steps to last ``min_batch_s`` (one step of a slow fn). Returns {name: seconds a step}.
+    """
+    batch = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        _sync(acc)
+        t0 = time.perf_counter()
+        fn()
+        _sync(acc)
+        batch[name] = max(1, math.ceil(min_batch_s / max(time.perf_counter() - t0, 1e-9)))
+    names = list(fns)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn, n = fns[name], batch[name]
+            _sync(acc)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            _sync(acc)
+            times[name].append((time.perf_counter() - t0) / n)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def peak_bytes(fn, acc) -> int | None:
@@ -277,10 +313,10 @@ def run_case(E, T, k, args, acc, device) -> dict:
         impls["hf_grouped_mm"] = hf_gm
     except Exception as exc:  # noqa: BLE001 - transformers' grouped_mm path not available here
         row["hf_grouped_mm_error"] = f"{type(exc).__name__}: {exc}"[:160]
-    for name, block in impls.items():
-        step = train_step(block, x, grad)
-        t = median_s(step, acc, args.steps)
+    steps = {name: train_step(block, x, grad) for name, block in impls.items()}
+    for name, t in interleaved_step_s(steps, acc, args.steps, args.min_batch_ms / 1e3).items():
         row[f"{name}_tokens_per_s"] = T / t
+    for name, step in steps.items():
         row[f"{name}_peak_bytes"] = peak_bytes(step, acc)
     row["speedup_vs_hf_eager"] = row["autoep_tokens_per_s"] / row["hf_eager_tokens_per_s"]
     row["fused_vs_default"] = row["autoep_fused_tokens_per_s"] / row["autoep_tokens_per_s"]
@@ -311,7 +347,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--experts", type=int, nargs="+", default=[8, 64])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
     p.add_argument("--topk", type=int, nargs="+", default=[2, 8])
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10,
+                   help="rounds of the interleaved step timing (and timed calls of the GEMM rates)")
+    p.add_argument("--min-batch-ms", type=float, default=20.0,
+                   help="each round times back-to-back steps of a block lasting at least this long")
     p.add_argument("--quick", action="store_true", help="small sizes (hidden 64, ffn 128, tokens 256/1024, 2 steps)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
@@ -324,7 +363,7 @@ def main(argv=None) -> list[dict]:
     device = acc.device()
     torch.manual_seed(0)
     print(f"device: {acc.name} ({device}), torch {torch.__version__}; H={args.hidden} F={args.ffn} bf16, "
-          f"fwd+bwd, median of {args.steps}")
+          f"fwd+bwd, median of {args.steps} interleaved rounds")
     head = (f"{'E':>3} {'T':>6} {'k':>2} | {'HF eager tok/s':>14} {'HF gmm tok/s':>13} {'AutoEP tok/s':>13} "
             f"{'x eager':>7} {'x gmm':>6} | {'peak MB HF/AEP':>15} | {'max|diff|':>9} {'max|out|':>8} | "
             f"{'GEMM TF/s':>9} {'_grouped_mm':>11} {'frac':>5} | {'fused TF/s':>10} {'frac':>5} | "

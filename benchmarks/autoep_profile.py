@@ -8,8 +8,9 @@ registry chooses a plugin's builder of them); ``--hf`` profiles the HF eager blo
 ``--host`` transformers' grouped_mm block), ``--fused`` AutoEP forced onto the plugin's fused expert
 builders (``autoep_gpu.FusedAutoEP``), ``--graphs`` AutoEP with ``capture_graphs`` (its routed experts
 replayed from device graphs). ``--host`` measures the host instead of the device: per
-step, the time until the step's Python returns and until the device is done, then the Python
-functions by own time (cProfile) - for the small rows, where the device waits on the host.
+step, the time until the step's Python returns and until the device is done, the device runtime calls
+it makes (kernel launches, copies, synchronisations), then the Python functions by own time
+(cProfile) - for the small rows, where the device waits on the host.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def host_profile(name: str, step, acc, rows: int, steps: int = 20) -> None:
         wall.append(time.perf_counter() - t0)
     print(f"== {name}: host {statistics.median(host) * 1e3:.3f} ms/step until the step returns, "
           f"{statistics.median(wall) * 1e3:.3f} ms until the device is done (median of {steps})")
+    print(f"   {launches_per_step(step, acc, steps)}")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
@@ -97,6 +99,29 @@ def host_profile(name: str, step, acc, rows: int, steps: int = 20) -> None:
     acc.synchronize()
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
+
+
+#: the runtime calls counted per step: kernel launches (torch's and Triton's), copies, synchronisations
+RUNTIME_CALLS = ("LaunchKernel", "Memcpy", "Synchronize")
+
+
+def launches_per_step(step, acc, steps: int) -> str:
+    """The device runtime calls a step makes (torch profiler's runtime events), per kind: what a step bound by
+    the host pays for, one launch at a time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if acc.device().type != "cuda":
+        return "runtime calls: counted on a CUDA device only"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        acc.synchronize()
+    per = {kind: 0 for kind in RUNTIME_CALLS}
+    for event in prof.key_averages():
+        for kind in RUNTIME_CALLS:
+            if kind in event.key:
+                per[kind] += event.count
+    return "runtime calls a step: " + ", ".join(f"{k} {v / steps:.1f}" for k, v in per.items())
 
 
 if __name__ == "__main__":
