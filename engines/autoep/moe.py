@@ -358,12 +358,13 @@ class AutoEPMoE(torch.nn.Module):
             per_expert = w.new_zeros(T, E).scatter(1, idx, w)
             return self.local_experts(x, None, None, per_expert)
         order, inverse, ends = self._sorted_routes(idx)
-        weights = weights.to(x.dtype)
+        # (the weights stay float32 after the experts: the combine weights and sums its rows in float32, as
+        # transformers' blocks multiply the experts' rows by float32 weights)
         if self._uses_fused(x):
             return self._routed_fused(x, weights, order, inverse.view(T, k), ends)
         routed = DispatchRows.apply(x, order, inverse, k)
         if self.routing.score_apply == "pre":
-            routed = routed * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+            routed = routed * weights.to(x.dtype).reshape(-1).index_select(0, order).unsqueeze(-1)
         experts = self.local_experts
         if self.ep_size == 1:
             y = experts(routed, ends)
