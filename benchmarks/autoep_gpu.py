@@ -11,10 +11,11 @@ hidden H, expert width F, random bf16 weights) is built once; AutoEP is applied 
 - tokens/s of forward + backward (loss ``(out * g).sum()``) for the HF block with its eager
   expert loop (``experts_implementation="eager"``: one GEMM chain per expert hit), the HF
   block with transformers' own ``grouped_mm`` experts where it runs, AutoEP as it runs by
-  default (the fused expert ops ``moe_gate_up`` / ``moe_down_combine`` only where the registry
-  chooses a plugin's builder of them; the cuda plugin's rank below the reference, so on a GPU
-  the default is the unfused ops) and AutoEP forced onto the fused ops (``fused`` columns:
-  ``fused_experts=True`` with the registry overridden to the plugin's fused builders) and AutoEP
+  default (the fused expert ops ``moe_gate_up`` / ``moe_down_combine`` where the registry
+  chooses a plugin's builder of them: on a GPU the cuda plugin's ``torch_moe_*``, the unfused
+  chain's kernels in one autograd node per op) and AutoEP forced onto the all-Triton fused
+  kernels (``fused`` columns: ``fused_experts=True`` with the registry overridden to the plugin's
+  ``triton_moe_*`` builders) and AutoEP
   with ``capture_graphs`` (``graphs`` columns: the routed experts replayed from device graphs,
   where the accelerator has graphs; the memory the graphs hold between steps is reported
   beside the step's peak, and the max |difference| of one step's output and expert gradients
@@ -125,7 +126,7 @@ def autoep_block(block, fused: bool | None = None, graphs: bool = False):
     return ep
 
 
-#: the cuda plugin's fused expert builders (not chosen by default: they rank below the reference)
+#: the cuda plugin's all-Triton fused expert builders (chosen only by override: they rank below the reference)
 FUSED_BUILDERS = {"moe_gate_up": "triton_moe_gate_up", "moe_down_combine": "triton_moe_down_combine"}
 
 
@@ -288,6 +289,10 @@ def run_case(E, T, k, args, acc, device) -> dict:
     row["fused_max_abs_diff"] = float((got_fused.float() - want.float()).abs().max())
     row["max_abs_out"] = float(want.float().abs().max())
     row["fused"] = ours._uses_fused(x)
+    if row["fused"]:
+        from polyaccel import ops
+
+        row["moe_builders"] = [ops.registry.chosen(op, x.device.type).name for op in FUSED_BUILDERS]
     impls = {"hf_eager": eager, "autoep": ours, "autoep_fused": fused}
     if acc.has("graphs"):
         try:
@@ -378,8 +383,8 @@ def main(argv=None) -> list[dict]:
                       f"{_fmt(r['fused_tflops'], '>10.2f')} {_fmt(r['fused_fraction'], '>5.2f')} | "
                       f"{r['autoep_fused_tokens_per_s']:>13,.0f} {r['fused_vs_default']:>5.2f}x "
                       f"{r['fused_vs_hf_eager']:>6.2f}x {mb(r['autoep_fused_peak_bytes']):>11} "
-                      f"{r['fused_max_abs_diff']:>10.2e}" + ("  (default path: fused)" if r["fused"] else ""),
-                      flush=True)
+                      f"{r['fused_max_abs_diff']:>10.2e}"
+                      + (f"  (default path: {' + '.join(r['moe_builders'])})" if r["fused"] else ""), flush=True)
                 if "autoep_graphs_tokens_per_s" in r:
                     print(f"{'':>13}| graphs: {r['autoep_graphs_tokens_per_s']:>13,.0f} tok/s, "
                           f"{r['graphs_vs_hf_eager']:.2f}x eager, "

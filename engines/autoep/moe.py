@@ -16,10 +16,11 @@ Forward, for the T tokens of this rank:
    gate) are added.
 
 Where the device's plugin provides the fused expert ops (``moe_gate_up``, ``moe_down_combine``:
-``ops.provides``), steps 2 and 4-5 run as those two instead: the dispatch gather moves into the
-first GEMM's loads and SwiGLU into its epilogue; with ep 1 the router-weighted combine is the
-second op's, with ep > 1 the permutation into and out of expert order is (the combine after
-the reverse all-to-all stays ``gather_sum``). Routers that weight the rows before the experts
+``ops.provides``), steps 2 and 4-5 run as those two instead (a builder may move the dispatch
+gather into the first GEMM's loads and SwiGLU into its epilogue, or just run the chain as one
+autograd node per op); with ep 1 the router-weighted combine is the second op's, with ep > 1 the
+permutation into and out of expert order is (the combine after the reverse all-to-all stays
+``gather_sum``). Routers that weight the rows before the experts
 (``score_apply == "pre"``) keep the unfused path, as does ``fused_experts=False``. The unfused
 path is the ops' reference, so both give the same numbers (bit for bit on the reference
 builders).

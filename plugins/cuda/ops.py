@@ -2,7 +2,9 @@
 
 Triton kernels for the multi-tensor optimizers (fused_adam, fused_lion, fused_lamb) above
 torch's fused Adam, and for quantize/dequantize, swiglu, weighted_swiglu, grouped_mm (also
-torch._grouped_mm), gather_sum and the fused expert MLP (moe_gate_up, moe_down_combine). The
+torch._grouped_mm), gather_sum and the fused expert MLP (moe_gate_up, moe_down_combine: by
+default torch._grouped_mm and the Triton passes in one autograd node per op, the all-Triton
+fused kernels by override). The
 plugin's ``polyaccel_op_builders`` hook returns :func:`builders`.
 
 Importing this module loads neither Triton nor a kernel: a loader imports its kernel module on
@@ -43,8 +45,11 @@ TORCH_GROUPED_MM_PRIORITY = 60
 #: (benchmarks/moe_experts_gpu.py, 2026-12-04) their forward + backward took 1.1-1.5x the time of the unfused
 #: chain (torch._grouped_mm + the Triton passes), the Triton GEMMs reaching 0.8 of CUTLASS's rate. Correct and
 #: conformance-checked; ``polyaccel.ops.override("moe_gate_up", "triton_moe_gate_up")`` (and
-#: ``moe_down_combine``) selects them, and AutoEP then takes the fused path (lower peak memory)
+#: ``moe_down_combine``) selects them (their peak memory is lower)
 TRITON_MOE_PRIORITY = -10
+#: the expert ops as torch._grouped_mm and the Triton passes in one autograd node per op: the unfused chain's
+#: kernels with a sixth of its host-side nodes, so chosen by default where torch._grouped_mm runs
+TORCH_MOE_PRIORITY = 60
 
 #: torch's fused CUDA Adam/AdamW kernel per dtype group; foreach where its preconditions do not hold
 torch_fused_adam = torch_optim.fused_adam
@@ -78,6 +83,12 @@ def fp8_compatible(accelerator) -> tuple[bool, str]:
         return False, (f"compute capability {cap[0]}.{cap[1]} has no e4m3 conversions "
                        f"(needs {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}+); int8 and int4 still run")
     return True, ""
+
+
+def torch_moe_compatible(accelerator) -> tuple[bool, str]:
+    """(ok, reason) for the ``torch_moe_*`` builders: ``torch._grouped_mm`` and the Triton passes both run."""
+    ok, why = torch_grouped_mm_compatible(accelerator)
+    return (ok, why) if not ok else triton_compatible(accelerator)
 
 
 def torch_grouped_mm_compatible(accelerator) -> tuple[bool, str]:
@@ -159,6 +170,13 @@ _TABLE = (
          TRITON_MOE_PRIORITY, triton_compatible,
          "Triton down grouped GEMM with the router weight in its epilogue (k=1: scattered to the token rows), "
          "backward gathering grad_out on load, bf16/fp16; other dtypes take the unfused ops"),
+    _Row("moe_gate_up", "torch_moe_gate_up", ".kernels.moe_grouped", "moe_gate_up", "torch", TORCH_MOE_PRIORITY,
+         torch_moe_compatible, "one autograd node: the dispatch scattered by the gather-sum kernel, torch._grouped_mm "
+                               "(CUTLASS, bf16), Triton SwiGLU; other inputs take the unfused ops"),
+    _Row("moe_down_combine", "torch_moe_down_combine", ".kernels.moe_grouped", "moe_down_combine", "torch",
+         TORCH_MOE_PRIORITY, torch_moe_compatible,
+         "one autograd node: torch._grouped_mm (CUTLASS, bf16) and the Triton gather-sum combine; other inputs "
+         "take the unfused ops"),
     _Row("newton_schulz", "triton_newton_schulz", ".kernels.newton_schulz", "newton_schulz", "triton",
          TRITON_KERNEL_PRIORITY, triton_compatible,
          "Triton Newton-Schulz: bf16/fp16 GEMMs with fp32 accumulation, batched, 3 launches an iteration "

@@ -220,7 +220,7 @@ def _checked_last_offset(off64: torch.Tensor, rows: int) -> int:
     return last
 
 
-def _int32_offsets(off64: torch.Tensor) -> torch.Tensor:
+def int32_offsets(off64: torch.Tensor) -> torch.Tensor:
     """``off64`` as int32 (what torch._grouped_mm takes), converted once for the offsets checked last, unchanged
     since: a layer's GEMMs share one offsets tensor. Never cached while capturing (the values change per replay)."""
     global _last_checked
@@ -378,14 +378,31 @@ def _zero_rows_past(t: torch.Tensor, off64: torch.Tensor, last: int | None) -> t
     return t
 
 
+def torch_grouped_product(x, weight, off32, off64, last: int | None) -> torch.Tensor:
+    """``x @ weight[e]`` per group through ``torch._grouped_mm``, rows past the last offset zeroed."""
+    return _zero_rows_past(torch._grouped_mm(x, weight, offs=off32), off64, last)
+
+
+def torch_grouped_dgrad(grad_out, weight, off32, off64, last: int | None) -> torch.Tensor:
+    """The input gradient of :func:`torch_grouped_product`: ``grad_out @ weight[e]^T`` per group."""
+    return torch_grouped_product(grad_out, weight.transpose(-2, -1), off32, off64, last)
+
+
+def torch_grouped_wgrad(x, grad_out, weight, off32) -> torch.Tensor:
+    """The weight gradient of :func:`torch_grouped_product`: ``x[rows of e]^T @ grad_out[rows of e]``."""
+    if weight.stride(-2) == 1 and weight.stride(-1) != 1:
+        # a transposed view of an [E, N, K] parameter (HF's fused experts): compute the gradient in the
+        # parameter's own layout, so accumulating it needs no strided copy
+        return torch._grouped_mm(grad_out.t(), x, offs=off32).transpose(-2, -1)
+    return torch._grouped_mm(x.t(), grad_out, offs=off32)
+
+
 class _TorchGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, off32, off64, last):
-        out = torch._grouped_mm(x, weight, offs=off32)
-        _zero_rows_past(out, off64, last)
         ctx.save_for_backward(x, weight, off32, off64)
         ctx.last = last
-        return out
+        return torch_grouped_product(x, weight, off32, off64, last)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -393,15 +410,9 @@ class _TorchGroupedMM(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch._grouped_mm(grad_out, weight.transpose(-2, -1), offs=off32)
-            _zero_rows_past(dx, off64, ctx.last)
+            dx = torch_grouped_dgrad(grad_out, weight, off32, off64, ctx.last)
         if ctx.needs_input_grad[1]:
-            if weight.stride(-2) == 1 and weight.stride(-1) != 1:
-                # a transposed view of an [E, N, K] parameter (HF's fused experts): compute the gradient in
-                # the parameter's own layout, so accumulating it needs no strided copy
-                dw = torch._grouped_mm(grad_out.t(), x, offs=off32).transpose(-2, -1)
-            else:
-                dw = torch._grouped_mm(x.t(), grad_out, offs=off32)
+            dw = torch_grouped_wgrad(x, grad_out, weight, off32)
         return dx, dw, None, None, None
 
 
@@ -415,7 +426,7 @@ def torch_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tenso
     ok, _ = torch_grouped_mm_applies(x, weight)
     if not ok or weight.shape[0] == 0:
         return reference_grouped_mm(x, weight, offsets)
-    off32 = _int32_offsets(off64)
+    off32 = int32_offsets(off64)
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return _zero_rows_past(torch._grouped_mm(x, weight, offs=off32), off64, last)
+        return torch_grouped_product(x, weight, off32, off64, last)
     return _TorchGroupedMM.apply(x, weight, off32, off64, last)

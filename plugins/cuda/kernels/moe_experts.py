@@ -524,7 +524,7 @@ class _DownCombine(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- the ops
-def _unfused_gate_up(x, index, w1, offsets):
+def unfused_gate_up(x, index, w1, offsets):
     """The unfused path through the op registry (the fastest plain builders there)."""
     gate, up = ops.grouped_mm(x.index_select(0, routed_tokens(index)), w1, offsets).chunk(2, dim=-1)
     return ops.swiglu(gate, up)
@@ -536,12 +536,12 @@ def moe_gate_up(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, offs
     check_moe_gate_up_shapes(x, index, weight, offsets)
     ok, _ = fused_applies(x.dtype)
     if not ok:
-        return _unfused_gate_up(x, index, weight, offsets)
-    off64, _ = check_args(_routed_stand_in(x, index), weight, offsets)
+        return unfused_gate_up(x, index, weight, offsets)
+    off64, _ = check_args(routed_stand_in(x, index), weight, offsets)
     return _GateUp.apply(x, weight, index, routed_tokens(index), off64.contiguous(), config)
 
 
-def _routed_stand_in(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def routed_stand_in(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """A [N, H] stand-in for the routed rows, for the offsets' checks (an expanded view: no memory)."""
     return x[:1].expand(index.numel(), x.shape[1]) if x.shape[0] else x.new_empty((index.numel(), x.shape[1]))
 

@@ -1,4 +1,5 @@
-"""The cuda plugin's quantize/dequantize, swiglu and grouped_mm builders: registration and honest reasons."""
+"""The cuda plugin's kernel builders (quantize, swiglu, grouped_mm, the expert ops ...): registration and honest
+reasons."""
 
 from __future__ import annotations
 
@@ -49,12 +50,13 @@ def test_register_adds_one_builder_per_op_and_torch_grouped_mm():
         "quantize": ["triton_quantize"], "dequantize": ["triton_dequantize"], "swiglu": ["triton_swiglu"],
         "weighted_swiglu": ["triton_weighted_swiglu"],
         "grouped_mm": ["triton_grouped_mm", "torch_grouped_mm"], "gather_sum": ["triton_gather_sum"],
-        "moe_gate_up": ["triton_moe_gate_up"], "moe_down_combine": ["triton_moe_down_combine"],
+        "moe_gate_up": ["triton_moe_gate_up", "torch_moe_gate_up"],
+        "moe_down_combine": ["triton_moe_down_combine", "torch_moe_down_combine"],
     }
     for op in names:
         for b in reg.builders(op):
             assert b.device_types == ("cuda",) and b.description
-            assert b.kind == ("torch" if b.name == "torch_grouped_mm" else "triton")
+            assert b.kind == ("torch" if b.name.startswith("torch_") else "triton")
 
 
 @pytest.mark.parametrize("op,name,module,attr", [
@@ -67,6 +69,8 @@ def test_register_adds_one_builder_per_op_and_torch_grouped_mm():
     ("gather_sum", "triton_gather_sum", "gather_sum", "gather_sum"),
     ("moe_gate_up", "triton_moe_gate_up", "moe_experts", "moe_gate_up"),
     ("moe_down_combine", "triton_moe_down_combine", "moe_experts", "moe_down_combine"),
+    ("moe_gate_up", "torch_moe_gate_up", "moe_grouped", "moe_gate_up"),
+    ("moe_down_combine", "torch_moe_down_combine", "moe_grouped", "moe_down_combine"),
 ])
 def test_loaders_return_the_kernel_functions(op, name, module, attr):
     builder = next(b for b in _registry().builders(op) if b.name == name)
@@ -108,6 +112,25 @@ def test_torch_grouped_mm_compatibility(monkeypatch, cap, ok):
     assert got is ok
     if not ok:
         assert "9.0" in why
+
+
+def test_torch_moe_builders_need_torch_grouped_mm_and_triton(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    ok, why = kb.torch_moe_compatible(_FakeGpu())
+    assert not ok and "TRITON_INTERPRET" in why, "the Triton passes need a Triton GPU"
+    monkeypatch.setattr(kb, "triton_compatible", lambda acc: (True, ""))
+    assert kb.torch_moe_compatible(_FakeGpu()) == (True, "")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    ok, why = kb.torch_moe_compatible(_FakeGpu())
+    assert not ok and "9.0" in why, "and torch._grouped_mm's compute capability"
+
+
+def test_the_torch_moe_builders_rank_above_the_triton_fused_ones():
+    for op in ("moe_gate_up", "moe_down_combine"):
+        ranks = {b.name: b.priority for b in _registry().builders(op)}
+        assert ranks[f"torch_{op}"] > 0 > ranks[f"triton_{op}"], "above the reference, which is above the Triton"
 
 
 def test_torch_grouped_mm_reasons_for_missing_pieces(monkeypatch):

@@ -1,0 +1,115 @@
+"""The fused expert ops (``moe_gate_up``, ``moe_down_combine``) on ``torch._grouped_mm``: one autograd node each.
+
+The device work is AutoEP's unfused chain's: ``torch._grouped_mm`` (CUTLASS) for the GEMMs, the
+Triton SwiGLU and gather-sum passes around them, the same kernels in the same order, so the
+numbers are that chain's bit for bit. What changes is the host's share: the chain is six
+autograd nodes (dispatch, two grouped GEMMs, the gate/up split, SwiGLU, combine), each checking
+its arguments, looked up in the registry and run through Python in backward; here each op is one
+node with one check. A layer with few tokens a step is bound by that host work, not by the
+device.
+
+The dispatch is gather-sum's backward kernel writing each token row to its routed slots
+(``routed[index[t, j]] = x[t]``: one pass, no index of each row's token to build). Saved for
+backward, as the chain saves them: the routed rows (w1's gradient), the gate/up product (SwiGLU's
+backward, let go as soon as that has run), ``h`` (w2's gradient) and the down product's rows where
+the router weights need a gradient.
+
+Inputs ``torch._grouped_mm`` does not take (not bf16, widths not multiples of 8, 2**31 rows) take
+the unfused path through the op registry, as the Triton fused builders do for their dtypes.
+"""
+
+from __future__ import annotations
+
+import torch
+from polyaccel import ops
+from polyaccel.ops.reference.moe_experts import check_moe_down_combine_shapes, check_moe_gate_up_shapes
+from polyaccel.ops.reference.swiglu import halves_of
+
+from .gather_sum import gather_sum_backward, gather_sum_forward
+from .grouped_mm import (
+    check_args,
+    int32_offsets,
+    torch_grouped_dgrad,
+    torch_grouped_mm_applies,
+    torch_grouped_product,
+    torch_grouped_wgrad,
+)
+from .moe_experts import routed_stand_in, unfused_gate_up
+from .swiglu import swiglu_backward, swiglu_forward
+
+
+def scatter_to_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``routed [T*k, H]`` with ``routed[index[t, j]] = x[t]`` (gather-sum's backward kernel, unweighted)."""
+    return gather_sum_backward(x.contiguous(), None, index, None, False)[0]
+
+
+class _GateUp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, index, off32, off64, last):
+        routed = scatter_to_slots(x, index)
+        gu = torch_grouped_product(routed, w1, off32, off64, last)
+        f = gu.shape[1] // 2
+        ctx.save_for_backward(routed, w1, index, off32, off64)
+        # kept on ctx, not saved, so the backward lets it go once SwiGLU's gradient is taken (gu is no output,
+        # so this makes no reference cycle)
+        ctx.gu, ctx.last = gu, last
+        return swiglu_forward(gu[:, :f], gu[:, f:])
+
+    @staticmethod
+    def backward(ctx, dh):
+        routed, w1, index, off32, off64 = ctx.saved_tensors
+        gu, ctx.gu = ctx.gu, None
+        if gu is None:
+            raise RuntimeError("moe_gate_up (torch_moe_gate_up): its backward already ran for this forward; "
+                               "run the forward again instead of backward with retain_graph=True through it")
+        f = gu.shape[1] // 2
+        d_gate, d_up = swiglu_backward(dh.contiguous(), gu[:, :f], gu[:, f:])
+        del gu
+        d_gu = halves_of(d_gate, d_up)  # (swiglu_backward writes the halves of one tensor for gu's halves)
+        dx = dw1 = None
+        if ctx.needs_input_grad[1]:
+            dw1 = torch_grouped_wgrad(routed, d_gu, w1, off32)
+        if ctx.needs_input_grad[0]:
+            dx = gather_sum_forward(torch_grouped_dgrad(d_gu, w1, off32, off64, ctx.last), index, None)
+        return dx, dw1, None, None, None, None
+
+
+class _DownCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w2, weights, index, off32, off64, last):
+        y = torch_grouped_product(h, w2, off32, off64, last)
+        need_d_weights = weights is not None and ctx.needs_input_grad[2]
+        ctx.save_for_backward(h, w2, weights, index, off32, off64, y if need_d_weights else None)
+        ctx.last = last
+        return gather_sum_forward(y, index, weights)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, w2, weights, index, off32, off64, y = ctx.saved_tensors
+        d_y, d_weights = gather_sum_backward(grad_out.contiguous(), y, index, weights, y is not None)
+        dh = dw2 = None
+        if ctx.needs_input_grad[1]:
+            dw2 = torch_grouped_wgrad(h, d_y, w2, off32)
+        if ctx.needs_input_grad[0]:
+            dh = torch_grouped_dgrad(d_y, w2, off32, off64, ctx.last)
+        return dh, dw2, d_weights, None, None, None, None
+
+
+def moe_gate_up(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The op as one autograd node (see the module docstring), else the unfused path through the registry."""
+    check_moe_gate_up_shapes(x, index, weight, offsets)
+    routed = routed_stand_in(x, index)
+    if not torch_grouped_mm_applies(routed, weight)[0] or weight.shape[0] == 0:
+        return unfused_gate_up(x, index, weight, offsets)
+    off64, last = check_args(routed, weight, offsets)
+    return _GateUp.apply(x, weight, index, int32_offsets(off64), off64, last)
+
+
+def moe_down_combine(h: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor,
+                     weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The op as one autograd node (see the module docstring), else the unfused path through the registry."""
+    check_moe_down_combine_shapes(h, weight, offsets, index, weights)
+    if not torch_grouped_mm_applies(h, weight)[0] or weight.shape[0] == 0:
+        return ops.gather_sum(ops.grouped_mm(h, weight, offsets), index, weights)
+    off64, last = check_args(h, weight, offsets)
+    return _DownCombine.apply(h, weight, weights, index, int32_offsets(off64), off64, last)
