@@ -11,30 +11,7 @@ import pytest
 import torch
 from polyaccel.engines.autoep import moe
 from polyaccel.engines.autoep.presets import Routing
-from torch.utils._python_dispatch import TorchDispatchMode
-
-#: aten ops that launch no kernel (views, metadata, allocation without a fill)
-NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "as_strided", "detach", "alias", "expand", "slice", "select",
-             "split", "split_with_sizes", "permute", "unsqueeze", "squeeze", "_reshape_alias", "unbind", "empty",
-             "empty_strided", "new_empty", "new_empty_strided", "empty_like", "lift_fresh"}
-
-
-class Launches(TorchDispatchMode):
-    """Counts the aten ops that launch a kernel, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in NO_KERNEL:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
+from polyaccel.testing.launches import Launches
 
 
 def _route_launches(logits: torch.Tensor, routing: Routing) -> tuple[int, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,88 @@
+"""Kernel launches of one forward + backward of AutoEP's MoE layer and of the HF grouped_mm block (bf16, ep 1).
+
+    python benchmarks/autoep_launches.py [--experts 8] [--tokens 64] [--topk 2] [--hidden 64] [--ffn 32]
+
+Counted at the dispatcher (``polyaccel.testing.launches``), so it runs on the CPU and says what a GPU
+step launches: here the cuda plugin's expert builders stand in for the cpu plugin's (their Triton
+kernels under ``TRITON_INTERPRET=1``, hence the small default sizes). Rows: AutoEP as it runs on a
+GPU by default (the ``torch_moe_*`` builders of ``moe_gate_up`` / ``moe_down_combine``), AutoEP on
+the unfused ops (``fused_experts=False``: ``grouped_mm`` -> ``swiglu`` -> ``grouped_mm`` ->
+``gather_sum``) and transformers' grouped_mm experts. Where the host bounds a step (few tokens a
+layer: the 4k-token, top-2 rows of ``autoep_gpu.py``), its time follows these counts. The offsets'
+check reads them to the host once a step; on a GPU its scalar reads and comparison run on that host
+copy, here they are counted with the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import importlib  # noqa: E402
+
+import torch  # noqa: E402
+from polyaccel.hookspecs import hookimpl  # noqa: E402
+
+#: op -> (kernel module of the cuda plugin, function): the builders a GPU step runs
+CUDA_BUILDERS = {"grouped_mm": ("grouped_mm", "torch_grouped_mm"), "swiglu": ("swiglu", "swiglu"),
+                 "gather_sum": ("gather_sum", "gather_sum"), "moe_gate_up": ("moe_grouped", "moe_gate_up"),
+                 "moe_down_combine": ("moe_grouped", "moe_down_combine")}
+
+
+class CudaKernelsOnCpu:
+    """A plugin serving the cpu device with the cuda plugin's builders of the expert ops."""
+
+    POLYACCEL_API_VERSION = "1.0"
+
+    @hookimpl
+    def polyaccel_register_ops(self, registry):
+        for op, (module, attr) in CUDA_BUILDERS.items():
+            mod = importlib.import_module(f"polyaccel.plugins.cuda.kernels.{module}")
+            registry.register(op, f"cuda_{attr}_on_cpu", ("cpu",), lambda m=mod, a=attr: getattr(m, a), priority=1000)
+
+
+def count_step(block, x, grad):
+    from autoep_gpu import train_step
+    from polyaccel.testing.launches import Launches
+
+    step = train_step(block, x, grad)
+    step()  # (first calls compile and cache)
+    with Launches() as counted:
+        step()
+    return counted
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--ffn", type=int, default=32)
+    args = ap.parse_args(argv)
+
+    import polyaccel
+    from autoep_gpu import autoep_block, hf_block
+
+    polyaccel.register_plugin("cuda_kernels_on_cpu", CudaKernelsOnCpu())
+    device = torch.device("cpu")
+    E, k, H, F, T = args.experts, args.topk, args.hidden, args.ffn, args.tokens
+    eager = hf_block(E, k, H, F, "eager", device)
+    blocks = {"AutoEP (default: torch_moe_*)": autoep_block(eager),
+              "AutoEP (unfused ops)": autoep_block(eager, fused=False),
+              "HF grouped_mm": hf_block(E, k, H, F, "grouped_mm", device)}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, T, H, generator=g).to(torch.bfloat16)
+    grad = torch.randn(1, T, H, generator=g)
+    print(f"E={E} T={T} k={k} H={H} F={F} bf16, one forward + backward (loss (out * g).sum())")
+    for name, block in blocks.items():
+        c = count_step(block, x, grad)
+        print(f"{name:30s} aten {c.total:3d}  triton {sum(c.triton.values()):2d}  "
+              f"({', '.join(f'{op} {n}' for op, n in c.ops.most_common())})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

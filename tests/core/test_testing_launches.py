@@ -1,0 +1,31 @@
+"""polyaccel.testing.launches: the aten ops that launch a kernel, and Triton's launches apart."""
+
+from __future__ import annotations
+
+import torch
+from polyaccel.plugins.cuda.kernels import swiglu as ks
+from polyaccel.testing.launches import Launches
+
+
+def test_counts_kernels_not_views_and_triton_apart():
+    a, b = torch.randn(6, 8), torch.randn(6, 8)
+    with Launches() as count:
+        c = (a + b).t().reshape(-1)  # add, a view, and a copy of the transposed rows
+        torch.empty(3)  # an allocation with no fill launches nothing
+        ks.swiglu_forward(a, b)
+    assert count.ops == {"add": 1, "clone": 1}, count.ops
+    assert count.total == 2 and c.shape == (48,)
+    assert dict(count.triton) == {"_swiglu_fwd_kernel": 1}, "the interpreter's own tensor work is not counted"
+
+
+def test_triton_is_unpatched_on_exit():
+    import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
+
+    before = (interpreter.InterpretedFunction.run, jit.JITFunction.run)
+    a = torch.randn(4, 4)
+    with Launches() as count:
+        ks.swiglu_forward(a, a)
+    assert (interpreter.InterpretedFunction.run, jit.JITFunction.run) == before
+    ks.swiglu_forward(a, a)
+    assert sum(count.triton.values()) == 1 and count.total == 0
