@@ -134,7 +134,7 @@ class GroupedExperts(torch.nn.Module):
             return gu, down
         return gu.transpose(1, 2), down.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, ends: torch.Tensor, index: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, ends: torch.Tensor | None, index: torch.Tensor | None = None,
                 weights: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``x`` sorted by local expert, local expert e's ending at row ``ends[e]`` (int64, cumulative:
         the offsets ``grouped_mm`` takes).

@@ -48,7 +48,7 @@ TORCH_GROUPED_MM_PRIORITY = 60
 #: ``moe_down_combine``) selects them (their peak memory is lower)
 TRITON_MOE_PRIORITY = -10
 #: the expert ops as torch._grouped_mm and the Triton passes in one autograd node per op: the unfused chain's
-#: kernels with a sixth of its host-side nodes, so chosen by default where torch._grouped_mm runs
+#: kernels with a third of its autograd nodes (2 against 6), so chosen by default where torch._grouped_mm runs
 TORCH_MOE_PRIORITY = 60
 
 #: torch's fused CUDA Adam/AdamW kernel per dtype group; foreach where its preconditions do not hold
