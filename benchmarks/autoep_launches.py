@@ -3,14 +3,16 @@
     python benchmarks/autoep_launches.py [--experts 8] [--tokens 64] [--topk 2] [--hidden 64] [--ffn 32]
 
 Counted at the dispatcher (``polyaccel.testing.launches``), so it runs on the CPU and says what a GPU
-step launches: here the cuda plugin's expert builders stand in for the cpu plugin's (their Triton
-kernels under ``TRITON_INTERPRET=1``, hence the small default sizes). Rows: AutoEP as it runs on a
-GPU by default (the ``torch_moe_*`` builders of ``moe_gate_up`` / ``moe_down_combine``), AutoEP on
-the unfused ops (``fused_experts=False``: ``grouped_mm`` -> ``swiglu`` -> ``grouped_mm`` ->
-``gather_sum``) and transformers' grouped_mm experts. Where the host bounds a step (few tokens a
-layer: the 4k-token, top-2 rows of ``autoep_gpu.py``), its time follows these counts. The offsets'
-check reads them to the host once a step; on a GPU its scalar reads and comparison run on that host
-copy, here they are counted with the rest.
+step launches; beside it, the autograd nodes the step's backward runs (each a call into the engine
+on the host, the Python ``autograd.Function`` ones through the interpreter). The cuda plugin's
+expert builders stand in for the cpu plugin's (their Triton kernels under ``TRITON_INTERPRET=1``,
+hence the small default sizes). Rows: AutoEP as it runs on a GPU by default (the ``torch_moe_*``
+builders of ``moe_gate_up`` / ``moe_down_combine``), AutoEP on the unfused ops
+(``fused_experts=False``: ``grouped_mm`` -> ``swiglu`` -> ``grouped_mm`` -> ``gather_sum``) and
+transformers' grouped_mm experts. Where the host bounds a step (few tokens a layer: the 4k-token,
+top-2 rows of ``autoep_gpu.py``), its time follows these counts. The offsets' check reads them to
+the host once a step; on a GPU its scalar reads and comparison run on that host copy, here they are
+counted with the rest.
 """
 
 from __future__ import annotations
@@ -41,6 +43,22 @@ class CudaKernelsOnCpu:
         for op, (module, attr) in CUDA_BUILDERS.items():
             mod = importlib.import_module(f"polyaccel.plugins.cuda.kernels.{module}")
             registry.register(op, f"cuda_{attr}_on_cpu", ("cpu",), lambda m=mod, a=attr: getattr(m, a), priority=1000)
+
+
+def backward_nodes(block, x, grad) -> tuple[int, int]:
+    """(autograd nodes a step's backward runs, of which Python ``autograd.Function`` nodes): each is a call into the
+    engine on the host, the Python ones through the interpreter."""
+    out = block(x.detach().requires_grad_(True))
+    out = out[0] if isinstance(out, tuple) else out
+    loss = (out.float() * grad).sum()
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return len(seen), sum(isinstance(n, torch.autograd.function.BackwardCFunction) for n in seen)
 
 
 def count_step(block, x, grad):
@@ -79,7 +97,9 @@ def main(argv=None) -> int:
     print(f"E={E} T={T} k={k} H={H} F={F} bf16, one forward + backward (loss (out * g).sum())")
     for name, block in blocks.items():
         c = count_step(block, x, grad)
-        print(f"{name:30s} aten {c.total:3d}  triton {sum(c.triton.values()):2d}  "
+        nodes, python = backward_nodes(block, x, grad)
+        print(f"{name:30s} aten {c.total:3d}  triton {sum(c.triton.values()):2d}  backward nodes {nodes:2d} "
+              f"({python} Python)  "
               f"({', '.join(f'{op} {n}' for op, n in c.ops.most_common())})")
     return 0
 
