@@ -1,8 +1,8 @@
 """The fused expert ops (``moe_gate_up``, ``moe_down_combine``) on ``torch._grouped_mm``: one autograd node each.
 
 The device work is AutoEP's unfused chain's: ``torch._grouped_mm`` (CUTLASS) for the GEMMs, the
-Triton SwiGLU and gather-sum passes around them, the same kernels in the same order, so the
-numbers are that chain's bit for bit. What changes is the host's share: the chain is six
+Triton SwiGLU and gather-sum passes around them, in the same order (only the dispatch's copy is
+made by another kernel), so the numbers are that chain's bit for bit. What changes is the host's share: the chain is six
 autograd nodes (dispatch, two grouped GEMMs, the gate/up split, SwiGLU, combine), each checking
 its arguments, looked up in the registry and run through Python in backward; here each op is one
 node with one check. A layer with few tokens a step is bound by that host work, not by the
