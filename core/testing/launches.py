@@ -53,9 +53,11 @@ class Launches(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _patch_triton(self) -> None:
-        import triton.runtime.interpreter as interpreter
-        import triton.runtime.jit as jit
-
+        try:
+            import triton.runtime.interpreter as interpreter
+            import triton.runtime.jit as jit
+        except ImportError:  # no Triton here: no Triton launches to count
+            return
         patched = [(cls, cls.run) for cls in (jit.JITFunction, interpreter.InterpretedFunction)]
         for cls, real in patched:
             cls.run = self._counting(real)
