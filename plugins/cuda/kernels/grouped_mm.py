@@ -196,13 +196,19 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 def check_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-    """Validate; return int64 offsets and the last offset. The value checks (one host sync, which also gives
-    the last offset) are skipped while capturing, where the last offset is None."""
+    """Validate; return int64 offsets and the last offset (see :func:`checked_offsets`)."""
     _check_layout(x, weight, offsets)
+    return checked_offsets(offsets, x.shape[0])
+
+
+def checked_offsets(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, int | None]:
+    """The offsets' value checks alone, for callers that checked the shapes and devices: int64 offsets and the
+    last offset. The checks (one host sync, which also gives the last offset) are skipped while capturing, where
+    the last offset is None."""
     off64 = offsets.to(torch.int64)
-    if _capturing(x):
+    if _capturing(off64):
         return off64, None
-    return off64, _checked_last_offset(off64, x.shape[0])
+    return off64, _checked_last_offset(off64, rows)
 
 
 #: (weak reference to the int64 offsets last checked, their version counter, rows, last offset, their int32 copy)

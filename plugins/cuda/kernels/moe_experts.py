@@ -62,7 +62,7 @@ from polyaccel.ops.reference.swiglu import halves_of
 
 from ..triton_support import interpreting
 from .gather_sum import gather_sum_forward
-from .grouped_mm import TileConfig, _input_precision, _upcast_for_dot, check_args
+from .grouped_mm import TileConfig, _input_precision, _upcast_for_dot, checked_offsets
 from .swiglu import swiglu_backward
 
 #: the dtypes the fused kernels serve (fp32 and fp64 take the unfused path)
@@ -537,13 +537,8 @@ def moe_gate_up(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, offs
     ok, _ = fused_applies(x.dtype)
     if not ok:
         return unfused_gate_up(x, index, weight, offsets)
-    off64, _ = check_args(routed_stand_in(x, index), weight, offsets)
+    off64, _ = checked_offsets(offsets, index.numel())
     return _GateUp.apply(x, weight, index, routed_tokens(index), off64.contiguous(), config)
-
-
-def routed_stand_in(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """A [N, H] stand-in for the routed rows, for the offsets' checks (an expanded view: no memory)."""
-    return x[:1].expand(index.numel(), x.shape[1]) if x.shape[0] else x.new_empty((index.numel(), x.shape[1]))
 
 
 def moe_down_combine(h: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor,
@@ -553,5 +548,5 @@ def moe_down_combine(h: torch.Tensor, weight: torch.Tensor, offsets: torch.Tenso
     ok, _ = fused_applies(h.dtype)
     if not ok:
         return ops.gather_sum(ops.grouped_mm(h, weight, offsets), index, weights)
-    off64, _ = check_args(h, weight, offsets)
+    off64, _ = checked_offsets(offsets, h.shape[0])
     return _DownCombine.apply(h, weight, weights, index, routed_tokens(index), off64.contiguous(), config)

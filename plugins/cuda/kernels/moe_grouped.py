@@ -27,15 +27,20 @@ from polyaccel.ops.reference.swiglu import halves_of
 
 from .gather_sum import gather_sum_backward, gather_sum_forward
 from .grouped_mm import (
-    check_args,
+    checked_offsets,
     int32_offsets,
     torch_grouped_dgrad,
     torch_grouped_mm_applies,
     torch_grouped_product,
     torch_grouped_wgrad,
 )
-from .moe_experts import routed_stand_in, unfused_gate_up
+from .moe_experts import unfused_gate_up
 from .swiglu import swiglu_backward, swiglu_forward
+
+
+def _routed_stand_in(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A [N, H] stand-in for the routed rows, for ``torch_grouped_mm_applies`` (an expanded view: no memory)."""
+    return x[:1].expand(index.numel(), x.shape[1]) if x.shape[0] else x.new_empty((index.numel(), x.shape[1]))
 
 
 def scatter_to_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -98,10 +103,9 @@ class _DownCombine(torch.autograd.Function):
 def moe_gate_up(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The op as one autograd node (see the module docstring), else the unfused path through the registry."""
     check_moe_gate_up_shapes(x, index, weight, offsets)
-    routed = routed_stand_in(x, index)
-    if not torch_grouped_mm_applies(routed, weight)[0] or weight.shape[0] == 0:
+    if not torch_grouped_mm_applies(_routed_stand_in(x, index), weight)[0] or weight.shape[0] == 0:
         return unfused_gate_up(x, index, weight, offsets)
-    off64, last = check_args(routed, weight, offsets)
+    off64, last = checked_offsets(offsets, index.numel())
     return _GateUp.apply(x, weight, index, int32_offsets(off64), off64, last)
 
 
@@ -111,5 +115,5 @@ def moe_down_combine(h: torch.Tensor, weight: torch.Tensor, offsets: torch.Tenso
     check_moe_down_combine_shapes(h, weight, offsets, index, weights)
     if not torch_grouped_mm_applies(h, weight)[0] or weight.shape[0] == 0:
         return ops.gather_sum(ops.grouped_mm(h, weight, offsets), index, weights)
-    off64, last = check_args(h, weight, offsets)
+    off64, last = checked_offsets(offsets, h.shape[0])
     return _DownCombine.apply(h, weight, weights, index, int32_offsets(off64), off64, last)
