@@ -3,7 +3,8 @@
 # logging to OUTDIR/<step>.log.
 #   bash benchmarks/moe_device.sh OUTDIR STEP...
 # Steps:
-#   conf      conformance (fixed cases and 25 fuzz examples a row) of the swiglu ops, grouped_mm and the expert ops on cuda
+#   conf      conformance (fixed cases and FUZZ fuzz examples a row, default 5: each new shape compiles Triton
+#             kernels) of the swiglu ops, grouped_mm and the expert ops on cuda
 #   autoep    autoep_gpu.py: the 8 rows, AutoEP's default path vs HF eager / HF grouped_mm, and AutoEP forced
 #             onto the fused builders (the 'fused' columns) -> autoep.json
 #   rows32k   autoep_gpu.py on the two E=8, 32k-token rows only (top-2 and top-8), 10 timed steps
@@ -31,7 +32,7 @@ run() {  # name, limit, command...
 }
 for step in "$@"; do
   case $step in
-    conf) run conf 150 polyaccel conformance --accelerator cuda --fuzz --fuzz-examples 25 -k "swiglu or grouped_mm or moe" \
+    conf) run conf 240 polyaccel conformance --accelerator cuda --fuzz --fuzz-examples "${FUZZ:-5}" -k "swiglu or grouped_mm or moe" \
             --json "$OUT/conf.json" ;;
     autoep) (cd benchmarks && run autoep 330 python3 autoep_gpu.py --steps "$STEPS" --out "$OUT/autoep.json") ;;
     rows32k) (cd benchmarks && run rows32k 150 python3 autoep_gpu.py --experts 8 --tokens 32768 --topk 2 8 --steps 10) ;;

@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import torch
 from polyaccel import ops
+from polyaccel.errors import InvalidArgument
+from polyaccel.ops import offsets as known_offsets
 from polyaccel.ops.reference.swiglu import halves_of
 
 from .detect import MoELayerSpec
@@ -281,6 +283,9 @@ class AutoEPMoE(torch.nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         out = self.router(x)
         logits = out[0] if isinstance(out, tuple) else out
+        if logits.shape[-1] != self.num_experts:
+            raise InvalidArgument(f"{self.spec.name or 'AutoEP layer'}: the router gives {logits.shape[-1]} scores a "
+                                  f"token for {self.num_experts} experts")
         bias = getattr(self.router, "e_score_correction_bias", None) if self.routing.correction_bias else None
         weights, idx = route(logits, self.routing, bias)
         y = self._routed(x, weights, idx)
@@ -330,10 +335,13 @@ class AutoEPMoE(torch.nn.Module):
     def _sorted_routes(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(order, inverse, ends) of the T*k assignments ``idx``: ``order`` sorts them expert-major (stable: within
         an expert, token order), ``inverse`` is its inverse and ``ends[e]`` the end row of global expert e in that
-        order, found in the sorted ids (one search; no sync with the host, as bincount's would be)."""
+        order, found in the sorted ids (one search; no sync with the host, as bincount's would be).
+
+        The ids are ``topk`` picks among the router's E scores, so every row has an expert and the end rows are
+        valid by construction: they are marked so (the expert ops then skip reading them back to check)."""
         expert_of_row, order = torch.sort(idx.reshape(-1), stable=True)
         ends = torch.searchsorted(expert_of_row, self._expert_ids(idx.device), right=True)
-        return order, inverse_permutation(order), ends
+        return order, inverse_permutation(order), known_offsets.mark_complete(ends, idx.numel())
 
     def _exchange(self, ends: torch.Tensor):
         """ep > 1: the counts this rank sends each expert, exchanged: (counts, received per local expert, the

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from polyaccel.errors import OpArgumentError
+from polyaccel.ops import offsets as known_offsets
 from polyaccel.ops.reference.grouped_mm import check_grouped_mm_shapes, last_offset
 from polyaccel.ops.reference.grouped_mm import grouped_mm as reference_grouped_mm
 
@@ -203,39 +204,29 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
 
 def checked_offsets(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, int | None]:
     """The offsets' value checks alone, for callers that checked the shapes and devices: int64 offsets and the
-    last offset. The checks (one host sync, which also gives the last offset) are skipped while capturing, where
-    the last offset is None."""
+    last offset. The checks (one host sync, which also gives the last offset; none for offsets already checked
+    or valid by construction, :mod:`polyaccel.ops.offsets`) are skipped while capturing, where the last offset
+    is None unless known without a read."""
     off64 = offsets.to(torch.int64)
     if _capturing(off64):
-        return off64, None
-    return off64, _checked_last_offset(off64, rows)
+        return off64, known_offsets.known_last(off64, rows)
+    return off64, last_offset(off64, rows)
 
 
-#: (weak reference to the int64 offsets last checked, their version counter, rows, last offset, their int32 copy)
-_last_checked: tuple = (None, -1, -1, 0, None)
-
-
-def _checked_last_offset(off64: torch.Tensor, rows: int) -> int:
-    """``last_offset`` with its host sync skipped for the tensor checked last, unchanged since."""
-    global _last_checked
-    ref, version, checked_rows, last, _ = _last_checked
-    if ref is not None and ref() is off64 and version == off64._version and checked_rows == rows:
-        return last
-    last = last_offset(off64, rows)
-    _last_checked = (weakref.ref(off64), off64._version, rows, last, None)
-    return last
+#: (weak reference to the int64 offsets converted last, their version counter, their int32 copy)
+_last_int32: tuple = (None, -1, None)
 
 
 def int32_offsets(off64: torch.Tensor) -> torch.Tensor:
-    """``off64`` as int32 (what torch._grouped_mm takes), converted once for the offsets checked last, unchanged
+    """``off64`` as int32 (what torch._grouped_mm takes), converted once for the offsets converted last, unchanged
     since: a layer's GEMMs share one offsets tensor. Never cached while capturing (the values change per replay)."""
-    global _last_checked
-    ref, version, rows, last, off32 = _last_checked
-    if _capturing(off64) or ref is None or ref() is not off64 or version != off64._version:
+    global _last_int32
+    if _capturing(off64):
         return off64.to(torch.int32)
-    if off32 is None:
+    ref, version, off32 = _last_int32
+    if ref is None or ref() is not off64 or version != off64._version:
         off32 = off64.to(torch.int32)
-        _last_checked = (ref, version, rows, last, off32)
+        _last_int32 = (weakref.ref(off64), off64._version, off32)
     return off32
 
 

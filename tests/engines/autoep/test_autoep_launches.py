@@ -117,3 +117,35 @@ def test_the_dispatch_record_derives_counts_only_when_read():
     assert record["received"] is counts and record["counts"] is counts
     with pytest.raises(KeyError):
         record["missing"]
+
+
+def test_a_step_reads_no_offsets_back_to_check_them(monkeypatch):
+    """The end rows come from topk ids among the router's E scores, so they are valid by construction and marked
+    so: no op of the step reads them back to the host to check them (on a GPU, a wait for the device)."""
+    import importlib
+
+    reference_grouped_mm = importlib.import_module("polyaccel.ops.reference.grouped_mm")
+    real = reference_grouped_mm._checked_on_host
+    reads = []
+    monkeypatch.setattr(reference_grouped_mm, "_checked_on_host", lambda off, rows: reads.append(rows) or real(off, rows))
+    layer = _layer(top_k=2)
+    torch.manual_seed(4)
+    x = torch.randn(1, 13, layer.router.weight.shape[1], dtype=torch.float64, requires_grad=True)
+    layer(x)[0].sum().backward()
+    assert reads == [] and x.grad is not None
+    # what the mark claims holds: the end rows pass the host check, every one of the 13 * 2 rows in a group
+    ids = torch.stack([torch.randperm(layer.num_experts)[:2] for _ in range(13)])
+    ends = layer._sorted_routes(ids)[2]
+    assert real(ends, ids.numel()) == ids.numel()
+    assert torch.equal(ends, torch.cumsum(torch.bincount(ids.reshape(-1), minlength=layer.num_experts), 0))
+
+
+def test_a_router_of_the_wrong_width_is_refused_by_name():
+    from polyaccel.errors import InvalidArgument
+
+    layer = _layer()
+    hidden = layer.router.weight.shape[1]
+    layer.router.weight = torch.nn.Parameter(torch.randn(layer.num_experts + 1, hidden, dtype=torch.float64))
+    with pytest.raises(InvalidArgument, match=f"router gives {layer.num_experts + 1} scores a token for "
+                                              f"{layer.num_experts} experts"):
+        layer(torch.randn(1, 3, hidden, dtype=torch.float64))

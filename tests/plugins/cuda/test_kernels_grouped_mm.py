@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from polyaccel.ops.reference.grouped_mm import grouped_mm as reference
 from polyaccel.plugins.cuda.kernels import grouped_mm as kg
+
+# (the package's ``grouped_mm`` attribute is the reference function, not this module)
+reference_module = importlib.import_module("polyaccel.ops.reference.grouped_mm")
 
 #: small tiles: few programs under the interpreter, and every masking path at small sizes
 SMALL = kg.TileConfig(16, 16, 16, 4, 1)
@@ -161,8 +166,8 @@ def test_offsets_shared_by_two_calls_are_checked_on_the_host_once(monkeypatch):
     """A MoE layer's two GEMMs share one offsets tensor: one host check (sync) between them; an in-place
     change or a fresh tensor is checked again, so bad values still raise."""
     calls = []
-    real = kg.last_offset
-    monkeypatch.setattr(kg, "last_offset", lambda off, rows: calls.append(rows) or real(off, rows))
+    real = reference_module._checked_on_host
+    monkeypatch.setattr(reference_module, "_checked_on_host", lambda off, rows: calls.append(rows) or real(off, rows))
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(12, 16, generator=gen).bfloat16()
     w = torch.randn(2, 16, 16, generator=gen).bfloat16()
@@ -185,13 +190,13 @@ def test_shared_offsets_are_converted_to_int32_once_and_again_after_a_change():
     w = torch.randn(2, 16, 16, generator=gen).bfloat16()
     offsets = torch.tensor([5, 12])
     kg.torch_grouped_mm(x, w, offsets)
-    off32 = kg._last_checked[4]
+    off32 = kg._last_int32[2]
     assert off32.dtype == torch.int32 and off32.tolist() == [5, 12]
     kg.torch_grouped_mm(x, w, offsets)
-    assert kg._last_checked[4] is off32  # the second GEMM of a layer reuses the copy
+    assert kg._last_int32[2] is off32  # the second GEMM of a layer reuses the copy
     offsets[0] = 9  # in place: checked and converted again, and the product follows
     out = kg.torch_grouped_mm(x, w, offsets)
-    assert kg._last_checked[4] is not off32 and kg._last_checked[4].tolist() == [9, 12]
+    assert kg._last_int32[2] is not off32 and kg._last_int32[2].tolist() == [9, 12]
     _check(out, reference(x.double(), w.double(), offsets), torch.bfloat16, 16, "after the change")
 
 
