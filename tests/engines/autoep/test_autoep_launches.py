@@ -127,7 +127,8 @@ def test_a_step_reads_no_offsets_back_to_check_them(monkeypatch):
     reference_grouped_mm = importlib.import_module("polyaccel.ops.reference.grouped_mm")
     real = reference_grouped_mm._checked_on_host
     reads = []
-    monkeypatch.setattr(reference_grouped_mm, "_checked_on_host", lambda off, rows: reads.append(rows) or real(off, rows))
+    monkeypatch.setattr(reference_grouped_mm, "_checked_on_host",
+                        lambda off, rows: reads.append(rows) or real(off, rows))
     layer = _layer(top_k=2)
     torch.manual_seed(4)
     x = torch.randn(1, 13, layer.router.weight.shape[1], dtype=torch.float64, requires_grad=True)
