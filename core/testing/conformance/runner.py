@@ -97,11 +97,24 @@ def run_suite(accelerator: str | None = None, *, emulate: bool = False, keyword:
                              verbose=verbose, ini_path=ini, extra_args=extra_args, fuzz=fuzz,
                              fuzz_examples=fuzz_examples, fuzz_seed=fuzz_seed)
         child_env = dict(os.environ if env is None else env)
+        child_env.setdefault("PYTHONUNBUFFERED", "1")  # what it printed reaches the pipe, should it be killed
         try:
             proc = subprocess.run(cmd, cwd=tmp, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise TimeoutError(f"the conformance suite did not finish within {timeout} s "
-                               f"(command: {' '.join(cmd)})") from exc
+                               f"(command: {' '.join(cmd)}){_progress_so_far(exc.output, verbose)}") from exc
         document = results.load(out_json) if os.path.exists(out_json) else None
         return SuiteRun(document=document, returncode=proc.returncode, output=proc.stdout, command=cmd)
+
+
+def _progress_so_far(output: bytes | str | None, verbose: bool) -> str:
+    """The end of what a killed run printed (a timeout's output is bytes whatever ``text`` said): with -v it names
+    the check that was running."""
+    if isinstance(output, bytes):
+        output = output.decode(errors="replace")
+    lines = (output or "").strip().splitlines()[-15:]
+    hint = "" if verbose else "; -v names each check as it runs"
+    if not lines:
+        return f"; it printed nothing{hint}"
+    return f"; the last it printed{hint}:\n" + "\n".join(lines)

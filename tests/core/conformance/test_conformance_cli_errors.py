@@ -35,3 +35,18 @@ def test_nothing_selected_is_not_a_pass(monkeypatch, capsys):
                         lambda *a, **k: runner.SuiteRun(document=doc, returncode=5, output="", command=[]))
     assert main(["conformance", "--accelerator", "cpu", "-k", "nothing_has_this_name"]) == 2
     assert "no check ran (nothing matched -k 'nothing_has_this_name')" in capsys.readouterr().err
+
+
+def test_a_run_past_its_timeout_names_where_it_stopped(monkeypatch, capsys):
+    """A killed run reports what it printed last (with -v: the check that was running), not just the limit."""
+    import sys
+
+    script = "print('test_ops.py::test_vs_reference[moe_gate_up] ', flush=True); import time; time.sleep(60)"
+    monkeypatch.setattr(runner, "pytest_command", lambda *a, **k: [sys.executable, "-c", script])
+    assert main(["conformance", "--accelerator", "cpu", "-v", "--timeout", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "did not finish within 3.0 s" in err
+    assert "the last it printed:\ntest_ops.py::test_vs_reference[moe_gate_up]" in err
+    monkeypatch.setattr(runner, "pytest_command", lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(60)"])
+    assert main(["conformance", "--accelerator", "cpu", "--timeout", "2"]) == 2
+    assert "it printed nothing; -v names each check as it runs" in capsys.readouterr().err
