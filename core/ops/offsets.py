@@ -21,6 +21,8 @@ import weakref
 
 import torch
 
+from ..errors import InvalidArgument
+
 #: (weak reference to the offsets, their version counter, rows, their last offset)
 _known: tuple = (None, -1, -1, 0)
 
@@ -33,7 +35,8 @@ def mark_complete(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     ``rows`` ids each in ``[0, E)``. Nothing reads the values to confirm it (that read is what this spares).
     """
     if offsets.dim() != 1 or offsets.numel() == 0:
-        raise ValueError(f"mark_complete: offsets must be a non-empty 1-D tensor, got shape {tuple(offsets.shape)}")
+        raise InvalidArgument(f"mark_complete: offsets must be a non-empty 1-D tensor, got shape "
+                              f"{tuple(offsets.shape)}")
     remember(offsets, rows, rows)
     return offsets
 

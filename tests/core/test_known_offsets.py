@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 import torch
-from polyaccel.errors import OpArgumentError
+from polyaccel.errors import InvalidArgument, OpArgumentError
 from polyaccel.ops import offsets as known_offsets
 
 reference_grouped_mm = importlib.import_module("polyaccel.ops.reference.grouped_mm")
@@ -67,7 +67,7 @@ def test_the_offsets_checked_last_are_read_once(reads):
 
 
 def test_mark_complete_refuses_what_cannot_be_offsets():
-    with pytest.raises(ValueError, match="non-empty 1-D"):
+    with pytest.raises(InvalidArgument, match="non-empty 1-D"):
         known_offsets.mark_complete(torch.tensor([[1, 2]]), 2)
-    with pytest.raises(ValueError, match="non-empty 1-D"):
+    with pytest.raises(InvalidArgument, match="non-empty 1-D"):
         known_offsets.mark_complete(torch.tensor([], dtype=torch.int64), 0)
