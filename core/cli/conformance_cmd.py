@@ -27,6 +27,7 @@ agree; --fuzz-seed S draws another fixed set. Needs hypothesis (`pip install pol
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 
@@ -48,7 +49,8 @@ def add_arguments(p) -> None:
     p.add_argument("-k", dest="keyword", metavar="EXPR", default=None,
                    help="only run checks matching the pytest keyword expression EXPR")
     p.add_argument("-v", "--verbose", action="store_true", help="also print pytest's own output")
-    p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="give up after S seconds (900)")
+    p.add_argument("--timeout", type=float, default=900.0, metavar="S",
+                   help="give up after S seconds (900), naming the check it was on")
     p.add_argument("--fuzz", action="store_true",
                    help="also run the op-contract fuzz rows: drawn shapes, strides, offsets, dtypes, NaN/Inf "
                         "for every builder of every op, vs the reference (needs hypothesis)")
@@ -81,9 +83,10 @@ def run(args) -> int:
               "install it with `pip install polyaccel[test]` (or `pip install hypothesis`)", file=sys.stderr)
         return 2
     try:
-        result = run_suite(args.accelerator, emulate=args.emulate, keyword=args.keyword, junitxml=args.junitxml,
-                           json_path=args.json, verbose=args.verbose, timeout=args.timeout, fuzz=args.fuzz,
-                           fuzz_examples=args.fuzz_examples, fuzz_seed=args.fuzz_seed)
+        with _progress_shown() as show:
+            result = run_suite(args.accelerator, emulate=args.emulate, keyword=args.keyword, junitxml=args.junitxml,
+                               json_path=args.json, verbose=args.verbose, timeout=args.timeout, fuzz=args.fuzz,
+                               fuzz_examples=args.fuzz_examples, fuzz_seed=args.fuzz_seed, progress=show)
     except TimeoutError as exc:
         print(f"polyaccel conformance: {exc}", file=sys.stderr)
         return 2
@@ -101,6 +104,27 @@ def run(args) -> int:
         print(f"polyaccel conformance: {error}", file=sys.stderr)
         return 2
     return 0 if doc["ok"] else 1
+
+
+@contextlib.contextmanager
+def _progress_shown():
+    """A progress bar on a terminal's stderr (checks done of those collected, the one running), gone when the run
+    ends; elsewhere (a pipe, a log) nothing until the table."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("conformance"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("collecting", total=None)
+
+        def show(run) -> None:
+            check = (run.running or "").rsplit("/", 1)[-1]
+            bar.update(task, total=run.total, completed=run.done, description=check)
+
+        yield show
 
 
 def _print_table(doc) -> None:

@@ -23,6 +23,7 @@ import pytest
 
 from ...errors import PolyaccelError
 from . import results
+from .progress import ProgressWriter
 from .results import (
     FAIL,
     PASS,
@@ -69,6 +70,9 @@ def pytest_addoption(parser) -> None:
                     help="drawn cases per (op, builder) fuzz row (default: the CI budget)")
     group.addoption("--polyaccel-fuzz-seed", type=int, default=None, metavar="S",
                     help="draw the fuzz cases from seed S (default: a fixed, derandomized set)")
+    group.addoption("--polyaccel-progress-fd", type=int, default=None, metavar="FD",
+                    help="write each check's start and finish to this open file descriptor, as JSON lines "
+                         "(the runner's progress pipe)")
 
 
 FUZZ_MODULE = "test_fuzz.py"
@@ -114,6 +118,9 @@ def pytest_configure(config) -> None:
         state.stack.close()
         raise
     config.pluginmanager.register(_Collector(config, state), "polyaccel-conformance-collector")
+    progress_fd = config.getoption("--polyaccel-progress-fd")
+    if progress_fd is not None and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(ProgressWriter(progress_fd), "polyaccel-conformance-progress")
 
 
 def pytest_unconfigure(config) -> None:

@@ -11,10 +11,15 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from . import results
+from .progress import SuiteProgress
+
+#: the option the suite's process takes the progress pipe's file descriptor by (:mod:`.progress`)
+PROGRESS_OPTION = "--polyaccel-progress-fd"
 
 SUITE_PACKAGE = "polyaccel.testing.conformance"
 PYTEST_PLUGIN = f"{SUITE_PACKAGE}.plugin"
@@ -76,15 +81,16 @@ def run_suite(accelerator: str | None = None, *, emulate: bool = False, keyword:
               junitxml: str | None = None, json_path: str | None = None, verbose: bool = False,
               env: dict[str, str] | None = None, timeout: float | None = 900.0,
               extra_args: tuple[str, ...] = (), fuzz: bool = False, fuzz_examples: int | None = None,
-              fuzz_seed: int | None = None) -> SuiteRun:
+              fuzz_seed: int | None = None, progress: Callable[[SuiteProgress], None] | None = None) -> SuiteRun:
     """Run the conformance suite against ``accelerator`` (None: the normally selected one).
 
     ``fuzz`` adds the op-contract fuzz rows (``fuzz_examples`` drawn cases per op and builder,
     from ``fuzz_seed`` or a fixed derandomized set: :mod:`polyaccel.testing.conformance.fuzz`).
 
     ``json_path`` keeps the document (else a temporary file is used); ``env`` replaces the
-    child's environment (default: this process's). Raises ``TimeoutError`` after ``timeout``
-    seconds, having killed the run.
+    child's environment (default: this process's). ``progress(tracker)`` is called (from another
+    thread) as each check starts and finishes (:class:`.progress.SuiteProgress`). Raises
+    ``TimeoutError`` after ``timeout`` seconds, having killed the run, naming the check it was on.
     """
     with tempfile.TemporaryDirectory(prefix="polyaccel-conformance-") as tmp:
         ini = os.path.join(tmp, "pytest.ini")
@@ -98,23 +104,35 @@ def run_suite(accelerator: str | None = None, *, emulate: bool = False, keyword:
                              fuzz_examples=fuzz_examples, fuzz_seed=fuzz_seed)
         child_env = dict(os.environ if env is None else env)
         child_env.setdefault("PYTHONUNBUFFERED", "1")  # what it printed reaches the pipe, should it be killed
+        tracker = SuiteProgress(progress)
+        read_end, write_end = os.pipe()
         try:
-            proc = subprocess.run(cmd, cwd=tmp, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise TimeoutError(f"the conformance suite did not finish within {timeout} s "
-                               f"(command: {' '.join(cmd)}){_progress_so_far(exc.output, verbose)}") from exc
+            proc = subprocess.Popen(cmd + [PROGRESS_OPTION, str(write_end)], cwd=tmp, env=child_env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(write_end,))
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        tracker.follow(read_end)
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+            tracker.join(5.0)
+            raise TimeoutError(f"the conformance suite did not finish within {timeout} s: {tracker.describe()} "
+                               f"(command: {' '.join(cmd)}){_printed_last(output)}") from None
+        except BaseException:
+            proc.kill()
+            proc.communicate()
+            raise
+        tracker.join(5.0)
         document = results.load(out_json) if os.path.exists(out_json) else None
-        return SuiteRun(document=document, returncode=proc.returncode, output=proc.stdout, command=cmd)
+        return SuiteRun(document=document, returncode=proc.returncode, output=output, command=cmd)
 
 
-def _progress_so_far(output: bytes | str | None, verbose: bool) -> str:
-    """The end of what a killed run printed (a timeout's output is bytes whatever ``text`` said): with -v it names
-    the check that was running."""
-    if isinstance(output, bytes):
-        output = output.decode(errors="replace")
+def _printed_last(output: str) -> str:
+    """The end of what a killed run printed."""
     lines = (output or "").strip().splitlines()[-15:]
-    hint = "" if verbose else "; -v names each check as it runs"
-    if not lines:
-        return f"; it printed nothing{hint}"
-    return f"; the last it printed{hint}:\n" + "\n".join(lines)
+    return "; the last it printed:\n" + "\n".join(lines) if lines else "; it printed nothing"

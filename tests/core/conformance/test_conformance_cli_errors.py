@@ -37,16 +37,61 @@ def test_nothing_selected_is_not_a_pass(monkeypatch, capsys):
     assert "no check ran (nothing matched -k 'nothing_has_this_name')" in capsys.readouterr().err
 
 
-def test_a_run_past_its_timeout_names_where_it_stopped(monkeypatch, capsys):
-    """A killed run reports what it printed last (with -v: the check that was running), not just the limit."""
+def _fake_suite(monkeypatch, body: str) -> None:
+    """The suite's process replaced by a script that gets the same trailing progress option (its fd last)."""
     import sys
 
-    script = "print('test_ops.py::test_vs_reference[moe_gate_up] ', flush=True); import time; time.sleep(60)"
+    script = "import json, os, sys, time\nevents = os.fdopen(int(sys.argv[-1]), 'w', buffering=1)\n" + body
     monkeypatch.setattr(runner, "pytest_command", lambda *a, **k: [sys.executable, "-c", script])
-    assert main(["conformance", "--accelerator", "cpu", "-v", "--timeout", "3"]) == 2
+
+
+def test_a_run_past_its_timeout_names_the_check_it_was_on(monkeypatch, capsys):
+    """A killed run says which check was running, how many were done, and what it printed last."""
+    _fake_suite(monkeypatch, (
+        "for e in ({'total': 3}, {'start': 'test_device.py::test_x'}, {'finish': 'test_device.py::test_x'},\n"
+        "          {'start': 'test_ops.py::test_vs_reference[moe_gate_up]'}):\n"
+        "    events.write(json.dumps(e) + '\\n')\n"
+        "print('compiling', flush=True)\ntime.sleep(60)\n"))
+    assert main(["conformance", "--accelerator", "cpu", "--timeout", "3"]) == 2
     err = capsys.readouterr().err
-    assert "did not finish within 3.0 s" in err
-    assert "the last it printed:\ntest_ops.py::test_vs_reference[moe_gate_up]" in err
-    monkeypatch.setattr(runner, "pytest_command", lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(60)"])
+    assert ("did not finish within 3.0 s: it was running test_ops.py::test_vs_reference[moe_gate_up] "
+            "(1 of 3 checks done)") in err
+    assert "the last it printed:\ncompiling" in err
+    _fake_suite(monkeypatch, "time.sleep(60)\n")
     assert main(["conformance", "--accelerator", "cpu", "--timeout", "2"]) == 2
-    assert "it printed nothing; -v names each check as it runs" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "it had not finished collecting the checks" in err and "it printed nothing" in err
+
+
+def test_progress_follows_every_check_of_a_real_run():
+    seen = []
+    run = runner.run_suite("cpu", keyword="moe or swiglu",
+                           progress=lambda p: seen.append((p.total, p.done, p.running)))
+    rows = run.rows()
+    assert run.ok and len(rows) >= 2
+    total = seen[-1][0]
+    assert total == len(rows) and seen[-1][1:] == (total, None)
+    started = [r for _, _, r in seen if r is not None]
+    assert len(set(started)) == total and all("::" in r for r in started)
+    assert "--polyaccel-progress-fd" not in " ".join(run.command)  # the reported command can be run again
+
+
+def test_a_terminal_gets_a_progress_bar_that_leaves_only_the_table(monkeypatch, capsys):
+    import sys
+
+    from polyaccel.cli import conformance_cmd
+
+    updates = []
+    real = conformance_cmd._progress_shown
+
+    @contextlib.contextmanager
+    def spying():
+        with real() as show:
+            assert show is not None  # a terminal: the bar is up
+            yield lambda run: updates.append(run.done) or show(run)
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setattr(conformance_cmd, "_progress_shown", spying)
+    assert main(["conformance", "--accelerator", "cpu", "-k", "moe"]) == 0
+    out = capsys.readouterr()
+    assert updates and updates[-1] >= 2 and "CONFORMS" in out.out
