@@ -32,7 +32,7 @@ run() {  # name, limit, command...
 }
 for step in "$@"; do
   case $step in
-    conf) run conf 240 polyaccel conformance --accelerator cuda --fuzz --fuzz-examples "${FUZZ:-5}" -k "swiglu or grouped_mm or moe" \
+    conf) run conf 400 polyaccel conformance --accelerator cuda --timeout 380 --fuzz --fuzz-examples "${FUZZ:-5}" -k "swiglu or grouped_mm or moe" \
             --json "$OUT/conf.json" ;;
     autoep) (cd benchmarks && run autoep 330 python3 autoep_gpu.py --steps "$STEPS" --out "$OUT/autoep.json") ;;
     rows32k) (cd benchmarks && run rows32k 150 python3 autoep_gpu.py --experts 8 --tokens 32768 --topk 2 8 --steps 10) ;;
