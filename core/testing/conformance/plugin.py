@@ -99,6 +99,16 @@ def pytest_configure(config) -> None:
     state = _SuiteState()
     config.stash[_STATE] = state
     state.json_path = config.getoption("--polyaccel-json")
+    progress_fd = config.getoption("--polyaccel-progress-fd")
+    if progress_fd is not None and not hasattr(config, "workerinput"):
+        try:
+            writer = ProgressWriter(progress_fd)
+        except OSError as exc:
+            state.error = (f"--polyaccel-progress-fd {progress_fd} is not a file descriptor open for writing "
+                           f"({exc.strerror}); the runner passes its pipe's, leave it out elsewhere")
+            _write(config, exitstatus=4)
+            raise pytest.UsageError(f"polyaccel conformance: {state.error}") from None
+        config.pluginmanager.register(writer, "polyaccel-conformance-progress")
     examples = config.getoption("--polyaccel-fuzz-examples")
     if examples is not None and examples < 1:
         state.error = f"--fuzz-examples must be at least 1, got {examples}"
@@ -118,9 +128,6 @@ def pytest_configure(config) -> None:
         state.stack.close()
         raise
     config.pluginmanager.register(_Collector(config, state), "polyaccel-conformance-collector")
-    progress_fd = config.getoption("--polyaccel-progress-fd")
-    if progress_fd is not None and not hasattr(config, "workerinput"):
-        config.pluginmanager.register(ProgressWriter(progress_fd), "polyaccel-conformance-progress")
 
 
 def pytest_unconfigure(config) -> None:

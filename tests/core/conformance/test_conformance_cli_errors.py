@@ -95,3 +95,16 @@ def test_a_terminal_gets_a_progress_bar_that_leaves_only_the_table(monkeypatch, 
     assert main(["conformance", "--accelerator", "cpu", "-k", "moe"]) == 0
     out = capsys.readouterr()
     assert updates and updates[-1] >= 2 and "CONFORMS" in out.out
+
+
+def test_a_progress_fd_that_is_not_open_is_a_usage_error(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = runner.pytest_command("cpu", keyword="moe", ini_path=str(tmp_path / "pytest.ini"))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    proc = subprocess.run(cmd + [runner.PROGRESS_OPTION, "987"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "--polyaccel-progress-fd 987 is not a file descriptor open for writing" in proc.stderr
+    assert sys.executable in cmd[0]
