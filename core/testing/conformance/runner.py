@@ -45,8 +45,7 @@ class SuiteRun:
         if self.document and self.document.get("error"):
             return self.document["error"]
         if self.document is None:
-            tail = "\n".join(self.output.strip().splitlines()[-15:])
-            return f"the suite produced no result (pytest exit status {self.returncode}):\n{tail}"
+            return f"the suite produced no result (pytest exit status {self.returncode}):\n{_last_lines(self.output)}"
         return None
 
 
@@ -121,8 +120,10 @@ def run_suite(accelerator: str | None = None, *, emulate: bool = False, keyword:
             proc.kill()
             output, _ = proc.communicate()
             tracker.join(5.0)
+            tail = _last_lines(output)
+            printed = f"the last it printed:\n{tail}" if tail else "it printed nothing"
             raise TimeoutError(f"the conformance suite did not finish within {timeout} s: {tracker.describe()} "
-                               f"(command: {' '.join(cmd)}){_printed_last(output)}") from None
+                               f"(command: {' '.join(cmd)}); {printed}") from None
         except BaseException:
             proc.kill()
             proc.communicate()
@@ -132,7 +133,6 @@ def run_suite(accelerator: str | None = None, *, emulate: bool = False, keyword:
         return SuiteRun(document=document, returncode=proc.returncode, output=output, command=cmd)
 
 
-def _printed_last(output: str) -> str:
-    """The end of what a killed run printed."""
-    lines = (output or "").strip().splitlines()[-15:]
-    return "; the last it printed:\n" + "\n".join(lines) if lines else "; it printed nothing"
+def _last_lines(output: str | None) -> str:
+    """The end of what the suite's process printed (its last 15 lines)."""
+    return "\n".join((output or "").strip().splitlines()[-15:])
