@@ -1,0 +1,143 @@
+"""Split one batch over the ranks of a sequence-parallel group (the batch side of AutoSP).
+
+Under sequence parallelism every rank of a sequence group gets the *same rows* of a batch and keeps a
+contiguous ``1/size`` of each sequence. :func:`split_batch` cuts a batch that way, so that a model
+running Ulysses attention over the group (the ``sequence_parallel`` layer) computes, summed over the
+ranks of the group, exactly the loss of the whole sequence on one process.
+
+The contract of :func:`split_batch` (``L = seq_len``, ``s = L // size``, rank ``r`` keeps positions
+``[r*s, (r+1)*s)`` along ``seq_dim``):
+
+- ``input_ids`` (and ``inputs_embeds``, ``token_type_ids`` when present): this rank's slice.
+- ``position_ids``: *global* positions, this rank's slice of them. Absent: ``arange(L)`` per row (what an
+  unsplit Hugging Face model uses by default). Given: kept as given (packed sequences whose positions
+  restart), so rotary embeddings see the positions of the whole sequence.
+- ``labels`` and ``shift_labels``: the labels shifted *globally* by one (position ``i`` is scored
+  against the label at ``i + 1``; the label of a shard's last token comes from the next shard; the last
+  global position gets ``ignore_index``), this rank's slice of them. The same tensor is returned under
+  both keys: transformers' ``ForCausalLMLoss`` takes ``shift_labels`` as already shifted and does not
+  shift again. A batch that already carries ``shift_labels`` is taken as already shifted.
+- ``num_items_in_batch``: the number of non-ignored shifted labels of the *whole* batch (all rows, all
+  shards), a 0-d int64 tensor. Passed to the model, each rank's loss is ``sum(local token losses) /
+  global count``, so the sum of the ranks' losses is the full-sequence mean loss. (A training loop that
+  accumulates micro-batches passes its own count, summed the same way over its micro-batches.)
+- ``attention_mask``: the 2-D ``[batch, L]`` padding mask, left *whole*: attention runs over the whole
+  sequence after the all-to-all, so the layer needs every position's mask.
+- any other non-tensor value passes through unchanged; a tensor under a key this function does not
+  know is refused (it cannot tell whether it is per token).
+
+Split tensors are returned contiguous (transformers' loss takes ``.view(-1)`` of ``shift_labels``).
+``L % size != 0`` is refused with the numbers and the valid sizes. The caller's mapping is not changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .errors import InvalidArgument
+
+TOKEN_KEYS = ("input_ids", "inputs_embeds", "token_type_ids")
+KNOWN_KEYS = TOKEN_KEYS + ("position_ids", "labels", "shift_labels", "attention_mask")
+
+
+def valid_sizes(seq_len: int) -> list[int]:
+    """The sequence-parallel sizes that divide ``seq_len``."""
+    return [d for d in range(1, seq_len + 1) if seq_len % d == 0]
+
+
+def check_divisible(seq_len: int, size: int) -> None:
+    if seq_len % size:
+        sizes = valid_sizes(seq_len)
+        shown = sizes if len(sizes) <= 16 else sizes[:16] + ["..."]
+        raise InvalidArgument(
+            f"sequence length {seq_len} is not divisible by the sequence-parallel size {size} "
+            f"({seq_len} % {size} = {seq_len % size}); valid sizes for this length: {shown}, "
+            f"or pad the sequence to a multiple of {size}")
+
+
+def shift_labels(labels: torch.Tensor, *, seq_dim: int = 1, ignore_index: int = -100) -> torch.Tensor:
+    """Labels shifted left by one along ``seq_dim``; the last position gets ``ignore_index``."""
+    last = labels.narrow(seq_dim, 0, 1).clone().fill_(ignore_index)
+    return torch.cat([labels.narrow(seq_dim, 1, labels.shape[seq_dim] - 1), last], dim=seq_dim)
+
+
+def split_batch(batch: Mapping, *, rank: int, size: int, seq_dim: int = 1, ignore_index: int = -100) -> dict:
+    """This sequence rank's part of ``batch``; see the module docstring for the contract."""
+    if not isinstance(batch, Mapping):
+        raise InvalidArgument(f"split_batch needs a mapping (a dict of tensors), got {type(batch).__name__}")
+    for name, v in (("size", size), ("rank", rank), ("seq_dim", seq_dim), ("ignore_index", ignore_index)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise InvalidArgument(f"split_batch: {name} must be an int, got {v!r}")
+    if size < 1:
+        raise InvalidArgument(f"split_batch: size must be >= 1, got {size}")
+    if not 0 <= rank < size:
+        raise InvalidArgument(f"split_batch: rank must be in [0, {size}), got {rank}")
+    unknown = [k for k, v in batch.items() if torch.is_tensor(v) and k not in KNOWN_KEYS]
+    if unknown:
+        raise InvalidArgument(
+            f"split_batch does not know whether the tensors under {unknown} are per token; it splits "
+            f"{list(TOKEN_KEYS)} and labels, keeps position_ids global and attention_mask whole. Remove them "
+            f"or split them yourself")
+    ref_key = "input_ids" if batch.get("input_ids") is not None else "inputs_embeds"
+    ref = batch.get(ref_key)
+    if ref is None:
+        raise InvalidArgument("split_batch needs input_ids or inputs_embeds in the batch")
+    if not -ref.dim() <= seq_dim < ref.dim():
+        raise InvalidArgument(f"split_batch: seq_dim {seq_dim} is out of range for {ref_key} of shape "
+                              f"{tuple(ref.shape)}")
+    seq_dim %= ref.dim()
+    seq_len = ref.shape[seq_dim]
+    tok_shape = tuple(ref.shape[: seq_dim + 1]) if ref_key == "inputs_embeds" else tuple(ref.shape)
+    check_divisible(seq_len, size)
+    local = seq_len // size
+    start = rank * local
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t.narrow(seq_dim, start, local).contiguous()
+
+    def check_shape(key: str, t: torch.Tensor, shape: tuple) -> None:
+        if tuple(t.shape) != shape:
+            raise InvalidArgument(f"split_batch: {key} has shape {tuple(t.shape)}, expected {shape} "
+                                  f"(the shape of the tokens)")
+
+    out = {k: v for k, v in batch.items() if not torch.is_tensor(v)}
+    for key in TOKEN_KEYS:
+        t = batch.get(key)
+        if t is not None:
+            if key != "inputs_embeds":
+                check_shape(key, t, tok_shape)
+            elif tuple(t.shape[: seq_dim + 1]) != tok_shape:
+                check_shape(key, t, tok_shape + tuple(t.shape[seq_dim + 1:]))
+            out[key] = cut(t)
+
+    pos = batch.get("position_ids")
+    if pos is None:
+        view = [1] * len(tok_shape)
+        view[seq_dim] = seq_len
+        pos = torch.arange(seq_len, device=ref.device).view(view).expand(tok_shape)
+    else:
+        check_shape("position_ids", pos, tok_shape)
+    out["position_ids"] = cut(pos)
+
+    shifted = batch.get("shift_labels")
+    if shifted is None and batch.get("labels") is not None:
+        check_shape("labels", batch["labels"], tok_shape)
+        shifted = shift_labels(batch["labels"], seq_dim=seq_dim, ignore_index=ignore_index)
+    if shifted is not None:
+        check_shape("shift_labels", shifted, tok_shape)
+        local_labels = cut(shifted)
+        out["labels"] = local_labels
+        out["shift_labels"] = local_labels
+        out["num_items_in_batch"] = (shifted != ignore_index).sum()
+
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        if mask.dim() != 2 or seq_dim != 1 or tuple(mask.shape) != tok_shape:
+            raise InvalidArgument(
+                f"split_batch keeps a 2-D [batch, seq] attention_mask whole; got shape {tuple(mask.shape)} for "
+                f"tokens of shape {tok_shape} (seq_dim {seq_dim}). Pass the 2-D padding mask; the "
+                f"sequence-parallel attention builds the full mask (causal, window, packing) itself")
+        out["attention_mask"] = mask
+    return out
