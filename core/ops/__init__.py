@@ -34,6 +34,7 @@ from .calls import (
     swiglu,
     weighted_swiglu,
 )
+from .calls_loss import entropy, kl, linear_cross_entropy, logprobs
 from .reference.quantize import QuantizedTensor
 from .registry import ANY_DEVICE, Candidate, OpBuilder, OpRegistry
 
@@ -51,8 +52,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ANY_DEVICE", "Candidate", "OpBuilder", "OpRegistry", "QuantizedTensor", "dequantize", "explain",
+    "ANY_DEVICE", "Candidate", "OpBuilder", "OpRegistry", "QuantizedTensor", "dequantize", "entropy", "explain",
     "fused_adam", "fused_lamb", "fused_lion", "fused_muon", "gather_sum", "grouped_mm", "moe_down_combine",
-    "moe_gate_up", "newton_schulz", "override", "provides", "quantize", "registry",
-    "resolve", "swiglu", "weighted_swiglu",
+    "moe_gate_up", "kl", "linear_cross_entropy", "logprobs", "newton_schulz", "override", "provides", "quantize",
+    "registry", "resolve", "swiglu", "weighted_swiglu",
 ]

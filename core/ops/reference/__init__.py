@@ -1,5 +1,6 @@
 """Plain-torch reference implementations: the definition of every op and the fallback."""
 
+from .cross_entropy import entropy, kl, linear_cross_entropy, logprobs
 from .gather_sum import gather_sum, gather_sum_backward, gather_sum_forward, make_gather_sum
 from .grouped_mm import grouped_mm
 from .moe_experts import moe_down_combine, moe_gate_up
@@ -32,12 +33,17 @@ REFERENCE_OPS = {
     "moe_down_combine": "moe_down_combine",
     "newton_schulz": "newton_schulz",
     "fused_muon": "fused_muon",
+    "linear_cross_entropy": "linear_cross_entropy",
+    "logprobs": "logprobs",
+    "entropy": "entropy",
+    "kl": "kl",
 }
 
 __all__ = [
     "REFERENCE_OPS",
     "QuantizedTensor",
     "dequantize",
+    "entropy",
     "fused_adam",
     "fused_lamb",
     "fused_lion",
@@ -46,6 +52,9 @@ __all__ = [
     "gather_sum_backward",
     "gather_sum_forward",
     "grouped_mm",
+    "kl",
+    "linear_cross_entropy",
+    "logprobs",
     "make_gather_sum",
     "make_swiglu",
     "make_weighted_swiglu",
