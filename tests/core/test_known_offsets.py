@@ -1,5 +1,5 @@
-"""polyaccel.ops.offsets: offsets checked last, or valid by construction, are not read back again; any change
-(in place, another tensor, other rows) is read and checked again, so bad values are still refused."""
+"""polyaccel.ops.offsets: offsets valid by construction are not read back; any other offsets (checked before or
+not, changed in place or behind the version counter, other rows) are read and checked, so bad values are refused."""
 
 from __future__ import annotations
 
@@ -58,12 +58,33 @@ def test_other_rows_or_another_tensor_are_read(reads):
     assert len(reads) == 3
 
 
-def test_the_offsets_checked_last_are_read_once(reads):
+def test_checked_offsets_are_read_again_at_every_call(reads):
     ends = torch.tensor([4, 6])
     assert reference_grouped_mm.last_offset(ends, 7) == 6
     assert reference_grouped_mm.last_offset(ends, 7) == 6
-    assert known_offsets.known_last(ends, 7) == 6 and known_offsets.known_last(ends, 8) is None
-    assert reads == [[4, 6]]
+    assert known_offsets.known_last(ends, 7) is None
+    assert reads == [[4, 6], [4, 6]]
+
+
+@pytest.mark.parametrize("alias", ["numpy", "data", "set_"])
+def test_offsets_refilled_behind_the_version_counter_are_refused(alias):
+    """A write through a NumPy view, a ``.data`` alias or a tensor set_ to the same storage does not bump the
+    offsets' version counter: a check made before it must not be trusted after it."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(6, 5, generator=gen), torch.randn(2, 5, 4, generator=gen)
+    ends = torch.tensor([2, 6])
+    torch.testing.assert_close(reference_grouped_mm.grouped_mm(x, w, ends).double(), _product(x, w, ends),
+                               rtol=1e-5, atol=1e-5)
+    version = ends._version
+    if alias == "numpy":
+        ends.numpy()[:] = [5, 2]
+    elif alias == "data":
+        ends.data.copy_(torch.tensor([5, 2]))
+    else:
+        torch.empty(0, dtype=ends.dtype).set_(ends.untyped_storage()).copy_(torch.tensor([5, 2]))
+    assert ends.tolist() == [5, 2] and ends._version == version  # the counter did not see it
+    with pytest.raises(OpArgumentError, match="non-decreasing"):
+        reference_grouped_mm.grouped_mm(x, w, ends)
 
 
 def test_mark_complete_refuses_what_cannot_be_offsets():
@@ -71,3 +92,5 @@ def test_mark_complete_refuses_what_cannot_be_offsets():
         known_offsets.mark_complete(torch.tensor([[1, 2]]), 2)
     with pytest.raises(InvalidArgument, match="non-empty 1-D"):
         known_offsets.mark_complete(torch.tensor([], dtype=torch.int64), 0)
+    with pytest.raises(InvalidArgument, match="int32 or int64"):
+        known_offsets.mark_complete(torch.tensor([1.0, 2.0]), 2)

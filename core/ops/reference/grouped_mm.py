@@ -38,8 +38,8 @@ def check_grouped_mm_args(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
 
 
 def last_offset(off: torch.Tensor, rows: int) -> int:
-    """Check the offsets' values and return the last one: one read to the host (the only synchronisation), none
-    for offsets checked last or valid by construction, unchanged since (:mod:`polyaccel.ops.offsets`)."""
+    """Check the offsets' values and return the last one: one read to the host (the only synchronisation) at
+    every call, none for offsets marked valid by construction and unchanged since (:mod:`polyaccel.ops.offsets`)."""
     if not off.numel():
         return 0
     last = known_offsets.known_last(off, rows)
@@ -53,7 +53,6 @@ def _checked_on_host(off: torch.Tensor, rows: int) -> int:
     last = int(host[-1])
     if last > rows:
         raise OpArgumentError(f"grouped_mm: last offset {last} exceeds the {rows} rows of x")
-    known_offsets.remember(off, rows, last)
     return last
 
 

@@ -13,10 +13,11 @@ one strip of the expert's weight in L2. Row indices, offsets and pointer arithme
 Loads and stores are masked (never clamped: a clamp on the contiguous dimension would cost
 the 16-byte vector loads). Offsets are clamped in the kernel (to ``[previous end, T]``), so
 even invalid offsets cannot make it read or write out of bounds; outside CUDA graph capture
-they are also validated on the host first (one sync), with the reference's error messages. An
-offsets tensor that passed is remembered (by identity and version counter), so a MoE layer's
-GEMMs that share one offsets tensor pay that sync once, not once per call (and convert them to
-int32 for ``torch._grouped_mm`` once).
+they are also validated on the host first (one sync), with the reference's error messages, at
+every call: only offsets marked valid by construction (AutoEP's end rows,
+:func:`polyaccel.ops.offsets.mark_complete`) skip the read, and only those are converted to int32
+for ``torch._grouped_mm`` once per layer (a check or a copy kept for any other tensor could be
+bypassed by a write through a NumPy view or a ``.data`` alias, which no version counter sees).
 
 Backward (:data:`grouped_mm`, autograd-aware): ``dx`` is the same grouped kernel on
 ``grad_out`` and the per-expert transposed weights (a strided view, no copy); ``dw[e] =
@@ -218,10 +219,11 @@ _last_int32: tuple = (None, -1, None)
 
 
 def int32_offsets(off64: torch.Tensor) -> torch.Tensor:
-    """``off64`` as int32 (what torch._grouped_mm takes), converted once for the offsets converted last, unchanged
-    since: a layer's GEMMs share one offsets tensor. Never cached while capturing (the values change per replay)."""
+    """``off64`` as int32 (what torch._grouped_mm takes), converted once for offsets marked valid by construction
+    and unchanged since (a layer's GEMMs share them); any other offsets are converted at every call (a copy kept
+    for them would go stale after a write the version counter does not see). Never cached while capturing."""
     global _last_int32
-    if _capturing(off64):
+    if _capturing(off64) or not known_offsets.is_marked(off64):
         return off64.to(torch.int32)
     ref, version, off32 = _last_int32
     if ref is None or ref() is not off64 or version != off64._version:
