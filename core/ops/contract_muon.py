@@ -4,7 +4,8 @@ The tensor-list rules are those of the other optimizer ops (:func:`.contract.che
 equal lengths and shapes, one device, dense floating tensors, no written tensor sharing memory),
 with the lists ``params, grads, momentum_buffers`` of which the op writes the first and the last.
 On top of them: every tensor is 2-D (Muon orthogonalizes matrices; other parameters belong to an
-Adam, as ``MuonWithAuxAdam`` does), each head split fits its tensor, and the Newton-Schulz settings
+Adam, as ``MuonWithAuxAdam`` does), a gradient and its momentum buffer are both float64 or both not
+(the momentum's one dtype), each head split fits its tensor, and the Newton-Schulz settings
 are an int ``ns_steps`` in [0, 100), three finite coefficients and ``eps > 0``. Every check runs
 before any tensor is touched, so a refused call changes nothing.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import math
 from numbers import Real
+
+import operator
 
 import torch
 
@@ -26,6 +29,7 @@ MUON_WRITTEN = frozenset((0, 2))
 #: dtypes the iteration runs in
 NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 MAX_NS_STEPS = 100
+_dtype = operator.attrgetter("dtype")
 
 
 def check_ns_settings(op: str, steps, coefficients, eps, steps_name: str = "steps",
@@ -55,6 +59,20 @@ def check_newton_schulz(x, *, steps, coefficients, eps) -> None:
     check_ns_settings(op, steps, coefficients, eps)
 
 
+def check_momentum_dtypes(op: str, grads, momentum_buffers) -> None:
+    """The momentum runs in one dtype per tensor: float64 when the gradient and its buffer are both float64, float32
+    when neither is (16-bit ones are upcast); a float64 gradient with a float32 buffer (or the reverse) would need
+    a rounding the op does not choose for the caller."""
+    if torch.float64 not in set(map(_dtype, grads)) | set(map(_dtype, momentum_buffers)):
+        return  # the common case: one set look-up per list
+    for i, (g, buf) in enumerate(zip(grads, momentum_buffers, strict=True)):
+        if (g.dtype == torch.float64) != (buf.dtype == torch.float64):
+            raise OpArgumentError(
+                f"{op}: grads[{i}] is {g.dtype} but momentum_buffers[{i}] is {buf.dtype}; the momentum is computed in "
+                "float64 when both are float64 and in float32 otherwise, so a gradient and its buffer must both be "
+                "float64 or both not (cast the gradient to the buffer's dtype, or keep the buffer in float64)")
+
+
 def check_fused_muon(params, grads, momentum_buffers, *, lr, momentum, weight_decay, nesterov, ns_steps,
                      ns_coefficients, eps, ns_dtype, lr_adjustment, head_splits) -> None:
     op = "fused_muon"
@@ -70,6 +88,7 @@ def check_fused_muon(params, grads, momentum_buffers, *, lr, momentum, weight_de
     if lr_adjustment not in LR_ADJUSTMENTS:
         raise OpArgumentError(f"{op}: lr_adjustment={lr_adjustment!r} is not one of {LR_ADJUSTMENTS}")
     check_optimizer_tensors(op, MUON_LISTS, (params, grads, momentum_buffers), MUON_WRITTEN)
+    check_momentum_dtypes(op, grads, momentum_buffers)
     for i, p in enumerate(params):
         if p.dim() != 2:
             raise OpArgumentError(f"{op}: params[{i}] has shape {tuple(p.shape)}; Muon steps 2-D matrices only "
@@ -83,4 +102,4 @@ def check_fused_muon(params, grads, momentum_buffers, *, lr, momentum, weight_de
             check_split(op, i, p.shape, split)
 
 
-__all__ = ["MUON_LISTS", "NS_DTYPES", "check_fused_muon", "check_newton_schulz", "check_ns_settings"]
+__all__ = ["MUON_LISTS", "NS_DTYPES", "check_fused_muon", "check_momentum_dtypes", "check_newton_schulz", "check_ns_settings"]

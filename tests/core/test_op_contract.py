@@ -318,3 +318,25 @@ def test_values_changed_in_param_groups_later_raise_at_step_and_touch_nothing(cl
     for p, b in zip(params, before, strict=True):
         assert torch.equal(p.detach(), b)
         assert all(torch.equal(opt.state[p][k], v) for k, v in state[id(p)].items())
+
+
+def test_fused_muon_refuses_a_gradient_and_buffer_of_two_precisions_by_name_and_runs_the_mixes_it_allows():
+    gen = torch.Generator().manual_seed(11)
+    p = torch.randn(6, 4, generator=gen)
+    kw = dict(lr=0.05, momentum=0.9, weight_decay=0.1, ns_dtype=torch.float64)
+    for g_dtype, b_dtype in ((torch.float64, torch.float32), (torch.float32, torch.float64),
+                             (torch.bfloat16, torch.float64)):
+        params, buf = [p.clone()], [torch.zeros(6, 4, dtype=b_dtype)]
+        with pytest.raises(OpArgumentError, match=rf"grads\[0\] is {g_dtype} but momentum_buffers\[0\] is {b_dtype}"):
+            ops.fused_muon(params, [torch.randn(6, 4, generator=gen).to(g_dtype)], buf, **kw)
+        assert torch.equal(params[0], p) and not buf[0].any()  # refused before anything was written
+    # allowed: a bf16 gradient with an fp32 buffer (upcast), an fp32 param with an fp64 gradient and buffer
+    g = torch.randn(6, 4, generator=gen)
+    want = [p.double().clone()]
+    ops.fused_muon(want, [g.bfloat16().double()], [torch.zeros(6, 4, dtype=torch.float64)], **kw)
+    got = [p.clone()]
+    ops.fused_muon(got, [g.bfloat16()], [torch.zeros(6, 4)], **kw)
+    torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-6)
+    got = [p.clone()]
+    ops.fused_muon(got, [g.bfloat16().double()], [torch.zeros(6, 4, dtype=torch.float64)], **kw)
+    torch.testing.assert_close(got[0].double(), want[0], rtol=1e-6, atol=1e-7)
