@@ -99,6 +99,9 @@ class ModelLayer(Protocol):
     The entry point's name is the config key that turns the layer on (``tensor_parallel``). When a config
     names layers, ``polyaccel.initialize`` builds one mesh for all of them from their :meth:`mesh_sizes`,
     applies them in ascending :attr:`ORDER`, and hands the mesh to the engine.
+
+    A layer may also define ``expand_section(value) -> dict``: the dict form of a section written as a
+    shorthand (the model-kernels layer's ``"kernels": "auto"``); without it a section must be a dict.
     """
 
     #: layers apply in ascending order (AutoEP 10 converts experts before AutoTP 20 shards the rest)

@@ -73,15 +73,24 @@ def _layer_sizes(config: dict, chosen: dict) -> tuple[dict[str, int], dict[str, 
     sizes: dict[str, int] = {}
     keys: dict[str, str] = {}
     for key, layer in chosen.items():
-        section = config[key]
-        if not isinstance(section, dict):
-            raise ConfigError(f"config key {key!r} must be a dict, got {type(section).__name__}")
+        section = layer_section(key, layer, config[key])
         for dim, n in layer.mesh_sizes(section).items():
             if dim in sizes and sizes[dim] != n:
                 raise ConfigError(f"two layers ask for different {dim} sizes: {sizes[dim]} and {n}")
             sizes[dim] = n
             keys[dim] = f"{key}.{getattr(layer, 'SIZE_KEYS', {}).get(dim, dim)}"
     return sizes, keys
+
+
+def layer_section(key: str, layer, value) -> dict:
+    """A layer's config section as a dict: a layer with ``expand_section`` also takes its shorthands (the
+    model-kernels layer's ``"kernels": "auto"``), expanded into a new dict."""
+    expand = getattr(layer, "expand_section", None)
+    if expand is not None and not isinstance(value, dict):
+        value = expand(value)
+    if not isinstance(value, dict):
+        raise ConfigError(f"config key {key!r} must be a dict, got {type(value).__name__}")
+    return value
 
 
 def layer_mesh_sizes(config) -> dict[str, int]:
@@ -145,13 +154,14 @@ def apply_layers(model, config: dict, mesh=None):
     if not chosen:
         return model, cfg, mesh
     sizes, keys = _layer_sizes(cfg, chosen)
-    sections = {key: cfg.pop(key) for key in chosen}
+    sections = {key: layer_section(key, chosen[key], cfg.pop(key)) for key in chosen}
     if mesh is None:
         from .comm.mesh import init_parallel_mesh
 
         _ensure_world(sizes, keys)
         try:
-            mesh = init_parallel_mesh(tensor=sizes.get("tensor", 1), expert=sizes.get("expert", 1))
+            mesh = init_parallel_mesh(tensor=sizes.get("tensor", 1), expert=sizes.get("expert", 1),
+                                      sequence=sizes.get("sequence", 1))
         except ConfigError as exc:  # the mesh speaks of dimensions; the caller wrote config keys
             named = ", ".join(f"'{keys[d]}'={sizes[d]}" for d in sorted(keys) if sizes[d] != 1)
             raise ConfigError(f"{named or 'the config'}: {exc}") from None

@@ -119,10 +119,15 @@ def get_layout(param: torch.Tensor) -> ParamLayout:
 _PLANS = "_polyaccel_plans"
 
 
+#: what a plan is recorded under: the mesh dimension a layer works on, or a layer that works on none
+PLAN_KEYS = (*SPLIT_DIMS, "kernels")
+
+
 def set_plan(model: torch.nn.Module, dim: str, plan) -> None:
-    """Record the plan a layer applied to ``model`` over mesh dimension ``dim`` ("tensor", "expert")."""
-    if dim not in SPLIT_DIMS:
-        raise ConfigError(f"a plan is recorded under one of {list(SPLIT_DIMS)}, got {dim!r}")
+    """Record the plan a layer applied to ``model`` over mesh dimension ``dim`` ("tensor", "expert"), or under
+    "kernels" (the model-kernels layer, which works on no mesh dimension)."""
+    if dim not in PLAN_KEYS:
+        raise ConfigError(f"a plan is recorded under one of {list(PLAN_KEYS)}, got {dim!r}")
     plans = model.__dict__.setdefault(_PLANS, {})
     plans[dim] = plan
 

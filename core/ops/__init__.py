@@ -35,6 +35,7 @@ from .calls import (
     weighted_swiglu,
 )
 from .calls_loss import entropy, kl, linear_cross_entropy, logprobs
+from .calls_model import rms_norm, rope
 from .reference.quantize import QuantizedTensor
 from .registry import ANY_DEVICE, Candidate, OpBuilder, OpRegistry
 
@@ -55,5 +56,5 @@ __all__ = [
     "ANY_DEVICE", "Candidate", "OpBuilder", "OpRegistry", "QuantizedTensor", "dequantize", "entropy", "explain",
     "fused_adam", "fused_lamb", "fused_lion", "fused_muon", "gather_sum", "grouped_mm", "moe_down_combine",
     "moe_gate_up", "kl", "linear_cross_entropy", "logprobs", "newton_schulz", "override", "provides", "quantize",
-    "registry", "resolve", "swiglu", "weighted_swiglu",
+    "registry", "resolve", "rms_norm", "rope", "swiglu", "weighted_swiglu",
 ]

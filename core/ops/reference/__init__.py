@@ -7,6 +7,8 @@ from .moe_experts import moe_down_combine, moe_gate_up
 from .muon import fused_muon, newton_schulz
 from .optimizers import fused_adam, fused_lamb, fused_lion
 from .quantize import QuantizedTensor, dequantize, quantize
+from .rms_norm import make_rms_norm, rms_norm
+from .rope import make_rope, rope
 from .swiglu import (
     make_swiglu,
     make_weighted_swiglu,
@@ -33,6 +35,8 @@ REFERENCE_OPS = {
     "moe_down_combine": "moe_down_combine",
     "newton_schulz": "newton_schulz",
     "fused_muon": "fused_muon",
+    "rms_norm": "rms_norm",
+    "rope": "rope",
     "linear_cross_entropy": "linear_cross_entropy",
     "logprobs": "logprobs",
     "entropy": "entropy",
@@ -56,6 +60,8 @@ __all__ = [
     "linear_cross_entropy",
     "logprobs",
     "make_gather_sum",
+    "make_rms_norm",
+    "make_rope",
     "make_swiglu",
     "make_weighted_swiglu",
     "moe_down_combine",
@@ -63,6 +69,8 @@ __all__ = [
     "newton_schulz",
     "op_reference_markdown",
     "quantize",
+    "rms_norm",
+    "rope",
     "swiglu",
     "swiglu_backward",
     "swiglu_forward",

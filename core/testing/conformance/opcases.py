@@ -28,6 +28,8 @@ OP_DTYPES = {
     "fused_muon": FLOATS,
     "moe_gate_up": FLOATS,  # checks in opcases_moe
     "moe_down_combine": FLOATS,
+    "rms_norm": FLOATS,  # checks in opcases_model
+    "rope": FLOATS,
 }
 #: odd sizes, including zero-size tensors, for the multi-tensor ops
 LIST_SHAPES = [(7,), (0,), (1,), (3, 5), (5, 0), (33,), (130,), (2, 3, 17), (1031,)]
