@@ -96,7 +96,8 @@ class ZeroEngine:
             raise ConfigError("pass either group= or mesh= to the ZeRO engine, not both")
         self.coll = Collectives(self.device, group)  # every rank the engine spans: global decisions, barriers
         self.rank, self.world_size = self.coll.rank, self.coll.world
-        data_ranks = mesh.size("data") if mesh is not None else self.world_size
+        # the batch sizes count distinct batches: the sequence ranks of a group share one (mesh docs)
+        data_ranks = mesh.size("batch") if mesh is not None else self.world_size
         self.config: ZeroConfig = parse_config(config, data_ranks)
         cfg = self.config
         self.stage = cfg.stage
@@ -209,8 +210,9 @@ class ZeroEngine:
             transfer=self.transfer,
             eager=len(keys) == 1,  # several process groups: reduce after backward, group by group, in one order
             # the mean over every data-parallel rank's batch: an expert's gradient is summed over its expert_data
-            # replicas but already holds the tokens of the whole expert group (they came through the all-to-all)
-            divisor=self.mesh.size("data") if self.mesh is not None else None)
+            # replicas but already holds the tokens of the whole expert group (they came through the all-to-all);
+            # the sequence ranks of one group hold parts of one batch, so "batch" (not "data") counts the batches
+            divisor=self.mesh.size("batch") if self.mesh is not None else None)
         return [self._param_group(model, key, by_key.get(key, []), self.frozen if key == keys[0] else [], setup)
                 for key in keys]
 
