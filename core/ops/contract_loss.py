@@ -42,8 +42,12 @@ def _group_device(group, device: torch.device) -> torch.device:
     return torch.device("cpu") if str(backend) == "gloo" else device
 
 
-def vocab_shards(op: str, group, v_local: int, vocab_start, device: torch.device) -> tuple[int, int]:
-    """(this shard's vocab_start, the whole vocabulary V), checked; without a group: (0, v_local)."""
+def vocab_shards(op: str, group, v_local: int, vocab_start, device: torch.device, rows: int = 0) -> tuple[int, int]:
+    """(this shard's vocab_start, the whole vocabulary V), checked; without a group: (0, v_local).
+
+    ``rows``: the call's row count, which must be the same on every rank (the builders run one collective per
+    chunk of rows; ranks with other counts would wait for each other forever).
+    """
     if vocab_start is not None and (isinstance(vocab_start, bool) or not isinstance(vocab_start, Integral)):
         raise OpArgumentError(f"{op}: vocab_start must be an int or None, got {type(vocab_start).__name__}")
     if group is None:
@@ -56,11 +60,16 @@ def vocab_shards(op: str, group, v_local: int, vocab_start, device: torch.device
     if not dist.is_available() or not dist.is_initialized():
         raise OpArgumentError(f"{op}: group is given but torch.distributed is not initialized")
     world = dist.get_world_size(group)
-    mine = torch.tensor([-1 if vocab_start is None else int(vocab_start), v_local], dtype=torch.int64,
+    mine = torch.tensor([-1 if vocab_start is None else int(vocab_start), v_local, rows], dtype=torch.int64,
                         device=_group_device(group, device))
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
-    pairs = [tuple(int(v) for v in t.tolist()) for t in gathered]
+    triples = [tuple(int(v) for v in t.tolist()) for t in gathered]
+    if len({n for _, _, n in triples}) > 1:
+        raise OpArgumentError(f"{op}: the ranks of the group pass different numbers of rows "
+                              f"({[n for _, _, n in triples]}); a vocab-parallel call takes the same tokens on "
+                              "every rank (only the vocabulary is split)")
+    pairs = [(s, v) for s, v, _ in triples]
     given = [s >= 0 for s, _ in pairs]
     if any(given) and not all(given):
         raise OpArgumentError(f"{op}: some ranks of the group pass vocab_start and others None "
@@ -188,7 +197,7 @@ def check_linear_cross_entropy(hidden, weight, labels, *, bias, ignore_index, re
     if chunk_size is not None and _int(op, "chunk_size", chunk_size) <= 0:
         raise OpArgumentError(f"{op}: chunk_size={chunk_size} is not allowed; chunk_size must be None (chosen from "
                               "N and V) or a number of tokens > 0")
-    start, vocab = vocab_shards(op, group, weight.shape[0], vocab_start, hidden.device)
+    start, vocab = vocab_shards(op, group, weight.shape[0], vocab_start, hidden.device, hidden.shape[0])
     _check_label_range(op, labels, vocab, ignore_index)
     return start
 
@@ -207,7 +216,7 @@ def check_logprobs(logits, labels, *, group, vocab_start) -> int:
     op = "logprobs"
     logits = _check_logits(op, "logits", logits)
     labels = _labels(op, labels, tuple(logits.shape[:-1]), "logits", logits)
-    start, vocab = vocab_shards(op, group, logits.shape[-1], vocab_start, logits.device)
+    start, vocab = vocab_shards(op, group, logits.shape[-1], vocab_start, logits.device, labels.numel())
     _check_label_range(op, labels, vocab, None)
     return start
 

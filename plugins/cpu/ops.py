@@ -14,4 +14,14 @@ def builders() -> list[OpBuilder]:
     return [OpBuilder(op="fused_adam", name="cpu_fused_adam", device_types=("cpu",),
                       loader=lambda: torch_optim.fused_adam, kind="torch", priority=10,
                       description="torch's fused CPU Adam/AdamW kernel (foreach for mixed dtypes)"),
-            *torch_optim.foreach_builders("cpu", priority=10, prefix="cpu_")]
+            *torch_optim.foreach_builders("cpu", priority=10, prefix="cpu_"),
+            OpBuilder(op="linear_cross_entropy", name="cpu_chunked_linear_cross_entropy", device_types=("cpu",),
+                      loader=_chunked_linear_cross_entropy, kind="torch", priority=10,
+                      description="torch, in chunks of tokens: one chunk's logits at a time, gradients in the "
+                                  "forward (polyaccel.ops.chunked_loss)")]
+
+
+def _chunked_linear_cross_entropy():
+    from polyaccel.ops.chunked_loss import linear_cross_entropy
+
+    return linear_cross_entropy

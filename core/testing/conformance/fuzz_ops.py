@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from polyaccel.errors import OpArgumentError
 from polyaccel.ops import reference as ref
 
-from . import fuzz_model, fuzz_moe, fuzz_muon
+from . import fuzz_loss, fuzz_model, fuzz_moe, fuzz_muon
 from .fuzz_layouts import Buffers, Layout, TensorSpec, draw_layout, draw_shape, draw_specials, dtype_name, host64
 from .fuzz_outcome import COMPARED, REFUSED, attempt, close, fail, pretty_repr, unchanged
 from .opcases import _codes
@@ -690,4 +690,5 @@ def op_fuzzers() -> dict[str, OpFuzz]:
         "moe_down_combine": OpFuzz(lambda dtypes, fp8: fuzz_moe.moe_down_combine_cases(dtypes), fuzz_moe.run_moe),
         "rms_norm": OpFuzz(lambda dtypes, fp8: fuzz_model.rms_norm_cases(dtypes), fuzz_model.run_rms_norm),
         "rope": OpFuzz(lambda dtypes, fp8: fuzz_model.rope_cases(dtypes), fuzz_model.run_rope),
+        **fuzz_loss.loss_fuzzers(OpFuzz),
     }

@@ -30,6 +30,10 @@ OP_DTYPES = {
     "moe_down_combine": FLOATS,
     "rms_norm": FLOATS,  # checks in opcases_model
     "rope": FLOATS,
+    "linear_cross_entropy": FLOATS,  # checks in opcases_loss
+    "logprobs": FLOATS,
+    "entropy": FLOATS,
+    "kl": FLOATS,
 }
 #: odd sizes, including zero-size tensors, for the multi-tensor ops
 LIST_SHAPES = [(7,), (0,), (1,), (3, 5), (5, 0), (33,), (130,), (2, 3, 17), (1031,)]

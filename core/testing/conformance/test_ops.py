@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from polyaccel.errors import PolyaccelError
-from polyaccel.testing.conformance import opcases, opcases_model, opcases_moe, opcases_muon
+from polyaccel.testing.conformance import opcases, opcases_loss, opcases_model, opcases_moe, opcases_muon
 
 
 @dataclass(frozen=True)
@@ -141,5 +141,7 @@ def _check(op_case: OpCase, fn, device, fp8: bool) -> None:
         opcases_model.check_rms_norm(fn, device, op_case.dtype)
     elif op_case.op == "rope":
         opcases_model.check_rope(fn, device, op_case.dtype)
+    elif op_case.op in opcases_loss.CHECKS:
+        opcases_loss.CHECKS[op_case.op](fn, device, op_case.dtype)
     else:  # pragma: no cover - op_cases() only yields ops with a check
         pytest.fail(f"no check for op {op_case.op!r}")
