@@ -1,0 +1,121 @@
+"""The kernels layer composed through ``polyaccel.initialize``: ZeRO stages 1-3 (and stage 3 with Hugging Face's
+activation checkpointing) in one process, then one 2-rank gloo launch with ZeRO stage 3 over data 2 and with AutoTP
+2 (the lm_head split over the vocabulary: the vocab-parallel fused cross-entropy). Every run trains a tiny Llama in
+float64 and its losses equal training without kernels (the reference's norms in float64, see
+``kernels_testlib.exact_norms``) to 1e-10."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernels_testlib import ALL_ON, OpCalls, build, ce, exact_norms, ids
+from polyaccel.testing.multiprocess import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS, LR, WD = 3, 1e-2, 0.01
+
+
+def config(stage: int, **layers) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 5000}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    return {"optimizer": {"type": "adamw", "params": {"lr": LR, "weight_decay": WD}}, "zero_optimization": zero,
+            "train_micro_batch_size_per_gpu": 2, **layers}
+
+
+def reference_losses(batches) -> list[float]:
+    """Plain single-process AdamW on Hugging Face's model (float64 norms), loss on the whole batch."""
+    model = exact_norms(build("llama"))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    losses = []
+    for x in batches:
+        loss = ce(model(input_ids=x).logits, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def train_kernels(cfg, batches, checkpointing=False) -> tuple[list[float], object]:
+    import polyaccel
+
+    model = build("llama")
+    if checkpointing:  # Hugging Face's (non-reentrant): the decoder layers' forwards rerun in backward
+        model.activation_checkpointing_enable()
+    engine = polyaccel.initialize(model, cfg)
+    losses = []
+    try:
+        engine.train()
+        for x in batches:
+            out = engine(input_ids=x, labels=x)
+            assert out.logits is None  # the fused loss ran: no logits were formed
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(out.loss.item())
+        from polyaccel.parallel import get_plan
+
+        plan = get_plan(engine.module, "kernels")
+    finally:
+        engine.destroy()
+    return losses, plan
+
+
+@pytest.fixture
+def world_of_one():
+    from polyaccel import comm
+
+    was = comm.is_initialized()
+    yield
+    if not was and comm.is_initialized():
+        comm.destroy()
+
+
+@pytest.mark.parametrize("stage,checkpointing", [(1, False), (2, False), (3, False), (3, True)],
+                         ids=["stage1", "stage2", "stage3", "stage3-actckpt"])
+def test_zero_trains_the_same_with_kernels(stage, checkpointing, world_of_one, monkeypatch):
+    batches = [ids(s) for s in range(STEPS)]
+    cfg = config(stage, kernels=dict(ALL_ON))
+    calls = OpCalls(monkeypatch)
+    losses, plan = train_kernels(cfg, batches, checkpointing)
+    # 2 attentions a step; with checkpointing their recomputation in backward runs the kernel again
+    assert calls.counts["rope"] == 2 * STEPS * (2 if checkpointing else 1)
+    assert calls.counts["linear_cross_entropy"] == STEPS
+    assert cfg["kernels"] == ALL_ON and "tensor_parallel" not in cfg  # the caller's config is not modified
+    assert plan.count("rms_norm") == 5 and plan.count("rope") == 2 and plan.count("swiglu") == 2
+    assert plan.swapped[""] == "cross_entropy"
+    want = reference_losses(batches)
+    assert losses == pytest.approx(want, rel=1e-10, abs=1e-12)
+
+
+def _ranks(rank: int, world: int) -> dict:
+    import polyaccel
+    from polyaccel import comm
+
+    torch.set_num_threads(1)
+    out = {}
+    # ZeRO stage 3 over data 2: each rank its half of the global batch
+    batches = [ids(s, batch=4) for s in range(STEPS)]
+    losses, plan = train_kernels(config(3, kernels=dict(ALL_ON)), [b[2 * rank:2 * rank + 2] for b in batches])
+    mean = []
+    for v in losses:
+        t = torch.tensor([v], dtype=torch.float64)
+        comm.all_reduce(t)
+        mean.append(t.item() / world)
+    out["stage3"] = (mean, reference_losses(batches))
+    # AutoTP 2 (data 1): the lm_head split over the vocabulary, the loss vocab-parallel
+    losses, plan = train_kernels(config(1, tensor_parallel={"autotp_size": 2}, kernels="auto"), batches)
+    out["tp"] = (losses, reference_losses(batches), plan.swapped.get(""), plan.kernels["cross_entropy"])
+    assert polyaccel is not None
+    return out
+
+
+def test_two_ranks_stage3_and_autotp_vocab_parallel_loss():
+    results = run_ranks(_ranks, 2, timeout=240)
+    for out in results:
+        got, want = out["stage3"]
+        assert got == pytest.approx(want, rel=1e-10, abs=1e-12)
+        got, want, swapped, on = out["tp"]
+        assert on and swapped == "cross_entropy (vocab-parallel over tensor)"
+        assert got == pytest.approx(want, rel=1e-10, abs=1e-12)
