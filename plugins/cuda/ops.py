@@ -189,6 +189,10 @@ _TABLE = (
          TORCH_GROUPED_MM_PRIORITY, torch_grouped_mm_compatible,
          "torch._grouped_mm (CUTLASS, bf16) with the rows past the last offset zeroed; "
          "other dtypes or unaligned shapes go to the reference"),
+    _Row("linear_cross_entropy", "triton_linear_cross_entropy", ".kernels.cross_entropy", "linear_cross_entropy",
+         "triton", TRITON_KERNEL_PRIORITY, triton_compatible,
+         "in chunks of tokens: cuBLAS logits per chunk, Triton logsumexp and the softmax gradient in place over the "
+         "chunk, gradients spent in the forward (never the [N, V] logits); vocab-parallel over a group"),
 )
 
 
