@@ -57,7 +57,7 @@ def build(family: str, dtype=torch.float64, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = cls(cfg)
     with torch.no_grad():  # norms away from their init (ones / zeros), so the (1 + w) form matters
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     return model.to(dtype)

@@ -8,7 +8,6 @@ import copy
 import pytest
 import torch
 from kernels_testlib import ALL_ON, FAMILIES, OpCalls, build, ce, exact_norms, ids
-
 from polyaccel.engines.kernels import apply_kernels, get_plan
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
@@ -66,10 +65,10 @@ def test_every_swapped_module_matches_hugging_faces(family, dtype, monkeypatch):
         want = _run(modules[path], args, kwargs, checked)
         got = _run(fast.get_submodule(path), args, kwargs, checked)
         torch.testing.assert_close(got[0], want[0], **TOL[dtype], msg=lambda m, p=path: f"{p} output: {m}")
-        for a, b in zip(got[1], want[1]):
+        for a, b in zip(got[1], want[1], strict=True):
             torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m, p=path: f"{p} input grad: {m}")
         for name, grad in want[2].items():
-            torch.testing.assert_close(got[2][name], grad, **TOL[dtype], msg=lambda m, p=path: f"{p}.{name}: {m}")
+            torch.testing.assert_close(got[2][name], grad, **TOL[dtype], msg=lambda m, p=path, n=name: f"{p}.{n}: {m}")
         checked += 1
     assert checked == sum(v for k, v in EXPECTED[family].items() if k != "cross_entropy")
     # every swapped module ran its op (and only the swapped ones: the Hugging Face copy ran none)
@@ -111,7 +110,7 @@ def test_the_whole_models_loss_and_gradients_with_kernels_equal_without(family, 
     want.backward()
     loss_tol, grad_tol = WHOLE_TOL[dtype]
     assert abs(loss.item() - want.item()) <= loss_tol * max(1.0, abs(want.item())), (loss.item(), want.item())
-    for (name, p), q in zip(fast.named_parameters(), ref.parameters()):
+    for (name, p), q in zip(fast.named_parameters(), ref.parameters(), strict=True):
         if q.grad is None:
             assert p.grad is None or not p.grad.any(), name
             continue

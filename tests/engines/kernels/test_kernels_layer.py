@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import copy
 
+import polyaccel
 import pytest
 import torch
 import torch.nn.functional as F
 from kernels_testlib import ALL_ON, OpCalls, build, ce, exact_norms, ids
-from torch import nn
-
-import polyaccel
 from polyaccel.engines.kernels import apply_kernels, get_plan, parse
+from torch import nn
 
 
 # ------------------------------------------------------------------------------------------------ config
