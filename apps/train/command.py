@@ -15,6 +15,7 @@ Examples:
   polyaccel train --nproc 4 --model mixtral --ep 2  # a small MoE, its 8 experts over pairs of ranks (AutoEP)
   polyaccel train --nproc 8 --model mixtral --tp 2 --ep 2  # both, with ZeRO over what is left (data 4)
   polyaccel train --init-from model.safetensors    # start from a plain HF state dict (e.g. zero-to-fp32's)
+  polyaccel train --kernels all                    # the plugins' RMSNorm/RoPE/SwiGLU/fused loss (auto on GPUs)
 
 Arguments are checked before any rank starts; a bad one is reported with the fix.
 """
@@ -32,6 +33,7 @@ HELP = "train a small HF Llama/GPT-2 with ZeRO across ranks (the main job)"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .model import MODELS, ModelSpec
+    from .kernels import CHOICES as KERNEL_CHOICES
     from .options import DEFAULT_LR, DTYPES, OPTIMIZERS, STAGES, TrainOptions
 
     d = TrainOptions()
@@ -77,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the host; the rest, the layers whose gradients arrive last in backward, stays on the device "
                         "(faster steps for more device memory; default 1: all on the host)")
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")
+    g.add_argument("--kernels", nargs="?", const="auto", default=None, choices=KERNEL_CHOICES,
+                   help="the plugins' model kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) in place of "
+                        "Hugging Face's modules: auto (the flag alone) each kernel a plugin serves on the device, "
+                        "all, or off (default: auto on a device accelerator such as a GPU, off on the cpu plugin; "
+                        "docs/model-kernels.md)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
                    help="adamw: AdamW for every parameter; muon: Muon (momentum, then Newton-Schulz "
                         "orthogonalization of each hidden matrix, whole, once per step, under every ZeRO stage, "

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from polyaccel.errors import ConfigError
 
+from .kernels import resolve as resolve_kernels
+from .kernels import section as kernels_section
 from .model import ModelSpec
 
 #: models whose feed-forward layers are experts (AutoEP places them; ``--ep``)
@@ -50,6 +52,8 @@ class TrainOptions:
     tp: int = 1  # tensor-parallel degree: ranks = data x tensor
     ep: int = 1  # expert-parallel degree (MoE models): experts over ep ranks, carved out of data
     capture_graphs: bool = False  # MoE models at ep 1: the routed experts replayed from device graphs
+    #: --kernels resolved: auto / all / off (apps/train/kernels.py)
+    kernels: str = "off"
     dtype: str = "fp32"
     seed: int = 1234
     nproc: int = 2
@@ -104,6 +108,8 @@ class TrainOptions:
             cfg["expert_parallel"] = {"autoep_size": self.ep}
             if self.capture_graphs:
                 cfg["expert_parallel"]["capture_graphs"] = True
+        if self.kernels != "off":
+            cfg["kernels"] = kernels_section(self.kernels)
         if self.dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
         elif self.dtype == "fp16":
@@ -217,6 +223,7 @@ def options_from_args(args, accelerator) -> TrainOptions:
     _check_save_dir(args.save)
     resume_tag, start_step = _resume_point(args, spec)
     _check_metrics_out(args.metrics_out)
+    kernels = resolve_kernels(getattr(args, "kernels", None), accelerator)
     log_every = args.log_every if args.log_every else max(1, args.steps // 10)
     _positive("--log-every", log_every)
     return TrainOptions(
@@ -228,7 +235,7 @@ def options_from_args(args, accelerator) -> TrainOptions:
         nproc=nproc, threads=threads,
         accelerator=accelerator.name, text=args.text, save=args.save, save_every=args.save_every,
         resume=args.resume, resume_tag=resume_tag, init_from=init_from, start_step=start_step, log_every=log_every,
-        metrics_out=args.metrics_out,
+        metrics_out=args.metrics_out, kernels=kernels,
     )
 
 

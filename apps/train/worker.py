@@ -15,6 +15,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .kernels import summary as kernels_summary
 from .options import META_PREFIX, TrainOptions, write_checkpoint_meta
 
 
@@ -266,6 +267,7 @@ def _report(engine, opts: TrainOptions, acc, device, world: int, n_params: int, 
         "tp_plan": tp_plan_counts(engine) if opts.tp > 1 else None,
         "ep": opts.ep,
         "ep_plan": ep_summary(engine, acc.device_type),
+        "kernels": kernels_summary(engine),
         "dtype": opts.dtype,
         "optimizer": opts.optimizer,
         "muon_matrices": _muon_matrices(engine),

@@ -48,6 +48,7 @@ from .consolidate import (
     verify_files,
 )
 from .integrity import ALGORITHM, CHUNK_BYTES, dumps_checked, write_safetensors
+from .model_check import check_fits, trainable_shapes
 from .partition import FlatLayout
 
 #: test hook: called with a phase name ("rank_files", "commit"); raising there simulates a crash
@@ -218,7 +219,8 @@ def _meta(engine, tag: str, client_json: str, files: dict) -> dict:
         "state_names": sorted(engine.optimizer.state), "loss_scaler": engine.scaler.state_dict(),
         "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
         "master_dtype": str(engine.master_dtype).removeprefix("torch."),
-        "layout": None if grouped else _layout_meta(engine), "frozen": [n for n, _ in engine.frozen],
+        "layout": None if grouped else _layout_meta(engine), "params": trainable_shapes(engine),
+        "frozen": [n for n, _ in engine.frozen],
         "aliases": engine.aliases,
         "state_dict_keys": list(engine.module.state_dict().keys()), "config": engine.config.raw,
         "client_state": json.loads(client_json),
@@ -335,6 +337,7 @@ def _open_for_load(engine, load_dir, tag) -> tuple[Path, dict]:
         check_files(folder, meta)
         if verify:
             verify_files(folder, meta, _files_read(engine, meta))
+        check_fits(engine, folder, meta)
     except (CheckpointError, OSError) as exc:
         status = _error_record(exc)
     _raise_first(_agree(engine.coll, status), f"cannot load checkpoint from {str(load_dir)!r}")

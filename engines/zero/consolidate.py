@@ -182,6 +182,17 @@ class Shard:
     def keys(self) -> list[str]:
         return list(self._f.keys())
 
+    def header(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{name: (shape, safetensors dtype code)}`` of every tensor, from the header alone."""
+        try:
+            out = {}
+            for k in self._f.keys():  # noqa: SIM118 - a safe_open handle has no __iter__
+                sl = self._f.get_slice(k)
+                out[k] = (tuple(sl.get_shape()), str(sl.get_dtype()))
+            return out
+        except Exception as exc:  # noqa: BLE001
+            raise self._damaged(exc) from None
+
     def metadata(self) -> dict:
         return self._f.metadata() or {}
 
