@@ -90,9 +90,9 @@ class _Prepare:
         tokens = ids if ids is not None else a.get("inputs_embeds")
         if tokens is None:
             raise InvalidArgument("sequence_parallel: the model got neither input_ids nor inputs_embeds")
-        if a.get("past_key_values") is not None:
-            raise InvalidArgument("sequence_parallel is for training: a KV cache (past_key_values) cannot be split "
-                                  "over sequence ranks; remove it")
+        if a.get("past_key_values") is not None or a.get("cache") is not None:
+            raise InvalidArgument("sequence_parallel is for training: a KV cache (cache / past_key_values) cannot be "
+                                  "split over sequence ranks; remove it")
         if a.get("output_attentions"):
             raise InvalidArgument("sequence_parallel: output_attentions is not available (each rank attends with "
                                   "a part of the heads); remove it")
