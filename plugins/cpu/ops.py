@@ -15,6 +15,12 @@ def builders() -> list[OpBuilder]:
                       loader=lambda: torch_optim.fused_adam, kind="torch", priority=10,
                       description="torch's fused CPU Adam/AdamW kernel (foreach for mixed dtypes)"),
             *torch_optim.foreach_builders("cpu", priority=10, prefix="cpu_"),
+            OpBuilder(op="rms_norm", name="cpu_rms_norm", device_types=("cpu",), loader=_model_op("rms_norm"),
+                      kind="torch", priority=10,
+                      description="torch closed form, one autograd node: saves x and rstd only, no squared temporary"),
+            OpBuilder(op="rope", name="cpu_rope", device_types=("cpu",), loader=_model_op("rope"), kind="torch",
+                      priority=10, description="torch closed form, one autograd node: addcmul_ into the output, "
+                                               "backward from cos/sin alone"),
             OpBuilder(op="linear_cross_entropy", name="cpu_chunked_linear_cross_entropy", device_types=("cpu",),
                       loader=_chunked_linear_cross_entropy, kind="torch", priority=10,
                       description="torch, in chunks of tokens: one chunk's logits at a time, gradients in the "
@@ -25,3 +31,12 @@ def _chunked_linear_cross_entropy():
     from polyaccel.ops.chunked_loss import linear_cross_entropy
 
     return linear_cross_entropy
+
+
+def _model_op(name: str):
+    def load():
+        from . import model_ops
+
+        return getattr(model_ops, name)
+
+    return load

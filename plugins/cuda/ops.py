@@ -2,7 +2,7 @@
 
 Triton kernels for the multi-tensor optimizers (fused_adam, fused_lion, fused_lamb) above
 torch's fused Adam, and for quantize/dequantize, swiglu, weighted_swiglu, grouped_mm (also
-torch._grouped_mm), gather_sum and the fused expert MLP (moe_gate_up, moe_down_combine: by
+torch._grouped_mm), gather_sum, rms_norm, rope and the fused expert MLP (moe_gate_up, moe_down_combine: by
 default torch._grouped_mm and the Triton passes in one autograd node per op, the all-Triton
 fused kernels by override). The
 plugin's ``polyaccel_op_builders`` hook returns :func:`builders`.
@@ -185,6 +185,13 @@ _TABLE = (
          TRITON_KERNEL_PRIORITY, triton_compatible,
          "Muon step: torch momentum and update around the Triton Newton-Schulz, one batched call per block "
          "shape"),
+    _Row("rms_norm", "triton_rms_norm", ".kernels.rms_norm", "rms_norm", "triton", TRITON_KERNEL_PRIORITY,
+         triton_compatible, "Triton RMSNorm: one program per row forward (fp32 sums, rstd kept), backward over row "
+                            "ranges with the weight gradient as per-program partial sums then one reduce; "
+                            "(1 + w) form by offset, autograd-aware"),
+    _Row("rope", "triton_rope", ".kernels.rope", "rope", "triton", TRITON_KERNEL_PRIORITY, triton_compatible,
+         "Triton RoPE: q and k in one launch, one program per token (cos/sin loaded once), split-half or "
+         "interleaved, strided inputs read in place; backward the transposed rotation, autograd-aware"),
     _Row("grouped_mm", "torch_grouped_mm", ".kernels.grouped_mm", "torch_grouped_mm", "torch",
          TORCH_GROUPED_MM_PRIORITY, torch_grouped_mm_compatible,
          "torch._grouped_mm (CUTLASS, bf16) with the rows past the last offset zeroed; "

@@ -9,6 +9,8 @@
 * ``quantize`` (int8/int4, symmetric and asymmetric): group scales computed with torch,
   rounding and saturation by ``torch_npu.npu_quantize``; fp8 goes to the reference. A group
   holding a NaN or an infinity gets the contract's NaN scale (zero point 0, codes 0).
+* ``rms_norm`` / ``rope``: torch_npu's fused ``npu_rms_norm`` and ``npu_rotary_mul``
+  (:mod:`.model_ops`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,27 @@ def _quantize_compatible(acc) -> tuple[bool, str]:
     if not hasattr(sys.modules.get("torch_npu"), "npu_quantize"):
         return False, "this torch_npu has no npu_quantize"
     return True, ""
+
+
+def _vendor_op_compatible(name: str):
+    def compatible(acc) -> tuple[bool, str]:
+        ok, why = _npu_accelerator(acc)
+        if not ok:
+            return ok, why
+        if not hasattr(sys.modules.get("torch_npu"), name):
+            return False, f"this torch_npu has no {name}"
+        return True, ""
+
+    return compatible
+
+
+def _model_op(name: str):
+    def load():
+        from . import model_ops
+
+        return getattr(model_ops, name)
+
+    return load
 
 
 # --------------------------------------------------------------------- quantize
@@ -92,4 +115,12 @@ def builders() -> list[OpBuilder]:
         OpBuilder(op="quantize", name="npu_quantize", device_types=("npu",), loader=lambda: quantize, kind="vendor",
                   priority=50, compatible=_quantize_compatible,
                   description="group scales in torch, rounding/saturation by torch_npu.npu_quantize (fp8: reference)"),
+        OpBuilder(op="rms_norm", name="npu_rms_norm", device_types=("npu",), loader=_model_op("rms_norm"),
+                  kind="vendor", priority=50, compatible=_vendor_op_compatible("npu_rms_norm"),
+                  description="torch_npu.npu_rms_norm (fused, autograd via RmsNormGrad); the (1 + w) form and "
+                              "mixed dtypes in fp32, fp64 to the reference"),
+        OpBuilder(op="rope", name="npu_rotary_mul", device_types=("npu",), loader=_model_op("rope"), kind="vendor",
+                  priority=50, compatible=_vendor_op_compatible("npu_rotary_mul"),
+                  description="torch_npu.npu_rotary_mul on q and on k (half / interleave, autograd via "
+                              "RotaryMulGrad); cos/sin of another dtype, fp64 or head_dim >= 896 to the reference"),
     ]

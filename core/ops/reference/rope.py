@@ -105,8 +105,9 @@ def make_rope(forward, backward):
 
     ``forward(q, k, cos, sin, interleaved) -> (q_out, k_out)`` and ``backward(grad_q_out, grad_k_out, cos, sin,
     interleaved) -> (dq, dk)`` compute the reference's math (:func:`rope_forward`, :func:`rope_backward`); the
-    gradients arrive contiguous. The returned ``rope(q, k, cos, sin, *, interleaved=False)`` checks its
-    arguments and saves cos and sin (the backward needs nothing else).
+    gradients arrive as autograd hands them (any strides, possibly expanded). The returned
+    ``rope(q, k, cos, sin, *, interleaved=False)`` checks its arguments and saves cos and sin (the backward needs
+    nothing else).
     """
 
     class _Rope(torch.autograd.Function):
@@ -119,7 +120,7 @@ def make_rope(forward, backward):
         @staticmethod
         def backward(ctx, grad_q, grad_k):
             cos, sin = ctx.saved_tensors
-            dq, dk = backward(grad_q.contiguous(), grad_k.contiguous(), cos, sin, ctx.interleaved)
+            dq, dk = backward(grad_q, grad_k, cos, sin, ctx.interleaved)
             return dq, dk, None, None, None
 
     def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
