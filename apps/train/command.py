@@ -14,6 +14,7 @@ Examples:
   polyaccel train --nproc 4 --tp 2                 # AutoTP over pairs of ranks, ZeRO over the 2 data ranks
   polyaccel train --nproc 4 --model mixtral --ep 2  # a small MoE, its 8 experts over pairs of ranks (AutoEP)
   polyaccel train --nproc 8 --model mixtral --tp 2 --ep 2  # both, with ZeRO over what is left (data 4)
+  polyaccel train --sp 2 --nproc 2                 # AutoSP: each sequence split over 2 ranks (Ulysses attention)
   polyaccel train --init-from model.safetensors    # start from a plain HF state dict (e.g. zero-to-fp32's)
   polyaccel train --kernels all                    # the plugins' RMSNorm/RoPE/SwiGLU/fused loss (auto on GPUs)
 
@@ -68,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tensor-parallel degree (AutoTP): ranks = data x tensor, N must divide them (default 1)")
     g.add_argument("--ep", type=int, default=d.ep, metavar="N",
                    help="expert parallelism for MoE models (--model mixtral): experts over N ranks (default 1)")
+    g.add_argument("--sp", type=int, default=d.sp, metavar="S",
+                   help="sequence-parallel degree (AutoSP, Ulysses attention): each sequence is split over S ranks "
+                        "that get the same rows (ranks = data x sequence x tensor); S must divide the ranks --tp "
+                        "leaves, --seq-len and the heads of a tensor rank (default 1)")
     g.add_argument("--capture-graphs", action="store_true",
                    help="MoE models at --ep 1, --stage 1 or 2, on an accelerator with device graphs: replay each MoE "
                         "layer's routed experts from graphs captured once per shape (less host time per step where "
@@ -150,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         f"polyaccel train: {opts.nproc} rank(s) on plugin [bold]{acc.name}[/], {what}"
         f"{opts.model.name}, ZeRO stage {opts.stage}{' + offload' if opts.offload else ''}"
         f"{f', tensor parallel {opts.tp} x data {opts.data_parallel}' if opts.tp > 1 else ''}"
-        f"{f', expert parallel {opts.ep}' if opts.ep > 1 else ''}, {opts.dtype}, "
+        f"{f', expert parallel {opts.ep}' if opts.ep > 1 else ''}"
+        f"{f', sequence parallel {opts.sp} x data {opts.data_parallel}' if opts.sp > 1 else ''}, {opts.dtype}, "
         f"{opts.steps} steps", highlight=False,
     )
     try:

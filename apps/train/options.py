@@ -17,6 +17,7 @@ from polyaccel.errors import ConfigError
 from .kernels import resolve as resolve_kernels
 from .kernels import section as kernels_section
 from .model import ModelSpec
+from .sequence import check_sp
 
 #: models whose feed-forward layers are experts (AutoEP places them; ``--ep``)
 MOE_MODELS = ("mixtral",)
@@ -51,6 +52,7 @@ class TrainOptions:
     bucket_size: int | None = None
     tp: int = 1  # tensor-parallel degree: ranks = data x tensor
     ep: int = 1  # expert-parallel degree (MoE models): experts over ep ranks, carved out of data
+    sp: int = 1  # sequence-parallel degree (AutoSP): each sequence over sp ranks; ranks = data x sequence x tensor
     capture_graphs: bool = False  # MoE models at ep 1: the routed experts replayed from device graphs
     #: --kernels resolved: auto / all / off (apps/train/kernels.py)
     kernels: str = "off"
@@ -71,8 +73,8 @@ class TrainOptions:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that see different data (the ranks of one tensor-parallel group share their batch)."""
-        return self.nproc // self.tp
+        """Ranks that see different data (the ranks of one tensor or sequence group share their batch)."""
+        return self.nproc // (self.tp * self.sp)
 
     @property
     def tokens_per_step(self) -> int:
@@ -104,6 +106,8 @@ class TrainOptions:
                 "adam_betas": [0.9, 0.95], "adam_eps": 1e-8, "adam_weight_decay": self.weight_decay}}
         if self.tp > 1:
             cfg["tensor_parallel"] = {"autotp_size": self.tp}
+        if self.sp > 1:
+            cfg["sequence_parallel"] = {"autosp_size": self.sp, "seq_dim": 1}
         if self.model.name in MOE_MODELS:  # AutoEP runs the experts (grouped_mm), at ep 1 too
             cfg["expert_parallel"] = {"autoep_size": self.ep}
             if self.capture_graphs:
@@ -208,7 +212,9 @@ def options_from_args(args, accelerator) -> TrainOptions:
     tp = getattr(args, "tp", 1)
     ep = getattr(args, "ep", 1)
     _check_tp(tp, nproc, spec)
-    _check_ep(ep, nproc, tp, spec)
+    sp = getattr(args, "sp", 1)
+    check_sp(sp, nproc, tp, args.seq_len, spec.num_heads)
+    _check_ep(ep, nproc, tp, spec, sp)
     _check_plans(tp, ep, spec)
     capture_graphs = getattr(args, "capture_graphs", False)
     _check_capture_graphs(capture_graphs, spec, ep, args.stage, accelerator)
@@ -230,7 +236,7 @@ def options_from_args(args, accelerator) -> TrainOptions:
         model=spec, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
         lr=lr, weight_decay=args.weight_decay, optimizer=optimizer, adam_lr=adam_lr, grad_clip=args.grad_clip,
         stage=args.stage,
-        offload=args.offload, offload_ratio=offload_ratio, bucket_size=bucket_size, tp=tp, ep=ep,
+        offload=args.offload, offload_ratio=offload_ratio, bucket_size=bucket_size, tp=tp, ep=ep, sp=sp,
         capture_graphs=capture_graphs, dtype=args.dtype, seed=args.seed,
         nproc=nproc, threads=threads,
         accelerator=accelerator.name, text=args.text, save=args.save, save_every=args.save_every,
@@ -353,17 +359,17 @@ def _check_tp(tp: int, nproc: int, spec: ModelSpec) -> None:
                           f"use a --tp among {[d for d in range(1, nproc + 1) if nproc % d == 0]} or change --nproc")
 
 
-def _check_ep(ep: int, nproc: int, tp: int, spec: ModelSpec) -> None:
-    """``--ep`` divides the data-parallel ranks (what ``--tp`` leaves) on a model with experts."""
+def _check_ep(ep: int, nproc: int, tp: int, spec: ModelSpec, sp: int = 1) -> None:
+    """``--ep`` divides the data-parallel ranks (what ``--tp`` and ``--sp`` leave) on a model with experts."""
     _positive("--ep", ep)
     if spec.name not in MOE_MODELS:
         if ep > 1:
             raise ConfigError(f"--ep {ep}: model {spec.name!r} has no experts; use --model "
                               f"{' or '.join(MOE_MODELS)} for expert parallelism")
         return
-    data = nproc // tp
+    data = nproc // (tp * sp)
     if data % ep:
-        what = f"{nproc} ranks / --tp {tp}" if tp > 1 else f"{nproc} ranks"
+        what = f"{nproc} ranks" + (f" / --tp {tp}" if tp > 1 else "") + (f" / --sp {sp}" if sp > 1 else "")
         raise ConfigError(f"--ep {ep} does not divide the {data} data-parallel ranks ({what}; experts are spread "
                           f"over ep ranks carved out of data); use an --ep among "
                           f"{[d for d in range(1, data + 1) if data % d == 0]} or change --nproc/--tp")

@@ -24,7 +24,18 @@ def _tp_rows(result: dict) -> list[tuple[str, str]]:
     c = result.get("tp_plan") or {}
     plan = (f"; plan: {c['column']} column, {c['row']} row, {c['vocab']} vocab layers, {c['replicated']} "
             "replicated parameters") if c else ""
-    return [("tensor parallel", f"AutoTP: tensor {tp} x data {result['world_size'] // tp}{plan}")]
+    return [("tensor parallel", f"AutoTP: tensor {tp} x data {result['world_size'] // (tp * result.get('sp', 1))}"
+                                f"{plan}")]
+
+
+def _sp_rows(result: dict) -> list[tuple[str, str]]:
+    sp = result.get("sp", 1)
+    if sp <= 1:
+        return []
+    data = result["world_size"] // (sp * result.get("tp", 1))
+    seq = result.get("seq_len")
+    each = f"; {seq // sp} of {seq} tokens per rank" if seq else ""
+    return [("sequence parallel", f"AutoSP (Ulysses attention): sequence {sp} x data {data}{each}")]
 
 
 def _ep_rows(result: dict) -> list[tuple[str, str]]:
@@ -70,6 +81,7 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
         ("optimizer", _optimizer_row(result)),
         *_tp_rows(result),
         *_ep_rows(result),
+        *_sp_rows(result),
         ("steps", f"{result['start_step']} -> {result['steps']}"
                   + (f"  (resumed from {result['resumed_from']})" if result.get("resumed_from") else "")),
         ("loss", f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-"),

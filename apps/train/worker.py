@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .kernels import summary as kernels_summary
 from .options import META_PREFIX, TrainOptions, write_checkpoint_meta
+from .sequence import batch_coords, model_inputs, sequence_coords
 
 
 def _quiet_libraries() -> None:
@@ -50,7 +51,7 @@ def rank_main(opts: TrainOptions) -> dict | None:
 
 def _checkpoint_meta(opts: TrainOptions, step: int, world_size: int) -> dict:
     return {"step": step, "model": opts.model.as_dict(), "seed": opts.seed, "stage": opts.stage,
-            "world_size": world_size, "dtype": opts.dtype, "tp": opts.tp, "ep": opts.ep}
+            "world_size": world_size, "dtype": opts.dtype, "tp": opts.tp, "ep": opts.ep, "sp": opts.sp}
 
 
 def save(engine, opts: TrainOptions, step: int, rank: int, world_size: int) -> str:
@@ -214,9 +215,10 @@ def _train_loop(engine, opts: TrainOptions, device, rank: int, world: int) -> _R
     from .data import ByteTokenizer, TokenSampler, load_text
     from .progress import TrainProgress
 
-    # the ranks of one tensor-parallel group share their batch: rows go by data rank
-    mesh = getattr(engine, "mesh", None)
-    data_rank, data_world = (mesh.rank("data"), mesh.size("data")) if mesh is not None else (rank, world)
+    # the ranks of one tensor or sequence group share their batch: rows go by data rank; each sequence rank
+    # feeds its part of every sequence, and the sequence group's losses add up to the whole sequence's
+    data_rank, data_world = batch_coords(engine, rank, world)
+    sp_rank, sp = sequence_coords(engine)
     sampler = TokenSampler(ByteTokenizer().encode(load_text(opts.text)), opts.seq_len, opts.batch_size, opts.seed)
     log = _RunLog()
     bar = TrainProgress(opts.steps, opts.start_step, opts.log_every, enabled=rank == 0)
@@ -227,12 +229,12 @@ def _train_loop(engine, opts: TrainOptions, device, rank: int, world: int) -> _R
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for micro in range(opts.grad_accum):
                 batch = sampler.batch(step, micro, data_rank, data_world)
-                out = engine(input_ids=batch.input_ids.to(device), labels=batch.labels.to(device))
+                out = engine(**model_inputs(batch, sp_rank, sp, device))
                 engine.backward(out.loss)
                 engine.step()
                 loss_sum += out.loss.detach().to(torch.float64)
-            comm.all_reduce(loss_sum)  # the loss shown is the mean over ranks and micro-batches
-            loss = loss_sum.item() / (world * opts.grad_accum)
+            comm.all_reduce(loss_sum)  # the loss shown is the mean over data ranks and micro-batches
+            loss = loss_sum.item() * sp / (world * opts.grad_accum)  # (a sequence group's ranks add up to one)
             dt = time.perf_counter() - t0
             log.losses.append(loss)
             log.step_times.append(dt)
@@ -268,6 +270,8 @@ def _report(engine, opts: TrainOptions, acc, device, world: int, n_params: int, 
         "ep": opts.ep,
         "ep_plan": ep_summary(engine, acc.device_type),
         "kernels": kernels_summary(engine),
+        "sp": opts.sp,
+        "seq_len": opts.seq_len,
         "dtype": opts.dtype,
         "optimizer": opts.optimizer,
         "muon_matrices": _muon_matrices(engine),
