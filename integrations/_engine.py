@@ -20,26 +20,40 @@ def data_axis(config, rank: int, world: int) -> tuple[int, int]:
     model layers ``config`` names, known before the engine (and its mesh) exists.
 
     A trainer shards its data over these, never over every rank: the ranks of one tensor group hold pieces of
-    one model replica and must see the same batch. The mesh is ``(expert_data, expert, tensor)``, row-major, and
-    ``data`` is the flattened ``(expert_data, expert)`` (docs/engine-layers.md): expert parallelism is carved out
-    of data parallelism, so expert ranks see different batches, and the data rank is ``rank // tensor``.
+    one model replica, the ranks of one sequence group parts of every sequence of one batch, and they must see
+    the same batch. The mesh is ``(replica, expert, sequence, tensor)``, row-major, and the batches go by the
+    flattened ``(replica, expert)``, the mesh's ``batch`` dimension (docs/engine-layers.md): expert parallelism
+    is carved out of data parallelism, so expert ranks see different batches, and the data rank is
+    ``rank // (tensor x sequence)``.
     """
     from ..engine_entry import launch_command, layer_mesh_sizes
 
     sizes = layer_mesh_sizes(config)
-    tensor, expert = sizes.get("tensor", 1), sizes.get("expert", 1)
-    if world % tensor or (world // tensor) % expert:
-        n = tensor * expert
-        raise ConfigError(f"tensor {tensor} x expert {expert} (the config's tensor_parallel and expert_parallel) needs "
-                          f"a multiple of {n} processes, one per device, but this run has {world}: start it with "
-                          f"`{launch_command(n)}`")
-    return rank // tensor, world // tensor
+    tensor, expert, sequence = sizes.get("tensor", 1), sizes.get("expert", 1), sizes.get("sequence", 1)
+    shared = tensor * sequence
+    if world % shared or (world // shared) % expert:
+        n = shared * expert
+        what = f"tensor {tensor} x expert {expert}" + (f" x sequence {sequence}" if sequence > 1 else "")
+        keys = "tensor_parallel and expert_parallel" + (" and sequence_parallel" if sequence > 1 else "")
+        raise ConfigError(f"{what} (the config's {keys}) needs a multiple of {n} processes, one per device, but "
+                          f"this run has {world}: start it with `{launch_command(n)}`")
+    return rank // shared, world // shared
+
+
+def sequence_axis(config, rank: int) -> tuple[int, int]:
+    """(sequence rank, sequence size) of global ``rank`` for the layers ``config`` names (``(0, 1)`` without
+    sequence parallelism): the sequence ranks sit between the tensor ranks and the batch ranks of the mesh."""
+    from ..engine_entry import layer_mesh_sizes
+
+    sizes = layer_mesh_sizes(config)
+    tensor, sequence = sizes.get("tensor", 1), sizes.get("sequence", 1)
+    return (rank // tensor) % sequence, sequence
 
 
 def check_data_axis(engine, rank: int, size: int) -> None:
     """The engine's mesh must put this rank where the trainer's data sharding did."""
     mesh = getattr(engine, "mesh", None)
-    got = (mesh.rank("data"), mesh.size("data")) if mesh is not None else (engine.rank, engine.world_size)
+    got = (mesh.rank("batch"), mesh.size("batch")) if mesh is not None else (engine.rank, engine.world_size)
     if got != (rank, size):
         raise PolyaccelError(f"the trainer sharded its data as data rank {rank} of {size}, but the engine's mesh puts "
                              f"this rank at data rank {got[0]} of {got[1]}")

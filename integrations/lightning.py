@@ -45,7 +45,8 @@ from polyaccel import selection
 from polyaccel.errors import CheckpointError, ConfigError, PolyaccelError
 
 from ._checkpoint_files import load_refusal, verify, write_atomic, write_manifest
-from ._engine import EngineAdapter, check_data_axis, data_axis
+from ._engine import EngineAdapter, check_data_axis, data_axis, sequence_axis
+from ._sequence import split_for_sequence, whole_sequence_loss, whole_sequence_value
 
 #: file in a checkpoint directory holding Lightning's own state (loops, callbacks, schedulers)
 LIGHTNING_STATE = "lightning.pt"
@@ -396,6 +397,8 @@ class PolyaccelStrategy(DDPStrategy):
     """
 
     strategy_name = "polyaccel"
+    #: this rank's place in its sequence group (sequence_parallel), set with the engine
+    _sp_rank, _sp_size = 0, 1
 
     def __init__(self, stage: int | None = None, config: dict | None = None, *, engine: str = "zero",
                  **kwargs: Any) -> None:
@@ -430,6 +433,36 @@ class PolyaccelStrategy(DDPStrategy):
         """Shard the data over the data axis only: the tensor ranks of one replica see the same batches."""
         rank, size = data_axis(self.config, self.global_rank, self.world_size)
         return {"num_replicas": size, "rank": rank}
+
+    # ---------------------------------------------------------------- sequence parallelism
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """The batch on the device; with sequence parallelism (once the engine exists), this rank's part of every
+        sequence (:func:`polyaccel.sequence.split_batch`): the step gets ``input_ids``, global ``position_ids``,
+        ``labels``/``shift_labels`` shifted over the whole sequence and ``num_items_in_batch`` (pass them all to
+        the model: ``self.lm(**batch).loss``)."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self._sp_size == 1 or self.polyaccel_engine is None:
+            return batch
+        return split_for_sequence(batch, self._sp_rank, self._sp_size)
+
+    def sequence_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The whole sequence's loss from this rank's share (the sum over the sequence group, detached): what to
+        log, e.g. ``self.log("val_loss", self.trainer.strategy.sequence_loss(loss))``. Without sequence
+        parallelism, ``loss`` detached."""
+        return whole_sequence_loss(loss, self.polyaccel_engine.engine) if self.polyaccel_engine else loss.detach()
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        """The module's step; with sequence parallelism the loss Lightning reports (progress bar, ``outputs`` of
+        the batch hooks) is the whole sequence's, while backward runs on this rank's share."""
+        out = super().training_step(*args, **kwargs)
+        if self.polyaccel_engine is None or self._sp_size == 1:
+            return out
+        engine = self.polyaccel_engine.engine
+        if isinstance(out, torch.Tensor):
+            return whole_sequence_value(out, engine)
+        if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+            return {**out, "loss": whole_sequence_value(out["loss"], engine)}
+        return out
 
     def setup_distributed(self) -> None:
         from lightning.fabric.utilities.seed import reset_seed
@@ -496,6 +529,7 @@ class PolyaccelStrategy(DDPStrategy):
         self.polyaccel_config = cfg
         engine = polyaccel.initialize(module, config=cfg, engine=self.engine_name, **extra)
         check_data_axis(engine, *data_axis(cfg, self.global_rank, self.world_size))
+        self._sp_rank, self._sp_size = sequence_axis(cfg, self.global_rank)
         adapter = EngineAdapter(engine)
         self.polyaccel_engine = adapter
         self.model = _EngineModule(module, adapter)

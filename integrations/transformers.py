@@ -36,7 +36,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from polyaccel.errors import CheckpointError, ConfigError
 
 from ._checkpoint_files import MANIFEST, load_refusal, verify, write_manifest
-from ._engine import EngineAdapter, check_data_axis, data_axis
+from ._engine import EngineAdapter, check_data_axis, data_axis, sequence_axis
+from ._sequence import split_for_sequence, whole_sequence_loss
 
 #: folder inside an HF checkpoint that holds the engine's sharded checkpoint
 ENGINE_CHECKPOINT_DIR = "polyaccel"
@@ -251,6 +252,10 @@ class PolyaccelTrainer(transformers.Trainer):
         self._data_rank, self._data_size = data_axis(self.polyaccel_config, self.args.process_index, world)
         if self._data_size != world:
             shard_over_data_axis(self.accelerator, self._data_rank, self._data_size)
+        # with sequence parallelism each rank feeds its part of every sequence (training_step)
+        self._sp_rank, self._sp_size = sequence_axis(self.polyaccel_config, self.args.process_index)
+        if self._sp_size > 1:
+            self._check_sequence_parallel()
 
     # ------------------------------------------------------------------ set-up
     def create_optimizer(self, model=None):
@@ -276,9 +281,25 @@ class PolyaccelTrainer(transformers.Trainer):
         return [{"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}] if no_decay else []
 
     def get_tp_size(self) -> int:
-        """The processes that share one batch (the engine's tensor ranks): the Trainer divides its token counts
-        and batch sizes by it."""
+        """The processes that share one batch (the engine's tensor and sequence ranks): the Trainer divides its
+        token counts and batch sizes by it."""
         return self.args.world_size // self._data_size
+
+    def _check_sequence_parallel(self) -> None:
+        """What the loss of a sequence split over ranks needs from the Trainer: the model's loss divided by the
+        token count of the whole batch (the Trainer's ``num_items_in_batch``, counted over every rank)."""
+        what = f"polyaccel_config['sequence_parallel'] (sequence size {self._sp_size})"
+        if not self.model_accepts_loss_kwargs:
+            raise ConfigError(f"{what}: the model's forward must take loss keyword arguments (shift_labels, "
+                              f"num_items_in_batch) so that each rank's loss is its share of the whole sequence's; "
+                              f"{type(self.model).__name__}.forward takes no **kwargs")
+        if not self.args.average_tokens_across_devices:
+            raise ConfigError(f"{what} needs TrainingArguments(average_tokens_across_devices=True): each rank's loss "
+                              "is divided by the tokens of the whole batch, counted over every rank")
+        if self.label_smoother is not None or self.compute_loss_func is not None:
+            raise ConfigError(f"{what}: label smoothing and compute_loss_func see the labels already shifted over "
+                              "the whole sequence and cut to this rank's part; drop label_smoothing_factor / "
+                              "compute_loss_func (the model computes the loss)")
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if self._engine_model is not None:
@@ -298,6 +319,10 @@ class PolyaccelTrainer(transformers.Trainer):
         adapter = self.polyaccel_engine
         model.train()
         inputs = self._prepare_inputs(inputs)
+        if self._sp_size > 1:  # this rank's part of every sequence; the Trainer's token count (whole batch) wins
+            inputs = split_for_sequence(inputs, self._sp_rank, self._sp_size)
+            if num_items_in_batch is not None:
+                inputs.pop("num_items_in_batch", None)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
@@ -313,7 +338,16 @@ class PolyaccelTrainer(transformers.Trainer):
         adapter.backward(loss * adapter.gradient_accumulation_steps)
         if not self.accelerator.sync_gradients:
             adapter.step(boundary=False)  # count the micro-step; the Trainer steps the optimizer at the boundary
-        return loss.detach()
+        # the loss logged is the whole sequence's: the sum of the sequence ranks' shares
+        return whole_sequence_loss(loss, adapter.engine) if self._sp_size > 1 else loss.detach()
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if self.polyaccel_engine is None or self._sp_size == 1:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        raise ConfigError(
+            f"PolyaccelTrainer with sequence_parallel (sequence size {self._sp_size}): evaluation through the split "
+            "model is not supported (its logits are cut over the sequence ranks); evaluate the consolidated model "
+            "(trainer.save_model, or polyaccel zero-to-fp32) with a plain Trainer")
 
     def _clip_grad_norm(self, model):
         return None  # the engine clips inside its step (gradient_clipping)
