@@ -9,6 +9,8 @@ section (offload buffers pinned) and torch FSDP2 (``zero_peers.py`` says how it 
 
     python benchmarks/zero_gpu.py [--size 220m|1b] [--peers deepspeed,fsdp2] [--only "stage 3"] [--out x.json]
     python benchmarks/zero_gpu.py --isolate --rounds 3 --only "stage 3" --no-granular   # one process per row
+    python benchmarks/zero_gpu.py --size 1b --kernels --isolate --rounds 3 --only "=stage 3" --no-granular
+        # each polyaccel row again with the model kernels, and FSDP2 given Liger's kernels (zero_kernels.py)
 
 Every configuration starts from the same initial weights and sees the same batches, so the first
 loss must agree across rows and the last losses should be close (bf16). A row's peak is the
@@ -39,6 +41,9 @@ CONFIGS = [
 ]
 # polyaccel only: decoder layers gathered whole (stage3_module_granularity_threshold); peers run the plain row
 GRANULAR = {"stage3_module_granularity_threshold": 60_000_000}
+# --kernels rows: the model kernels swapped in (polyaccel), Liger's given to FSDP2 (zero_kernels.py)
+from zero_kernels import KERNELS, LIGER, liger_fsdp2_step  # noqa: E402
+from zero_kernels import report as kernels_report  # noqa: E402
 
 
 # --muon rows: ZeRO's Muon (bf16 Newton-Schulz, 5 steps) with the AdamW rows' settings for its auxiliary Adam
@@ -112,10 +117,14 @@ def row_names(args, peers) -> list[str]:
         names.append(f"polyaccel {name}")
         if args.muon:
             names.append(f"polyaccel {name} muon")
+        if args.kernels:
+            names.append(f"polyaccel {name} kernels")
         names.extend(f"polyaccel {name} ratio {r}" for r in ratios_for(args, zero))
         if zero["stage"] == 3 and args.granular:
             names.append(f"polyaccel {name} (layer granularity)")
         names.extend(f"{peer} {name}" for peer in peers if peer != "fsdp2" or fsdp2_unsupported(zero) is None)
+        if args.kernels and "fsdp2" in peers and fsdp2_unsupported(zero) is None:
+            names.append(f"{LIGER} {name}")
     return names
 
 
@@ -222,6 +231,8 @@ def report(args, peers, rows, n_params=None) -> None:
             if ours and adamw:
                 memory = f"memory {ours['peak_gib'] / adamw['peak_gib']:5.2f}" if adamw["peak_gib"] else ""
                 print(f"{name:45s} time {ours['step_ms'] / adamw['step_ms']:5.2f}  {memory}")
+    if args.kernels:
+        kernels_report(by_name, CONFIGS, BASELINE)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"params": n_params, "args": vars(args), "rows": rows}, f, indent=1)
@@ -249,6 +260,10 @@ def main() -> int:
     ap.add_argument("--muon", action="store_true",
                     help="after each polyaccel row, the same row with optimizer.type muon (Muon on the hidden "
                          "matrices, AdamW on the rest) and its time against the AdamW row")
+    ap.add_argument("--kernels", action="store_true",
+                    help="after each polyaccel row, the same row with the model kernels (RMSNorm, RoPE, SwiGLU, fused "
+                         "linear cross-entropy); with the fsdp2 peer also FSDP2 given Liger's kernels (needs "
+                         "--isolate: Liger patches Hugging Face's classes process-wide)")
     ap.add_argument("--ratio", default=None,
                     help="after each offload_optimizer row without offload_param, the same row with "
                          "offload_optimizer.ratio set to each of these comma-separated values (the host's share of "
@@ -264,6 +279,9 @@ def main() -> int:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.rounds > 1 and not args.isolate:
         ap.error("--rounds needs --isolate (rows run in one process share its allocator and caches)")
+    if args.kernels and "fsdp2" in peers and not (args.isolate or args.row):
+        ap.error("--kernels with the fsdp2 peer needs --isolate (Liger's kernels patch Hugging Face's Llama classes "
+                 "for the whole process)")
 
     if args.isolate:
         return run_isolated(args, peers)
@@ -368,6 +386,8 @@ def main() -> int:
         if args.muon:
             muon = {**config, "optimizer": {"type": "muon", "params": MUON_PARAMS}}
             measure(f"polyaccel {name} muon", lambda c=muon: polyaccel_row(c))
+        if args.kernels:
+            measure(f"polyaccel {name} kernels", lambda c={**config, "kernels": dict(KERNELS)}: polyaccel_row(c))
         for r in ratios_for(args, zero):
             part = {**config, "zero_optimization": {**zero, "offload_optimizer": {**zero["offload_optimizer"],
                                                                                  "ratio": r}}}
@@ -381,6 +401,9 @@ def main() -> int:
         if "fsdp2" in peers:
             measure(f"fsdp2 {name}", lambda zero=zero: (
                 *fsdp2_step(copy.deepcopy(base_model), zero, device, 1e-4, 0.01), {"engine": "fsdp2"}))
+        if args.kernels and "fsdp2" in peers:
+            measure(f"{LIGER} {name}", lambda zero=zero: (
+                *liger_fsdp2_step(copy.deepcopy(base_model), zero, device, 1e-4, 0.01), {"engine": LIGER}))
 
     report(args, peers, rows, n_params)
     polyaccel.comm.destroy()
