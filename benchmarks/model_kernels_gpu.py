@@ -1,0 +1,310 @@
+"""The model-layer kernels against their peers, forward and forward + backward, at Llama-3-8B shapes (bf16).
+
+    python benchmarks/model_kernels_gpu.py [--sections rms_norm,rope] [--json out.json]
+    python benchmarks/model_kernels_gpu.py --smoke          # tiny shapes on the CPU: checks the script runs
+
+One function per kernel section, registered in :data:`SECTIONS`; each returns one :class:`Result` per
+implementation: ``polyaccel`` (``polyaccel.ops.<op>``, whatever builder the registry picks: Triton on a
+GPU), ``hf_eager`` (Hugging Face's module or function), ``torch_compile`` (``torch.compile`` of that
+module or function) and ``liger`` (Liger-Kernel's, when ``liger_kernel`` is importable; otherwise the
+column is skipped with a note). Per implementation: forward ms, forward + backward ms (median of CUDA-event
+timings, triton's do_bench; inputs' gradients reset to None each step), peak memory of forward + backward
+above the inputs, and the largest difference from ``hf_eager``'s output and gradients relative to their
+largest magnitude. Ratios are ``impl ms / polyaccel ms``: above 1 means polyaccel is faster.
+
+Default shapes (Llama-3-8B): hidden 4096, batch 8 x sequence 4096 tokens, 32 query heads and 8 key/value heads
+of head_dim 128, rope tables ``[1, S, D]`` (Hugging Face's rotary embedding with one position row).
+``--smoke`` runs every section on the CPU at tiny shapes (polyaccel's cpu builders, no torch.compile: the
+point is that the script works, not the numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class Ctx:
+    """What every section gets: the device, dtype, shapes and the timer."""
+
+    device: torch.device
+    dtype: torch.dtype
+    smoke: bool
+    batch: int
+    seq: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float = 1e-5
+
+    def time_ms(self, fn: Callable[[], object]) -> float:
+        if self.device.type == "cuda":
+            from triton.testing import do_bench
+
+            return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+        times = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:]) * 1e3
+
+    def peak_mb(self, fn: Callable[[], object]) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+@dataclass
+class Result:
+    section: str
+    impl: str
+    fwd_ms: float | None = None
+    fwd_bwd_ms: float | None = None
+    peak_mb: float | None = None
+    max_rel_diff: float | None = None  # vs hf_eager, over outputs and gradients
+    note: str = ""
+
+
+@functools.cache
+def liger():
+    """The liger_kernel.transformers module, or None (with the reason printed once)."""
+    try:
+        import liger_kernel.transformers as lk
+    except Exception as exc:  # noqa: BLE001 - any import failure: no Liger column
+        print(f"note: liger_kernel is not importable ({type(exc).__name__}: {exc}); the liger column is skipped")
+        return None
+    return lk
+
+
+def measure(ctx: Ctx, section: str, impls: dict[str, Callable | str], leaves: list[torch.Tensor],
+            grads: list[torch.Tensor]) -> list[Result]:
+    """Time each ``impls[name]()`` (outputs: a tensor or a tuple) forward and forward + backward.
+
+    A string instead of a callable is a skip note. ``grads`` are the outputs' gradients; each implementation's
+    results are compared with ``hf_eager``'s (outputs, then the leaves' gradients).
+    """
+    results, want = [], None
+    for name, forward in impls.items():
+        if isinstance(forward, str):
+            results.append(Result(section, name, note=forward))
+            continue
+
+        def outputs(forward=forward):
+            out = forward()
+            return out if isinstance(out, tuple) else (out,)
+
+        def fwd_bwd(outputs=outputs):
+            for t in leaves:
+                t.grad = None
+            torch.autograd.backward(outputs(), grads)
+
+        try:
+            for t in leaves:
+                t.grad = None
+            outs = outputs()
+            torch.autograd.backward(outs, [g.clone() for g in grads])  # (Liger writes its dy in place)
+            got = [o.detach().float() for o in outs] + [t.grad.float() for t in leaves]
+            if name == "hf_eager":
+                want = got
+            diff = None
+            if want is not None:
+                diff = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(
+                    got, want, strict=True) if b.numel())
+            r = Result(section, name, fwd_ms=ctx.time_ms(outputs), fwd_bwd_ms=ctx.time_ms(fwd_bwd),
+                       peak_mb=ctx.peak_mb(fwd_bwd), max_rel_diff=diff)
+        except Exception as exc:  # noqa: BLE001 - one failing implementation is a row, not the end of the run
+            r = Result(section, name, note=f"ERROR {type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
+        results.append(r)
+    return results
+
+
+def _compiled(ctx: Ctx, fn):
+    if ctx.smoke:
+        return "skipped with --smoke (compile time on the CPU)"
+    return torch.compile(fn)
+
+
+# ------------------------------------------------------------------------------ sections
+def section_rms_norm(ctx: Ctx) -> list[Result]:
+    """RMSNorm of [batch, seq, hidden] (Llama's form, weight of the activations' dtype)."""
+    import polyaccel.ops as ops
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    shape = (ctx.batch, ctx.seq, ctx.hidden)
+    x = torch.randn(shape, generator=g).to(ctx.device, ctx.dtype).requires_grad_()
+    dy = torch.randn(shape, generator=g).to(ctx.device, ctx.dtype)
+    hf = LlamaRMSNorm(ctx.hidden, eps=ctx.eps).to(ctx.device, ctx.dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(ctx.hidden, generator=g) * 0.1 + 1)
+    w = hf.weight
+    impls: dict[str, Callable | str] = {
+        "hf_eager": lambda: hf(x),
+        "polyaccel": lambda: ops.rms_norm(x, w, ctx.eps),
+        "torch_compile": _compiled(ctx, hf),
+    }
+    lk = liger()
+    if lk is None:
+        impls["liger"] = "liger_kernel not installed"
+    elif ctx.device.type != "cuda":
+        impls["liger"] = "Liger's Triton kernels need a GPU"
+    else:
+        lrms = lk.LigerRMSNorm(ctx.hidden, eps=ctx.eps).to(ctx.device, ctx.dtype)
+        lrms.weight = w  # one parameter for all: gradients compared on the same leaf
+        impls["liger"] = lambda: lrms(x)
+    ex = impls["torch_compile"]
+    if not isinstance(ex, str):
+        impls["torch_compile"] = lambda: ex(x)
+    return measure(ctx, "rms_norm", impls, [x, w], [dy])
+
+
+def section_rope(ctx: Ctx) -> list[Result]:
+    """RoPE of q [B, Hq, S, D] and k [B, Hk, S, D] as Hugging Face makes them (projections viewed
+    [B, S, H, D] then transposed), cos/sin from LlamaRotaryEmbedding for one row of positions."""
+    import polyaccel.ops as ops
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    B, S, D = ctx.batch, ctx.seq, ctx.head_dim
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, S, ctx.heads, D, generator=g).to(ctx.device, ctx.dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, S, ctx.kv_heads, D, generator=g).to(ctx.device, ctx.dtype).transpose(1, 2).requires_grad_()
+    gq = torch.randn(q.shape, generator=g).to(ctx.device, ctx.dtype)
+    gk = torch.randn(k.shape, generator=g).to(ctx.device, ctx.dtype)
+    cfg = LlamaConfig(hidden_size=ctx.heads * D, num_attention_heads=ctx.heads, num_key_value_heads=ctx.kv_heads,
+                      max_position_embeddings=max(S, 2), rope_theta=500000.0)
+    rotary = LlamaRotaryEmbedding(cfg).to(ctx.device)
+    probe = torch.empty(1, S, 1, device=ctx.device, dtype=ctx.dtype)
+    cos, sin = rotary(probe, torch.arange(S, device=ctx.device)[None])
+
+    def hf_rope(q, k, cos, sin):
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+    impls: dict[str, Callable | str] = {
+        "hf_eager": lambda: hf_rope(q, k, cos, sin),
+        "polyaccel": lambda: ops.rope(q, k, cos, sin),
+    }
+    ex = _compiled(ctx, hf_rope)
+    impls["torch_compile"] = ex if isinstance(ex, str) else (lambda: ex(q, k, cos, sin))
+    lk = liger()
+    if lk is None:
+        impls["liger"] = "liger_kernel not installed"
+    elif ctx.device.type != "cuda":
+        impls["liger"] = "Liger's Triton kernels need a GPU"
+    else:
+        impls["liger"] = lambda: lk.liger_rotary_pos_emb(q, k, cos, sin)
+    return measure(ctx, "rope", impls, [q, k], [gq, gk])
+
+
+#: section name -> function(ctx) -> list[Result]; run in this order
+SECTIONS: dict[str, Callable[[Ctx], list[Result]]] = {
+    "rms_norm": section_rms_norm,
+    "rope": section_rope,
+}
+
+
+# ------------------------------------------------------------------------------ report
+def _fmt(v, digits=3):
+    return "-" if v is None else (f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:.0f}")
+
+
+def print_results(results: list[Result]) -> None:
+    ours = {(r.section, "fwd"): r.fwd_ms for r in results if r.impl == "polyaccel"}
+    ours.update({(r.section, "both"): r.fwd_bwd_ms for r in results if r.impl == "polyaccel"})
+    head = f"{'section':<22} {'impl':<14} {'fwd ms':>9} {'x':>6} {'fwd+bwd ms':>11} {'x':>6} {'peak MB':>9} " \
+           f"{'max rel diff':>12}  note"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        x_f = x_b = None
+        if r.fwd_ms and ours.get((r.section, "fwd")):
+            x_f = r.fwd_ms / ours[(r.section, "fwd")]
+        if r.fwd_bwd_ms and ours.get((r.section, "both")):
+            x_b = r.fwd_bwd_ms / ours[(r.section, "both")]
+        print(f"{r.section:<22} {r.impl:<14} {_fmt(r.fwd_ms):>9} {_fmt(x_f):>6} {_fmt(r.fwd_bwd_ms):>11} "
+              f"{_fmt(x_b):>6} {_fmt(r.peak_mb):>9} {_fmt(r.max_rel_diff, 2):>12}  {r.note}")
+    print("x: the implementation's time over polyaccel's (> 1: polyaccel is faster)")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    p = torch.cuda.get_device_properties(device)
+    return f"{p.name} ({p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs)"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
+    p.add_argument("--json", help="write the results (and the run's metadata) to this file")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    args = p.parse_args(argv)
+    unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    return args
+
+
+def make_ctx(args: argparse.Namespace) -> Ctx:
+    dtype = getattr(torch, args.dtype)
+    if args.smoke:
+        return Ctx(torch.device("cpu"), dtype, True, batch=2, seq=8, hidden=64, heads=4, kv_heads=2, head_dim=16)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA/ROCm GPU (torch.cuda.is_available() is False); use --smoke on the CPU")
+    return Ctx(torch.device("cuda", torch.cuda.current_device()), dtype, False, args.batch, args.seq, args.hidden,
+               args.heads, args.kv_heads, args.head_dim)
+
+
+def main(argv=None) -> list[Result]:
+    args = parse(argv)
+    ctx = make_ctx(args)
+    results: list[Result] = []
+    for name in args.sections.split(","):
+        results += SECTIONS[name](ctx)
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"device: {_device_name(ctx.device)}; dtype {ctx.dtype}; batch {ctx.batch} x seq {ctx.seq}, hidden "
+          f"{ctx.hidden}, heads {ctx.heads}/{ctx.kv_heads} x {ctx.head_dim}")
+    print_results(results)
+    if args.json:
+        import datetime
+
+        import polyaccel.ops as ops
+
+        doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "device": _device_name(ctx.device), "torch": torch.__version__, "command": " ".join(sys.argv),
+               "shapes": {k: getattr(ctx, k) for k in ("batch", "seq", "hidden", "heads", "kv_heads", "head_dim")},
+               "dtype": str(ctx.dtype), "builders": {s: ops.registry.chosen(s, ctx.device.type).name
+                                                     for s in args.sections.split(",")
+                                                     if s in ops.registry.ops()},
+               "results": [asdict(r) for r in results]}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
