@@ -170,9 +170,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         if ctx.spent:
-            raise Unsupported("linear_cross_entropy: a second backward through one call (retain_graph=True) is not "
-                              "supported: its gradients are computed in the forward and scaled in place by the "
-                              "first backward; call the op again for another backward")
+            raise Unsupported("chunked linear_cross_entropy", "a second backward through one call (retain_graph=True)",
+                              "its gradients are computed in the forward and scaled in place by the first backward; "
+                              "call the op again for another backward")
         ctx.spent = True
         grads = list(ctx.saved_tensors)
         for g in grads:

@@ -8,7 +8,9 @@ of the logits (the rows of the LM head). The row max is all-reduced (MAX, no gra
 not depend on it), the sums of ``exp`` and the picked logits are all-reduced (SUM) by
 :class:`AllReduceSum`, whose backward is the identity: every rank computes the same outputs, and
 the gradient arriving for them is the same on every rank (each rank's loss is the same number), so
-each rank's share of the gradient is the local one. Gradients stay with the shard: a rank's logits
+each rank's share of the gradient is the local one. That holds for the cross-entropy, whose
+replicated logsumexp feeds only replicated values; ``logprobs``, ``entropy`` and ``kl`` write their
+backward out instead (see ``_LogProbs`` below). Gradients stay with the shard: a rank's logits
 (or LM-head rows) get their own gradient, and ``hidden`` gets the shard's part ``dlogits_local @ W_local``
 (the caller sums it over the group, as a column-parallel LM head's input does in its backward).
 """
@@ -157,8 +159,7 @@ def logprobs(logits, labels, *, group=None, vocab_start=None):
     backward assumes every rank back-propagates the same gradient for the result).
     """
     start = _resolved_start("logprobs", group, logits.shape[-1], vocab_start, logits.device)
-    z = logits.to(math_dtype(logits.dtype))
-    return _picked(z, labels, start, None, group) - _logsumexp(z, group)
+    return _LogProbs.apply(logits, labels, start, group)
 
 
 def entropy(logits, *, group=None):
@@ -173,10 +174,7 @@ def entropy(logits, *, group=None):
     own columns' gradient (the backward assumes every rank back-propagates the same
     gradient for the result).
     """
-    z = logits.to(math_dtype(logits.dtype))
-    lse = _logsumexp(z, group)
-    p = torch.exp(z - lse.unsqueeze(-1))
-    return lse - _sum((p * z).sum(-1), group)
+    return _Entropy.apply(logits, group)
 
 
 def kl(logits_p, logits_q, *, group=None):
@@ -193,8 +191,75 @@ def kl(logits_p, logits_q, *, group=None):
     own columns' gradients (the backward assumes every rank back-propagates the same
     gradient for the result).
     """
-    acc = math_dtype(logits_p.dtype)
-    zp, zq = logits_p.to(acc), logits_q.to(acc)
-    lse_p, lse_q = _logsumexp(zp, group), _logsumexp(zq, group)
-    p = torch.exp(zp - lse_p.unsqueeze(-1))
-    return _sum((p * (zp - zq)).sum(-1), group) - lse_p + lse_q
+    return _KL.apply(logits_p, logits_q, group)
+
+
+# ----------------------------------------------------------------------------- logits ops' autograd
+# The logits ops' backward is written out: their softmax depends on the whole row's logsumexp, which a
+# rank's local columns feed into only through the all-reduced sums, so autograd through the
+# collectives would give each rank only its own columns' part of d/d lse. The closed forms below use
+# row values every rank has (lse, the entropy, the KL) and the rank's own columns only; they save the
+# logits and one or two floats per row, and recompute the softmax.
+def _softmax(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    return torch.exp(z - lse.unsqueeze(-1))
+
+
+class _LogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_start, group):
+        z = logits.to(math_dtype(logits.dtype))
+        lse = _logsumexp(z, group)
+        out = _picked(z, labels, vocab_start, None, group) - lse
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.vocab_start = vocab_start
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels, lse = ctx.saved_tensors
+        z = logits.to(lse.dtype)
+        dz = -_softmax(z, lse) * grad.unsqueeze(-1)
+        local = labels - ctx.vocab_start
+        mine = (local >= 0) & (local < z.shape[-1])
+        dz.scatter_add_(-1, torch.where(mine, local, 0).unsqueeze(-1),
+                        torch.where(mine, grad, torch.zeros_like(grad)).unsqueeze(-1))
+        return dz.to(logits.dtype), None, None, None
+
+
+class _Entropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, group):
+        z = logits.to(math_dtype(logits.dtype))
+        lse = _logsumexp(z, group)
+        out = lse - _sum((_softmax(z, lse) * z).sum(-1), group)
+        ctx.save_for_backward(logits, lse, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse, h = ctx.saved_tensors
+        z = logits.to(lse.dtype)
+        # d H / d z = -p (log p + H), log p = z - lse
+        dz = -_softmax(z, lse) * (z - (lse - h).unsqueeze(-1)) * grad.unsqueeze(-1)
+        return dz.to(logits.dtype), None
+
+
+class _KL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_p, logits_q, group):
+        acc = math_dtype(logits_p.dtype)
+        zp, zq = logits_p.to(acc), logits_q.to(acc)
+        lse_p, lse_q = _logsumexp(zp, group), _logsumexp(zq, group)
+        d = _sum((_softmax(zp, lse_p) * (zp - zq)).sum(-1), group)
+        ctx.save_for_backward(logits_p, logits_q, lse_p, lse_q, d)
+        return d - lse_p + lse_q
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits_p, logits_q, lse_p, lse_q, d = ctx.saved_tensors
+        zp, zq = logits_p.to(d.dtype), logits_q.to(d.dtype)
+        p, g = _softmax(zp, lse_p), grad.unsqueeze(-1)
+        dzp = g * p * (zp - zq - d.unsqueeze(-1)) if ctx.needs_input_grad[0] else None
+        dzq = g * (_softmax(zq, lse_q) - p) if ctx.needs_input_grad[1] else None
+        return (None if dzp is None else dzp.to(logits_p.dtype), None if dzq is None else dzq.to(logits_q.dtype),
+                None)
