@@ -9,8 +9,9 @@ What a layout answers, for one parameter on this rank:
 
 - ``replicas``: the mesh dimension whose ranks hold copies of this local tensor and see
   different data. ZeRO partitions the parameter's optimizer state over it and sums its
-  gradients over it, divided by the number of data-parallel ranks (an expert's gradient
-  already holds its whole expert group's tokens): ``"data"`` for dense parameters,
+  gradients over it, divided by the number of distinct batches, ``mesh.size("batch")`` (an
+  expert's gradient already holds its whole expert group's tokens; the sequence ranks of one
+  group, data replicas too, hold parts of one batch): ``"data"`` for dense parameters,
   ``"expert_data"`` for experts.
 - ``grad_sum``: a mesh dimension over which the local gradients are *partial* and must be
   summed (a replicated parameter applied to tensor-sharded activations, e.g. Qwen3's

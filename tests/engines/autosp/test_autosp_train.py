@@ -9,6 +9,7 @@ One launch of 4 ranks runs every layout, so the suite pays for one start:
   row into NaN);
 - tiny Qwen2 with a sliding-window layer at sp 4, ZeRO stage 2, 2 micro-batches, every kind of batch;
 - sp 2 x tp 2 and sp 2 x ep 2 on a tiny Qwen3-MoE (stages 2 and 3);
+- refusals at run time: a mask of the local length, meshes whose sizes do not divide;
 - at sp 1 the layer changes nothing: same model object, no hook, attention implementation untouched, no
   collective in a forward and backward, bitwise the same gradients.
 
@@ -38,6 +39,7 @@ RUNS = {
 
 def noop_at_sp1(rank: int) -> dict:
     """sp 1: the model is returned as it is and runs without a collective; gradients bitwise those without it."""
+    from polyaccel import ConfigError, InvalidArgument
     from polyaccel.comm.mesh import init_parallel_mesh
     from polyaccel.comm.tracing import CommTracer
     from polyaccel.engines.autosp import apply_sequence_parallel
@@ -56,7 +58,14 @@ def noop_at_sp1(rank: int) -> dict:
     with CommTracer() as control:
         split(input_ids=b["input_ids"][:, rank * q:(rank + 1) * q], attention_mask=b["attention_mask"],
               position_ids=torch.arange(rank * q, rank * q + q).expand(lib.ROWS, q)).logits.sum().backward()
-    return {"same_object": same, "hooks_unchanged": dict(model.model._forward_pre_hooks) == hooks,
+    refusals = []
+    for call in (lambda: split(input_ids=b["input_ids"][:, :q], attention_mask=b["attention_mask"][:, :q]),
+                 lambda: init_parallel_mesh(sequence=3), lambda: init_parallel_mesh(sequence=4, expert=2)):
+        try:
+            call()
+        except (ConfigError, InvalidArgument) as exc:
+            refusals.append(str(exc))
+    return {"refusals": refusals, "same_object": same, "hooks_unchanged": dict(model.model._forward_pre_hooks) == hooks,
             "impl": model.config._attn_implementation, "collectives": len(tracer.events),
             "control": sorted(e.op for e in control.events),
             "grads_equal": all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters(),
@@ -100,6 +109,11 @@ def test_mesh_places_sequence_ranks_next_to_tensor_ranks(runs):
 
 def test_sp1_is_a_strict_no_op(runs):
     for res in runs:
+        refusals = res["noop"].pop("refusals")
+        assert len(refusals) == 3, refusals
+        assert "attention_mask must be the whole sequence's 2-D [batch, seq] padding mask (2 x 16" in refusals[0]
+        assert "sequence=3 must divide data=4" in refusals[1] and "[1, 2, 4]" in refusals[1]
+        assert "expert=2 must divide the batch ranks data / sequence = 4 / 4 = 1" in refusals[2]
         control = res["noop"].pop("control")
         assert control == ["all_gather_into_tensor"] + ["all_to_all_single"] * 8, control
         assert res["noop"] == {"same_object": True, "hooks_unchanged": True, "impl": "sdpa", "collectives": 0,
