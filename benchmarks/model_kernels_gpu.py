@@ -46,6 +46,7 @@ class Ctx:
     kv_heads: int
     head_dim: int
     eps: float = 1e-5
+    vocab: int = 128256
 
     def time_ms(self, fn: Callable[[], object]) -> float:
         if self.device.type == "cuda":
@@ -59,9 +60,12 @@ class Ctx:
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:]) * 1e3
 
-    def peak_mb(self, fn: Callable[[], object]) -> float | None:
+    def peak_mb(self, fn: Callable[[], object], leaves=()) -> float | None:
+        """Peak memory of ``fn()`` above what is allocated before it, ``leaves``' gradients freed first."""
         if self.device.type != "cuda":
             return None
+        for t in leaves:
+            t.grad = None
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -127,7 +131,7 @@ def measure(ctx: Ctx, section: str, impls: dict[str, Callable | str], leaves: li
                 diff = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(
                     got, want, strict=True) if b.numel())
             r = Result(section, name, fwd_ms=ctx.time_ms(outputs), fwd_bwd_ms=ctx.time_ms(fwd_bwd),
-                       peak_mb=ctx.peak_mb(fwd_bwd), max_rel_diff=diff)
+                       peak_mb=ctx.peak_mb(fwd_bwd, leaves), max_rel_diff=diff)
         except Exception as exc:  # noqa: BLE001 - one failing implementation is a row, not the end of the run
             r = Result(section, name, note=f"ERROR {type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
         results.append(r)
@@ -212,10 +216,56 @@ def section_rope(ctx: Ctx) -> list[Result]:
     return measure(ctx, "rope", impls, [q, k], [gq, gk])
 
 
+def section_linear_cross_entropy(ctx: Ctx) -> list[Result]:
+    """The LM head and its loss: hidden [batch * seq, hidden] x weight [vocab, hidden] -> the mean cross-entropy
+    over the (already shifted) labels, 1 in 8 ignored. Hugging Face's path materialises the bf16 logits and
+    their fp32 copy (``lm_head`` then ``ForCausalLMLoss``); Liger's LigerFusedLinearCrossEntropyLoss and
+    polyaccel's ``linear_cross_entropy`` go in chunks of tokens. The polyaccel row's note gives its peak memory
+    over the others' (the target: <= 0.2x hf_eager's, <= liger's)."""
+    import polyaccel.ops as ops
+    import torch.nn.functional as F
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    n, h, v = ctx.batch * ctx.seq, ctx.hidden, ctx.vocab
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(n, h, generator=g)).to(ctx.device, ctx.dtype).requires_grad_()
+    w = (torch.randn(v, h, generator=g) * h ** -0.5).to(ctx.device, ctx.dtype).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.125] = -100
+    labels = labels.to(ctx.device)
+    one = torch.ones((), device=ctx.device)
+
+    def hf_loss(x, w, labels):
+        return ForCausalLMLoss(F.linear(x, w), None, v, shift_labels=labels)
+
+    impls: dict[str, Callable | str] = {
+        "hf_eager": lambda: hf_loss(x, w, labels),
+        "polyaccel": lambda: ops.linear_cross_entropy(x, w, labels),
+    }
+    ex = _compiled(ctx, hf_loss)
+    impls["torch_compile"] = ex if isinstance(ex, str) else (lambda: ex(x, w, labels))
+    lk = liger()
+    if lk is None:
+        impls["liger"] = "liger_kernel not installed"
+    elif ctx.device.type != "cuda":
+        impls["liger"] = "Liger's Triton kernels need a GPU"
+    else:
+        lflce = lk.LigerFusedLinearCrossEntropyLoss()
+        impls["liger"] = lambda: lflce(w, x, labels)
+    results = measure(ctx, "linear_cross_entropy", impls, [x, w], [one])
+    peaks = {r.impl: r.peak_mb for r in results if r.peak_mb}
+    mine = next((r for r in results if r.impl == "polyaccel"), None)
+    if mine is not None and mine.peak_mb:
+        mine.note = "peak " + ", ".join(f"{mine.peak_mb / p:.2f}x {name}'s" for name, p in peaks.items()
+                                        if name != "polyaccel")
+    return results
+
+
 #: section name -> function(ctx) -> list[Result]; run in this order
 SECTIONS: dict[str, Callable[[Ctx], list[Result]]] = {
     "rms_norm": section_rms_norm,
     "rope": section_rope,
+    "linear_cross_entropy": section_linear_cross_entropy,
 }
 
 
@@ -260,6 +310,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=128256, help="the LM head's rows (linear_cross_entropy)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     args = p.parse_args(argv)
     unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
@@ -271,11 +322,12 @@ def parse(argv=None) -> argparse.Namespace:
 def make_ctx(args: argparse.Namespace) -> Ctx:
     dtype = getattr(torch, args.dtype)
     if args.smoke:
-        return Ctx(torch.device("cpu"), dtype, True, batch=2, seq=8, hidden=64, heads=4, kv_heads=2, head_dim=16)
+        return Ctx(torch.device("cpu"), dtype, True, batch=2, seq=8, hidden=64, heads=4, kv_heads=2, head_dim=16,
+                   vocab=96)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA/ROCm GPU (torch.cuda.is_available() is False); use --smoke on the CPU")
     return Ctx(torch.device("cuda", torch.cuda.current_device()), dtype, False, args.batch, args.seq, args.hidden,
-               args.heads, args.kv_heads, args.head_dim)
+               args.heads, args.kv_heads, args.head_dim, vocab=args.vocab)
 
 
 def main(argv=None) -> list[Result]:
