@@ -189,8 +189,9 @@ def section_rope(ctx: Ctx) -> list[Result]:
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, S, ctx.heads, D, generator=g).to(ctx.device, ctx.dtype).transpose(1, 2).requires_grad_()
     k = torch.randn(B, S, ctx.kv_heads, D, generator=g).to(ctx.device, ctx.dtype).transpose(1, 2).requires_grad_()
-    gq = torch.randn(q.shape, generator=g).to(ctx.device, ctx.dtype)
-    gk = torch.randn(k.shape, generator=g).to(ctx.device, ctx.dtype)
+    # the gradients attention's backward hands back: laid out like its inputs ([B, S, H, D] memory)
+    gq = torch.randn(B, S, ctx.heads, D, generator=g).to(ctx.device, ctx.dtype).transpose(1, 2)
+    gk = torch.randn(B, S, ctx.kv_heads, D, generator=g).to(ctx.device, ctx.dtype).transpose(1, 2)
     cfg = LlamaConfig(hidden_size=ctx.heads * D, num_attention_heads=ctx.heads, num_key_value_heads=ctx.kv_heads,
                       max_position_embeddings=max(S, 2), rope_theta=500000.0)
     rotary = LlamaRotaryEmbedding(cfg).to(ctx.device)

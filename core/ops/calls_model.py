@@ -2,7 +2,9 @@
 
 Like every op call (:mod:`.calls`) they resolve the builder for the tensors' device type through the
 process's op registry (once, then cached) and refuse a call the contract does not allow before any
-builder runs, with every tensor untouched.
+builder runs, with every tensor untouched. A builder made with the reference's ``make_rms_norm`` /
+``make_rope`` checks its arguments itself too; its ``unchecked`` form is called here, so a call is
+checked once.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
     Semantics and signature: :func:`polyaccel.ops.reference.rms_norm` (docs/plugin-authoring.md).
     """
     check_rms_norm_args(x, weight, eps, offset)
-    return _RUNTIME.ops.resolve("rms_norm", x.device.type)(x, weight, eps, offset=offset)
+    fn = _RUNTIME.ops.resolve("rms_norm", x.device.type)
+    return getattr(fn, "unchecked", fn)(x, weight, eps, offset=offset)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
@@ -32,4 +35,5 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     Semantics and signature: :func:`polyaccel.ops.reference.rope` (docs/plugin-authoring.md).
     """
     check_rope_args(q, k, cos, sin, interleaved)
-    return _RUNTIME.ops.resolve("rope", q.device.type)(q, k, cos, sin, interleaved=interleaved)
+    fn = _RUNTIME.ops.resolve("rope", q.device.type)
+    return getattr(fn, "unchecked", fn)(q, k, cos, sin, interleaved=interleaved)

@@ -104,7 +104,8 @@ def make_rms_norm(forward, backward):
     need_dw) -> (dx, dw)`` compute the reference's math (:func:`rms_norm_forward`, :func:`rms_norm_backward`;
     ``saved`` is whatever tensor the forward keeps for the backward, e.g. the rows' ``rstd``, or None);
     ``grad_out`` arrives contiguous. The returned ``rms_norm(x, weight, eps=1e-6, *, offset=0.0)`` checks its
-    arguments and saves ``x``, ``weight`` and ``saved`` for backward.
+    arguments and saves ``x``, ``weight`` and ``saved`` for backward; its ``unchecked`` attribute is the same
+    without the check (the entry point ``polyaccel.ops.rms_norm`` checks before resolving the builder).
     """
 
     class _RMSNorm(torch.autograd.Function):
@@ -122,11 +123,16 @@ def make_rms_norm(forward, backward):
                               ctx.needs_input_grad[1])
             return dx, dw, None, None
 
+    def unchecked(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
+                  offset: float = 0.0) -> torch.Tensor:
+        return _RMSNorm.apply(x, weight, float(eps), float(offset))
+
     def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
                  offset: float = 0.0) -> torch.Tensor:
         check_rms_norm_args(x, weight, eps, offset)
         return _RMSNorm.apply(x, weight, float(eps), float(offset))
 
+    rms_norm.unchecked = unchecked  # for polyaccel.ops.rms_norm, which has checked the call already
     return rms_norm
 
 

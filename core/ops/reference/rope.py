@@ -107,7 +107,8 @@ def make_rope(forward, backward):
     interleaved) -> (dq, dk)`` compute the reference's math (:func:`rope_forward`, :func:`rope_backward`); the
     gradients arrive as autograd hands them (any strides, possibly expanded). The returned
     ``rope(q, k, cos, sin, *, interleaved=False)`` checks its arguments and saves cos and sin (the backward needs
-    nothing else).
+    nothing else); its ``unchecked`` attribute is the same without the check (for ``polyaccel.ops.rope``, which
+    checks before resolving the builder).
     """
 
     class _Rope(torch.autograd.Function):
@@ -123,11 +124,16 @@ def make_rope(forward, backward):
             dq, dk = backward(grad_q, grad_k, cos, sin, ctx.interleaved)
             return dq, dk, None, None, None
 
+    def unchecked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                  interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return _Rope.apply(q, k, cos, sin, interleaved)
+
     def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
              interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         check_rope_args(q, k, cos, sin, interleaved)
         return _Rope.apply(q, k, cos, sin, interleaved)
 
+    rope.unchecked = unchecked  # for polyaccel.ops.rope, which has checked the call already
     return rope
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from polyaccel.ops.reference.rope import check_rope_args, make_rope
+from polyaccel.ops.reference.rope import make_rope
 
 #: pairs of one head per program step are BLOCK_D wide; heads per step bounded so a tile stays <= this many pairs
 MAX_TILE = 4096
@@ -105,8 +105,8 @@ def _launch(q, k, cos, sin, interleaved: bool, backward: bool, *, block_h: int |
 
 
 def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, **kw):
-    """``(q_out, k_out)`` in one launch, each in its input's memory order."""
-    check_rope_args(q, k, cos, sin, interleaved)
+    """``(q_out, k_out)`` in one launch, each in its input's memory order (arguments as the contract allows: the
+    op checks them, :data:`rope`)."""
     return _launch(q, k, cos, sin, interleaved, False, **kw)
 
 
