@@ -24,6 +24,7 @@ _LAZY = {
     "optim": ("optim", None),
     "comm": ("comm", None),
     "testing": ("testing", None),
+    "sequence": ("sequence", None),
 }
 
 

@@ -132,13 +132,18 @@ def reference(family: str, shares: int, accum: int, kinds=KINDS, impl: str = "sd
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def engine_config(stage: int, sp: int, accum: int, tp: int | None = None, ep: int | None = None) -> dict:
+def engine_config(stage: int, sp: int, accum: int, tp: int | None = None, ep: int | None = None,
+                  offload: bool = False, recompute: bool = False) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 3000}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
     cfg = {"optimizer": {"type": "adamw", "params": {"lr": LR, "weight_decay": WD}}, "zero_optimization": zero,
            "gradient_clipping": CLIP, "gradient_accumulation_steps": accum,
            "sequence_parallel": {"autosp_size": sp, "seq_dim": 1}}
+    if recompute:  # the attention runs again in backward, with the mask of the forward it belongs to
+        cfg["activation_checkpointing"] = {}
     if tp:
         cfg["tensor_parallel"] = {"autotp_size": tp}
     if ep:

@@ -7,7 +7,8 @@ One launch of 4 ranks runs every layout, so the suite pays for one start:
 - tiny Llama at sp 2 x 2 batches (the gradient summed over 4 data ranks, divided by 2 batches), ZeRO stage 3,
   eager attention (plain and packed batches: transformers' own eager attention turns a float64 fully padded
   row into NaN);
-- tiny Qwen2 with a sliding-window layer at sp 4, ZeRO stage 2, 2 micro-batches, every kind of batch;
+- tiny Qwen2 with a sliding-window layer at sp 4, ZeRO stage 2 with the optimizer offloaded and activation
+  checkpointing (the attention recomputed in backward), 2 micro-batches, every kind of batch;
 - sp 2 x tp 2 and sp 2 x ep 2 on a tiny Qwen3-MoE (stages 2 and 3);
 - refusals at run time: a mask of the local length, meshes whose sizes do not divide;
 - at sp 1 the layer changes nothing: same model object, no hook, attention implementation untouched, no
@@ -31,7 +32,8 @@ RUNS = {
     # name: (family, config, batch kinds, attention implementation, data-parallel shares)
     "llama_sp4_z1": ("llama", lib.engine_config(1, 4, 2), lib.KINDS, "sdpa", 1),
     "llama_sp2_dp2_z3_eager": ("llama", lib.engine_config(3, 2, 1), ("plain", "packed"), "eager", 2),
-    "qwen2_sliding_sp4_z2": ("qwen2_sliding", lib.engine_config(2, 4, 2), lib.KINDS, "sdpa", 1),
+    "qwen2_sliding_sp4_z2": ("qwen2_sliding", lib.engine_config(2, 4, 2, offload=True, recompute=True), lib.KINDS,
+                             "sdpa", 1),
     "moe_sp2_tp2_z2": ("qwen3_moe", lib.engine_config(2, 2, 1, tp=2), lib.KINDS, "sdpa", 1),
     "moe_sp2_ep2_z3": ("qwen3_moe", lib.engine_config(3, 2, 1, ep=2), lib.KINDS, "sdpa", 2),
 }
