@@ -11,6 +11,9 @@ section (offload buffers pinned) and torch FSDP2 (``zero_peers.py`` says how it 
     python benchmarks/zero_gpu.py --isolate --rounds 3 --only "stage 3" --no-granular   # one process per row
     python benchmarks/zero_gpu.py --size 1b --kernels --isolate --rounds 3 --only "=stage 3" --no-granular
         # each polyaccel row again with the model kernels, and FSDP2 given Liger's kernels (zero_kernels.py)
+    python benchmarks/zero_gpu.py --sp1 --peers "" --only "=stage 1,=stage 3" --no-granular --isolate --rounds 3
+        # each polyaccel row again through the sequence_parallel layer at autosp_size 1 (AutoSP's no-op target:
+        # within 2% of the row without it)
 
 Every configuration starts from the same initial weights and sees the same batches, so the first
 loss must agree across rows and the last losses should be close (bf16). A row's peak is the
@@ -45,6 +48,8 @@ GRANULAR = {"stage3_module_granularity_threshold": 60_000_000}
 from zero_kernels import KERNELS, LIGER, liger_fsdp2_step  # noqa: E402
 from zero_kernels import report as kernels_report  # noqa: E402
 
+# --sp1 rows: the same model through AutoSP's layer at sequence-parallel size 1 (no all-to-all, no copy)
+SP1 = {"sequence_parallel": {"autosp_size": 1, "seq_dim": 1}}
 
 # --muon rows: ZeRO's Muon (bf16 Newton-Schulz, 5 steps) with the AdamW rows' settings for its auxiliary Adam
 MUON_PARAMS = {"lr": 0.02, "weight_decay": 0.01, "adam_lr": 1e-4, "adam_weight_decay": 0.01}
@@ -117,6 +122,8 @@ def row_names(args, peers) -> list[str]:
         names.append(f"polyaccel {name}")
         if args.muon:
             names.append(f"polyaccel {name} muon")
+        if args.sp1:
+            names.append(f"polyaccel {name} sp1")
         if args.kernels:
             names.append(f"polyaccel {name} kernels")
         names.extend(f"polyaccel {name} ratio {r}" for r in ratios_for(args, zero))
@@ -231,6 +238,14 @@ def report(args, peers, rows, n_params=None) -> None:
             if ours and adamw:
                 memory = f"memory {ours['peak_gib'] / adamw['peak_gib']:5.2f}" if adamw["peak_gib"] else ""
                 print(f"{name:45s} time {ours['step_ms'] / adamw['step_ms']:5.2f}  {memory}")
+    if args.sp1:
+        print("\nsequence_parallel autosp_size 1 / without the layer, polyaccel (target: time <= 1.02)")
+        for name, _ in CONFIGS:
+            ours, plain = by_name.get(f"polyaccel {name} sp1"), by_name.get(f"polyaccel {name}")
+            if ours and plain:
+                memory = f"memory {ours['peak_gib'] / plain['peak_gib']:5.2f}" if plain["peak_gib"] else ""
+                print(f"{name:45s} time {ours['step_ms'] / plain['step_ms']:5.3f}  {memory}  "
+                      f"losses {'equal' if ours['last_loss'] == plain['last_loss'] else 'DIFFER'}")
     if args.kernels:
         kernels_report(by_name, CONFIGS, BASELINE)
     if args.out:
@@ -260,6 +275,9 @@ def main() -> int:
     ap.add_argument("--muon", action="store_true",
                     help="after each polyaccel row, the same row with optimizer.type muon (Muon on the hidden "
                          "matrices, AdamW on the rest) and its time against the AdamW row")
+    ap.add_argument("--sp1", action="store_true",
+                    help="after each polyaccel row, the same row with the sequence_parallel layer at autosp_size 1 "
+                         "(AutoSP as a no-op) and its time against the row without the layer")
     ap.add_argument("--kernels", action="store_true",
                     help="after each polyaccel row, the same row with the model kernels (RMSNorm, RoPE, SwiGLU, fused "
                          "linear cross-entropy); with the fsdp2 peer also FSDP2 given Liger's kernels (needs "
@@ -386,6 +404,8 @@ def main() -> int:
         if args.muon:
             muon = {**config, "optimizer": {"type": "muon", "params": MUON_PARAMS}}
             measure(f"polyaccel {name} muon", lambda c=muon: polyaccel_row(c))
+        if args.sp1:
+            measure(f"polyaccel {name} sp1", lambda c={**config, **SP1}: polyaccel_row(c))
         if args.kernels:
             measure(f"polyaccel {name} kernels", lambda c={**config, "kernels": dict(KERNELS)}: polyaccel_row(c))
         for r in ratios_for(args, zero):
