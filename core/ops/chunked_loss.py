@@ -187,12 +187,38 @@ def make_linear_cross_entropy(kernels):
     def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index=-100, reduction="mean", z_loss=0.0,
                              num_items=None, group=None, vocab_start=None, chunk_size=None):
         options = (ignore_index, reduction, float(z_loss), num_items, group, vocab_start, chunk_size)
+        cast = _autocast_dtype(hidden)
+        if cast is not None:  # what autocast makes of the LM head: its GEMM in the autocast dtype
+            hidden, weight = hidden.to(cast), weight.to(cast)
+            bias = None if bias is None else bias.to(cast)
         tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-            return _run(kernels, hidden, weight, bias, labels, *options, want=(False, False, False))[0]
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, kernels, options)
+        with _no_autocast(hidden):
+            if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+                return _run(kernels, hidden, weight, bias, labels, *options, want=(False, False, False))[0]
+            return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, kernels, options)
 
     return linear_cross_entropy
+
+
+def _autocast_dtype(hidden: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run the head's GEMM in (fp32 input under an enabled autocast), else None."""
+    kind = hidden.device.type
+    try:
+        if hidden.dtype != torch.float32 or not torch.is_autocast_enabled(kind):
+            return None
+        return torch.get_autocast_dtype(kind)
+    except (RuntimeError, TypeError, AttributeError):  # a device type autocast does not know
+        return None
+
+
+def _no_autocast(hidden: torch.Tensor):
+    """The loop runs its GEMMs in the inputs' dtype (already cast above): autocast off, where it exists."""
+    import contextlib
+
+    try:
+        return torch.autocast(hidden.device.type, enabled=False)
+    except (RuntimeError, TypeError):
+        return contextlib.nullcontext()
 
 
 #: the chunked op with the torch chunk kernels: the cpu builder and the default on every device type
