@@ -213,7 +213,7 @@ def options_from_args(args, accelerator) -> TrainOptions:
     ep = getattr(args, "ep", 1)
     _check_tp(tp, nproc, spec)
     sp = getattr(args, "sp", 1)
-    check_sp(sp, nproc, tp, args.seq_len, spec.num_heads)
+    check_sp(sp, nproc, tp, args.seq_len, spec.num_heads, spec)
     _check_ep(ep, nproc, tp, spec, sp)
     _check_plans(tp, ep, spec)
     capture_graphs = getattr(args, "capture_graphs", False)

@@ -16,10 +16,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_sp(sp: int, nproc: int, tp: int, seq_len: int, num_heads: int) -> None:
+def check_sp(sp: int, nproc: int, tp: int, seq_len: int, num_heads: int, spec=None) -> None:
     """``--sp`` divides what ``--tp`` leaves of the ranks, the sequence length and the heads a tensor rank holds
     (Ulysses attention gives each sequence rank ``heads / (tp x sp)`` whole heads); refused with the numbers
-    and the sizes that fit."""
+    and the sizes that fit. With ``spec``, AutoSP's own checks also run on the model (on the meta device)."""
     if sp < 1:
         raise ConfigError(f"--sp {sp}: must be at least 1")
     if sp == 1:
@@ -41,6 +41,23 @@ def check_sp(sp: int, nproc: int, tp: int, seq_len: int, num_heads: int) -> None
         raise ConfigError(f"--sp {sp} does not divide the attention heads of a tensor rank ({per}; Ulysses "
                           f"attention gives each sequence rank whole heads); use an --sp among {fits} or "
                           f"--heads a multiple of {tp * sp}")
+    if spec is not None:
+        _check_plan(sp, tp, spec)
+
+
+def _check_plan(sp: int, tp: int, spec) -> None:
+    """AutoSP's plan for the model ``spec`` builds (its attention modules, implementation, heads per tensor rank)."""
+    import torch
+    from polyaccel.engines.autosp import plan_sequence_parallel
+
+    from .model import build_model
+
+    with torch.device("meta"):
+        model = build_model(spec)
+    try:
+        plan_sequence_parallel(model, {"autosp_size": sp, "seq_dim": 1}, tp)
+    except ConfigError as exc:
+        raise ConfigError(f"--sp {sp}: {exc}") from None
 
 
 def batch_coords(engine, rank: int, world: int) -> tuple[int, int]:
@@ -57,6 +74,15 @@ def sequence_coords(engine) -> tuple[int, int]:
     if mesh is None or getattr(mesh, "sequence", 1) == 1:
         return 0, 1
     return mesh.rank("sequence"), mesh.size("sequence")
+
+
+def sp_plan(engine) -> str | None:
+    """AutoSP's plan of the model the engine trains, described (None without sequence parallelism)."""
+    from polyaccel.engines.autosp import PLAN_ATTR
+
+    module = getattr(engine, "module", None)
+    plan = getattr(module, "__dict__", {}).get(PLAN_ATTR)
+    return plan.describe() if plan is not None else None
 
 
 def model_inputs(batch, sp_rank: int, sp: int, device) -> dict:

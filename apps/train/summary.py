@@ -35,7 +35,8 @@ def _sp_rows(result: dict) -> list[tuple[str, str]]:
     data = result["world_size"] // (sp * result.get("tp", 1))
     seq = result.get("seq_len")
     each = f"; {seq // sp} of {seq} tokens per rank" if seq else ""
-    return [("sequence parallel", f"AutoSP (Ulysses attention): sequence {sp} x data {data}{each}")]
+    plan = f"; {result['sp_plan'].removeprefix('AutoSP: ')}" if result.get("sp_plan") else ""
+    return [("sequence parallel", f"AutoSP (Ulysses attention): sequence {sp} x data {data}{each}{plan}")]
 
 
 def _ep_rows(result: dict) -> list[tuple[str, str]]:

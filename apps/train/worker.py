@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from .kernels import summary as kernels_summary
 from .options import META_PREFIX, TrainOptions, write_checkpoint_meta
-from .sequence import batch_coords, model_inputs, sequence_coords
+from .sequence import batch_coords, model_inputs, sequence_coords, sp_plan
 
 
 def _quiet_libraries() -> None:
@@ -271,6 +271,7 @@ def _report(engine, opts: TrainOptions, acc, device, world: int, n_params: int, 
         "ep_plan": ep_summary(engine, acc.device_type),
         "kernels": kernels_summary(engine),
         "sp": opts.sp,
+        "sp_plan": sp_plan(engine) if opts.sp > 1 else None,
         "seq_len": opts.seq_len,
         "dtype": opts.dtype,
         "optimizer": opts.optimizer,

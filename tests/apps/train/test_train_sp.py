@@ -89,7 +89,8 @@ def test_train_sp2_equals_one_process_on_the_whole_sequence(capfd, tmp_path):
     assert res["tokens_per_step"] == 1 * 3 * 16  # one data rank: each token counted once, not once per rank
     text = " ".join(captured.out.replace("│", " ").split())
     assert "sequence parallel 2 x data 1" in text
-    assert "AutoSP (Ulysses attention): sequence 2 x data 1; 8 of 16 tokens per rank" in text
+    assert "AutoSP (Ulysses attention): sequence 2 x data 1; 8 of 16 tokens per rank; sequence 2, Ulysses over 1 " \
+           "attention modules (sdpa); 4 query heads -> 2 per rank" in text
     want = _reference_losses(_opts(argv))
     assert res["losses"] == pytest.approx(want, rel=2e-5, abs=0), (res["losses"], want)
     assert res["losses"][-1] < res["losses"][0]
