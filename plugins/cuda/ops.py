@@ -200,6 +200,10 @@ _TABLE = (
          "triton", TRITON_KERNEL_PRIORITY, triton_compatible,
          "in chunks of tokens: cuBLAS logits per chunk, Triton logsumexp and the softmax gradient in place over the "
          "chunk, gradients spent in the forward (never the [N, V] logits); vocab-parallel over a group"),
+    *(_Row(op, f"triton_{op}", ".kernels.logits_ops", op, "triton", TRITON_KERNEL_PRIORITY, triton_compatible,
+           "Triton: one pass over each row forward (online max and sums; vocab-parallel partials combined by one "
+           "all-gather), one elementwise pass backward from the logits and per-row values, autograd-aware")
+      for op in ("logprobs", "entropy", "kl")),
 )
 
 
