@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PolyaccelError
 
 
 def split_for_sequence(batch, rank: int, size: int) -> dict:
@@ -27,6 +27,16 @@ def split_for_sequence(batch, rank: int, size: int) -> dict:
                           f"given as a mapping of tensors (input_ids, labels, attention_mask, position_ids); got a "
                           f"{type(batch).__name__}. Make the data loader yield dicts")
     return split_batch(batch, rank=rank, size=size)
+
+
+def check_sequence_axis(engine, rank: int, size: int) -> None:
+    """The engine's mesh must put this rank where the trainer will cut its batches: sequence rank ``rank`` of
+    ``size`` (a mismatch would feed another rank's part of the sequence)."""
+    mesh = getattr(engine, "mesh", None)
+    got = (mesh.rank("sequence"), mesh.size("sequence")) if mesh is not None and size > 1 else (0, 1)
+    if got != (rank, size):
+        raise PolyaccelError(f"the trainer cuts its batches as sequence rank {rank} of {size}, but the engine's mesh "
+                             f"puts this rank at sequence rank {got[0]} of {got[1]}")
 
 
 def sequence_group(engine):

@@ -46,7 +46,7 @@ from polyaccel.errors import CheckpointError, ConfigError, PolyaccelError
 
 from ._checkpoint_files import load_refusal, verify, write_atomic, write_manifest
 from ._engine import EngineAdapter, check_data_axis, data_axis, sequence_axis
-from ._sequence import split_for_sequence, whole_sequence_loss, whole_sequence_value
+from ._sequence import check_sequence_axis, split_for_sequence, whole_sequence_loss, whole_sequence_value
 
 #: file in a checkpoint directory holding Lightning's own state (loops, callbacks, schedulers)
 LIGHTNING_STATE = "lightning.pt"
@@ -530,6 +530,7 @@ class PolyaccelStrategy(DDPStrategy):
         engine = polyaccel.initialize(module, config=cfg, engine=self.engine_name, **extra)
         check_data_axis(engine, *data_axis(cfg, self.global_rank, self.world_size))
         self._sp_rank, self._sp_size = sequence_axis(cfg, self.global_rank)
+        check_sequence_axis(engine, self._sp_rank, self._sp_size)
         adapter = EngineAdapter(engine)
         self.polyaccel_engine = adapter
         self.model = _EngineModule(module, adapter)

@@ -37,7 +37,7 @@ from polyaccel.errors import CheckpointError, ConfigError
 
 from ._checkpoint_files import MANIFEST, load_refusal, verify, write_manifest
 from ._engine import EngineAdapter, check_data_axis, data_axis, sequence_axis
-from ._sequence import split_for_sequence, whole_sequence_loss
+from ._sequence import check_sequence_axis, split_for_sequence, whole_sequence_loss
 
 #: folder inside an HF checkpoint that holds the engine's sharded checkpoint
 ENGINE_CHECKPOINT_DIR = "polyaccel"
@@ -267,6 +267,7 @@ class PolyaccelTrainer(transformers.Trainer):
             engine = polyaccel.initialize(self.model, config=self.polyaccel_config, engine=self._polyaccel_engine_name,
                                           **extra)
             check_data_axis(engine, self._data_rank, self._data_size)
+            check_sequence_axis(engine, self._sp_rank, self._sp_size)
             self.polyaccel_engine = EngineAdapter(engine)
             self._engine_model = _EngineModel(self.model, self.polyaccel_engine)
             self.optimizer = _SkipAwareOptimizer(_LRDriver(self.polyaccel_engine))
