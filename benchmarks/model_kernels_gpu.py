@@ -2,6 +2,7 @@
 
     python benchmarks/model_kernels_gpu.py [--sections rms_norm,rope] [--json out.json]
     python benchmarks/model_kernels_gpu.py --smoke          # tiny shapes on the CPU: checks the script runs
+    python benchmarks/model_kernels_gpu.py --sections rms_norm --tune   # + the Triton kernels' tile configurations
 
 One function per kernel section, registered in :data:`SECTIONS`; each returns one :class:`Result` per
 implementation: ``polyaccel`` (``polyaccel.ops.<op>``, whatever builder the registry picks: Triton on a
@@ -46,6 +47,7 @@ class Ctx:
     kv_heads: int
     head_dim: int
     eps: float = 1e-5
+    tune: bool = False
     vocab: int = 128256
 
     def time_ms(self, fn: Callable[[], object]) -> float:
@@ -175,7 +177,38 @@ def section_rms_norm(ctx: Ctx) -> list[Result]:
     ex = impls["torch_compile"]
     if not isinstance(ex, str):
         impls["torch_compile"] = lambda: ex(x)
-    return measure(ctx, "rms_norm", impls, [x, w], [dy])
+    results = measure(ctx, "rms_norm", impls, [x, w], [dy])
+    if ctx.tune and ctx.device.type == "cuda":
+        results += tune_rms_norm(ctx, x.detach(), w.detach(), dy)
+    return results
+
+
+def tune_rms_norm(ctx: Ctx, x, w, dy) -> list[Result]:
+    """The Triton kernels alone at other tile configurations (--tune): forward, and backward (x and weight)."""
+    from polyaccel.plugins.cuda.kernels import rms_norm as kn
+
+    out = []
+    block = triton_next_pow2(ctx.hidden)
+    for rows, warps in [kn.tile_config(block, False), (1, 4), (1, 8), (1, 16), (2, 8), (2, 16)]:
+        ms = ctx.time_ms(lambda r=rows, nw=warps: kn.rms_norm_forward(x, w, ctx.eps, 0.0, rows_per_step=r,
+                                                                      num_warps=nw))
+        out.append(Result("rms_norm fwd tune", f"rows={rows} warps={warps}", fwd_ms=ms,
+                          note="default" if (rows, warps) == kn.tile_config(block, False) else ""))
+    _, rstd = kn.rms_norm_forward(x, w, ctx.eps, 0.0)
+    sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+    default = kn.tile_config(block, True)
+    for rows, warps in [default, (1, 8), (1, 16), (2, 8), (4, 16)]:
+        for per_sm in (1, 2, 4):
+            ms = ctx.time_ms(lambda r=rows, nw=warps, p=per_sm: kn.rms_norm_backward(
+                dy, x, w, rstd, 0.0, programs=p * sms, rows_per_step=r, num_warps=nw))
+            out.append(Result("rms_norm bwd tune", f"rows={rows} warps={warps} programs={per_sm}xSM", fwd_bwd_ms=ms,
+                              note="backward kernel + dw reduce" + (" (default tile)" if (rows, warps) == default
+                                                                   else "")))
+    return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def section_rope(ctx: Ctx) -> list[Result]:
@@ -313,6 +346,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--vocab", type=int, default=128256, help="the LM head's rows (linear_cross_entropy)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--tune", action="store_true", help="also time the Triton RMSNorm kernels at other tile "
+                                                        "configurations (GPU only)")
     args = p.parse_args(argv)
     unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
     if unknown:

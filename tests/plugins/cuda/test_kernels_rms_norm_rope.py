@@ -43,19 +43,20 @@ def _rms64(x, w, go, eps, offset):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape,offset,max_block,programs", [
-    ((2, 5, 96), 0.0, kn.MAX_BLOCK, None),     # one pass, the interpreter's default programs
-    ((7, 33), 1.0, kn.MAX_BLOCK, 3),           # Gemma's (1 + w); row ranges of unequal length
-    ((3, 100), 0.0, 32, 2),                    # rows wider than a block: the chunked two-pass kernels
+@pytest.mark.parametrize("shape,offset,max_block,programs,rows", [
+    ((2, 5, 96), 0.0, kn.MAX_BLOCK, None, None),  # one pass, default tiles (all 10 rows in one masked tile)
+    ((7, 33), 1.0, kn.MAX_BLOCK, 3, 2),           # Gemma's (1 + w); 2 programs of 2-row steps, a masked tail
+    ((3, 100), 0.0, 32, 2, None),                 # rows wider than a block: the chunked two-pass kernels
 ])
-def test_rms_norm_forward_and_backward_match_float64(dtype, shape, offset, max_block, programs):
+def test_rms_norm_forward_and_backward_match_float64(dtype, shape, offset, max_block, programs, rows):
     gen = torch.Generator().manual_seed(shape[-1])
     x = (torch.randn(shape, generator=gen) * 3).to(dtype).requires_grad_()
     w = (torch.randn(shape[-1], generator=gen) * 0.5 + 1).to(dtype).requires_grad_()
     go = torch.randn(shape, generator=gen).to(dtype)
     eps = 1e-5
-    y, rstd = kn.rms_norm_forward(x.detach(), w.detach(), eps, offset, max_block=max_block)
-    dx, dw = kn.rms_norm_backward(go, x.detach(), w.detach(), rstd, offset, max_block=max_block, programs=programs)
+    y, rstd = kn.rms_norm_forward(x.detach(), w.detach(), eps, offset, max_block=max_block, rows_per_step=rows)
+    dx, dw = kn.rms_norm_backward(go, x.detach(), w.detach(), rstd, offset, max_block=max_block, programs=programs,
+                                  rows_per_step=rows)
     want_y, want_dx, want_dw, mag_y, mag_dx, mag_dw = _rms64(x.detach(), w.detach(), go, eps, offset)
     assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == dtype and rstd.dtype == torch.float32
     _check(y, want_y, mag_y, dtype, "y")
