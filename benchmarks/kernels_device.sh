@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call for the model kernels (issue 46) and AutoSP's one-GPU row (issue 47): install polyaccel (and
+# Liger-Kernel from .whl when present), then run each named step under its own limit, logging to OUTDIR/<step>.log.
+#   bash benchmarks/kernels_device.sh OUTDIR STEP...
+# Steps:
+#   conf      conformance of the model-kernel ops on cuda (real GPU numerics of the Triton builders)
+#   kernels   model_kernels_gpu.py: every section at Llama-3-8B shapes (polyaccel, HF eager, torch.compile, Liger)
+#   zero1b    zero_gpu.py 1B stage 3: polyaccel with and without kernels, FSDP2, FSDP2 + Liger (isolated rows)
+#   zero220m  zero_gpu.py 220M stage 1 with and without kernels against the torch fused-AdamW baseline
+#   sp1       zero_gpu.py 220M stages 1 and 3 with the sequence_parallel layer at size 1 (AutoSP's no-op target)
+# ROUNDS=N sets zero_gpu's rounds (default 2).
+set -u
+OUT=${1:?usage: kernels_device.sh OUTDIR STEP...}
+shift
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+ROUNDS=${ROUNDS:-2}
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TORCH_CUDA_ARCH_LIST=9.0
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || echo "pip install failed (see install.log)"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl >>"$OUT/install.log" 2>&1 || echo "wheel install failed"
+fi
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+run() {  # name, limit, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - t0)) s"
+  tail -"${TAIL:-30}" "$OUT/$name.log"
+}
+for step in "$@"; do
+  case $step in
+    conf) TAIL=12 run conf 300 polyaccel conformance --accelerator cuda --timeout 280 \
+            -k "rms_norm or rope or linear_cross_entropy or logprobs or entropy or kl" --json "$OUT/conf.json" ;;
+    kernels) (cd benchmarks && TAIL=40 run kernels 300 python3 model_kernels_gpu.py --json "$OUT/kernels.json") ;;
+    zero1b) (cd benchmarks && TAIL=30 run zero1b 400 python3 zero_gpu.py --size 1b --kernels --isolate --rounds "$ROUNDS" \
+              --only "=stage 3" --no-granular --peers fsdp2 --steps 5 --out "$OUT/zero1b.json") ;;
+    zero220m) (cd benchmarks && TAIL=20 run zero220m 300 python3 zero_gpu.py --kernels --isolate --rounds "$ROUNDS" \
+              --only "=stage 1" --no-granular --peers "" --steps 6 --out "$OUT/zero220m.json") ;;
+    sp1) (cd benchmarks && TAIL=20 run sp1 300 python3 zero_gpu.py --sp1 --peers "" --only "=stage 1,=stage 3" \
+              --no-granular --isolate --rounds "$ROUNDS" --steps 6 --out "$OUT/sp1.json") ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
