@@ -144,17 +144,18 @@ def _run(kernels, hidden, weight, bias, labels, ignore_index, reduction, z_loss,
             rows = rows + z_loss * lse * lse
         ok = valid[s:e]
         total += torch.where(ok, rows, torch.zeros_like(rows)).sum()
-        if not any(want):
-            continue
-        scale = ok.to(acc) * inv
-        coef = scale * (1.0 + 2.0 * z_loss * lse) if z_loss else scale
-        dz = kernels.grad_(z, lse, target[s:e], coef, scale)
-        if want_h:
-            torch.mm(dz, weight, out=grad_h[s:e])
-        if want_w:
-            grad_w.addmm_(dz.t(), h_c)
-        if want_b:
-            grad_b += dz.sum(0, dtype=acc)
+        if any(want):
+            scale = ok.to(acc) * inv
+            coef = scale * (1.0 + 2.0 * z_loss * lse) if z_loss else scale
+            dz = kernels.grad_(z, lse, target[s:e], coef, scale)
+            if want_h:
+                torch.mm(dz, weight, out=grad_h[s:e])
+            if want_w:
+                grad_w.addmm_(dz.t(), h_c)
+            if want_b:
+                grad_b += dz.sum(0, dtype=acc)
+            del dz
+        del z  # before the next chunk's logits exist: one chunk at a time, not two
     return total * inv, grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
 
 

@@ -3,6 +3,8 @@ the chunking's memory bound, the contract's refusals and Hugging Face's causal-L
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,6 +131,34 @@ def test_chunking_never_allocates_the_whole_logits():
         ops.linear_cross_entropy(hidden, weight, labels, chunk_size=100).backward()
     assert probe_small.largest <= max(100 * v, v * h)
     assert chunked_loss.default_chunk_size(32768, 4096, 128256) == 1024  # Llama-3-8B: 32 chunks
+
+
+class _LiveLogits(TorchDispatchMode):
+    """The most GEMM results of at least ``big`` elements (the chunks' logits) alive at one time."""
+
+    def __init__(self, big: int):
+        super().__init__()
+        self.big, self.alive, self.most = big, 0, 0
+
+    def _gone(self):
+        self.alive -= 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out._base is None \
+                and out.numel() >= self.big:
+            self.alive += 1
+            self.most = max(self.most, self.alive)
+            weakref.finalize(out, self._gone)
+        return out
+
+
+def test_one_chunk_of_logits_is_alive_at_a_time():
+    (h, w, _), labels = _inputs(512, 8, 256, torch.bfloat16)
+    h.requires_grad_(True)
+    with _LiveLogits(128 * 256) as probe:
+        ops.linear_cross_entropy(h, w.requires_grad_(True), labels, chunk_size=128).backward()
+    assert probe.most == 1  # the next chunk's logits are computed after the last one's are freed
 
 
 def test_no_grad_and_frozen_head_and_second_backward():
