@@ -86,10 +86,13 @@ def test_an_honest_refusal_passes_and_a_dishonest_one_fails():
 #: torch.lerp moment updates give NaN where the contract's beta * m + (1 - beta) * g gives ±Inf
 #: (an Inf gradient with beta <= 0.5). Strict: the test fails once the builders are fixed.
 CPU_ROWS = [("fused_adam", "cpu_fused_adam"), ("fused_lion", "cpu_fused_lion"), ("fused_lamb", "cpu_fused_lamb")]
+#: the cpu plugin's model-layer builders
+CPU_MODEL_ROWS = [("rms_norm", "cpu_rms_norm"), ("rope", "cpu_rope")]
 
 
 @pytest.mark.parametrize("op,builder", [
     *CPU_ROWS,
+    *CPU_MODEL_ROWS,
     *[(op, "reference") for op in ref.REFERENCE_OPS],
 ])
 def test_cpu_builders_pass_at_the_ci_budget(op, builder):

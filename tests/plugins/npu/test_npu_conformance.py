@@ -28,5 +28,5 @@ def test_conformance_under_emulation_passes_and_labels_every_row(tmp_path):
     passed = {(r["area"], r["subject"]) for r in rows if r["status"] == "PASS"}
     for needed in (("capability", "graphs"), ("capability", "host_register"), ("capability", "memory_stats"),
                    ("capability", "pinned"), ("op", "fused_adam"),
-                   ("op", "fused_lion"), ("op", "fused_lamb"), ("op", "quantize")):
+                   ("op", "fused_lion"), ("op", "fused_lamb"), ("op", "quantize"), ("op", "rms_norm"), ("op", "rope")):
         assert needed in passed, f"{needed} did not pass: {sorted(passed)}"
