@@ -1,6 +1,7 @@
 """The kernels layer composed through ``polyaccel.initialize``: ZeRO stages 1-3 (and stage 3 with Hugging Face's
 activation checkpointing) in one process, then one 2-rank gloo launch with ZeRO stage 3 over data 2 and with AutoTP
-2 (the lm_head split over the vocabulary: the vocab-parallel fused cross-entropy). Every run trains a tiny Llama in
+2 (the lm_head split over the vocabulary: the vocab-parallel fused cross-entropy; the MLPs' forward on AutoTP's split
+projections). Every run trains a tiny Llama in
 float64 and its losses equal training without kernels (the reference's norms in float64, see
 ``kernels_testlib.exact_norms``) to 1e-10."""
 
@@ -105,8 +106,8 @@ def _ranks(rank: int, world: int) -> dict:
         mean.append(t.item() / world)
     out["stage3"] = (mean, reference_losses(batches))
     # AutoTP 2 (data 1): the lm_head split over the vocabulary, the loss vocab-parallel
-    losses, plan = train_kernels(config(1, tensor_parallel={"autotp_size": 2}, kernels="auto"), batches)
-    out["tp"] = (losses, reference_losses(batches), plan.swapped.get(""), plan.kernels["cross_entropy"])
+    losses, plan = train_kernels(config(1, tensor_parallel={"autotp_size": 2}, kernels=dict(ALL_ON)), batches)
+    out["tp"] = (losses, reference_losses(batches), plan.swapped.get(""), plan.count("swiglu"))
     assert polyaccel is not None
     return out
 
@@ -116,6 +117,7 @@ def test_two_ranks_stage3_and_autotp_vocab_parallel_loss():
     for out in results:
         got, want = out["stage3"]
         assert got == pytest.approx(want, rel=1e-10, abs=1e-12)
-        got, want, swapped, on = out["tp"]
-        assert on and swapped == "cross_entropy (vocab-parallel over tensor)"
+        got, want, swapped, mlps = out["tp"]
+        assert swapped == "cross_entropy (vocab-parallel over tensor)"
+        assert mlps == 2  # the MLPs' split gate/up/down projections called by the swapped forward
         assert got == pytest.approx(want, rel=1e-10, abs=1e-12)
