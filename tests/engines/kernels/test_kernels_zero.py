@@ -25,9 +25,9 @@ def config(stage: int, **layers) -> dict:
             "train_micro_batch_size_per_gpu": 2, **layers}
 
 
-def reference_losses(batches) -> list[float]:
+def reference_losses(batches, family="llama") -> list[float]:
     """Plain single-process AdamW on Hugging Face's model (float64 norms), loss on the whole batch."""
-    model = exact_norms(build("llama"))
+    model = exact_norms(build(family))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses = []
     for x in batches:
@@ -39,10 +39,10 @@ def reference_losses(batches) -> list[float]:
     return losses
 
 
-def train_kernels(cfg, batches, checkpointing=False) -> tuple[list[float], object]:
+def train_kernels(cfg, batches, checkpointing=False, family="llama") -> tuple[list[float], object]:
     import polyaccel
 
-    model = build("llama")
+    model = build(family)
     if checkpointing:  # Hugging Face's (non-reentrant): the decoder layers' forwards rerun in backward
         model.activation_checkpointing_enable()
     engine = polyaccel.initialize(model, cfg)
@@ -88,6 +88,18 @@ def test_zero_trains_the_same_with_kernels(stage, checkpointing, world_of_one, m
     assert plan.swapped[""] == "cross_entropy"
     want = reference_losses(batches)
     assert losses == pytest.approx(want, rel=1e-10, abs=1e-12)
+
+
+def test_after_autoep_the_dense_parts_run_the_kernels(world_of_one):
+    """Qwen3-MoE through AutoEP (autoep_size 1: the experts run AutoEP's grouped path) and the kernels: the dense
+    layer's MLP, the norms, the rotary and the loss are swapped, the MoE block is AutoEP's; the losses equal
+    Hugging Face's model trained without either."""
+    batches = [ids(s) for s in range(STEPS)]
+    cfg = config(2, expert_parallel={"autoep_size": 1}, kernels=dict(ALL_ON))
+    losses, plan = train_kernels(cfg, batches, family="qwen3_moe")
+    assert plan.count("swiglu") == 1 and plan.count("rope") == 2 and plan.swapped[""] == "cross_entropy"
+    assert "model.layers.1.mlp" not in plan.swapped
+    assert losses == pytest.approx(reference_losses(batches, "qwen3_moe"), rel=1e-10, abs=1e-12)
 
 
 def _ranks(rank: int, world: int) -> dict:
