@@ -47,7 +47,8 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, H, x_stride, y_s
     cmask = cols < H
     mask = rmask[:, None] & cmask[None, :]
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(ACC)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / H + eps)
+    ms = tl.sum(x * x, axis=1) / H + eps
+    rstd = 1.0 / tl.sqrt(tl.where(rmask, ms, 1.0))  # (rows past the end: no 1/0 with eps = 0)
     y = x * rstd[:, None]
     if HAS_W:
         y = y * (tl.load(w_ptr + cols, mask=cmask, other=0.0).to(ACC) + offset)[None, :]

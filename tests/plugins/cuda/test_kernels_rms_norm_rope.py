@@ -167,3 +167,13 @@ def test_rope_backward_takes_expanded_and_transposed_gradients():
     for x in (q, k):
         want = _rope64(x.detach(), cos, sin, torch.ones(x.shape), False)
         _check(x.grad, want[1], want[3], torch.float32, "d from an expanded gradient")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_the_conformance_cases_pass_in_fp16_and_fp64(dtype):
+    """The suite's own cases (zero rows, H = 1, no weight, an fp32 weight, the (1 + w) form, every cos/sin form)
+    in the dtypes the tests above leave out: fp64 math in the kernels for fp64 inputs."""
+    from polyaccel.testing.conformance import opcases_model
+
+    opcases_model.check_rms_norm(kn.rms_norm, torch.device("cpu"), dtype)
+    opcases_model.check_rope(kr.rope, torch.device("cpu"), dtype)
