@@ -207,3 +207,33 @@ def assert_matches(got: dict, ref, what: str, tol: float = 1e-10) -> None:
 
     worst = max(((got["params"][k] - piece(k, v)).abs().max().item(), k) for k, v in state.items())
     assert worst[0] <= tol, f"{what}: parameter {worst[1]} differs by {worst[0]:.3g}"
+
+
+def _muon_testlib():
+    """ZeRO's Muon test helpers (config and the op-by-op reference loop), loaded from their file."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "zero" / "muon_testlib.py"
+    spec = importlib.util.spec_from_file_location("autosp_muon_testlib", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def muon_config(stage: int, sp: int) -> dict:
+    cfg = _muon_testlib().muon_config(stage, micro=1)
+    cfg["sequence_parallel"] = {"autosp_size": sp}
+    return cfg
+
+
+def muon_reference(family: str, shares: int, kinds=KINDS):
+    """Single-process Muon (matrices) + Adam (the rest) on the whole sequences, as ZeRO's Muon tests check it."""
+    from polyaccel.engines.zero.muon import choose_params
+    from polyaccel.engines.zero.muon_config import parse_muon
+
+    model = BUILDERS[family]()
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    choices = choose_params(model, names, parse_muon({}))
+    return _muon_testlib().reference_loop(model, lambda m, step: reference_loss(m, batch(step, 0, kinds), shares),
+                                          STEPS, choices)

@@ -9,6 +9,7 @@ One launch of 4 ranks runs every layout, so the suite pays for one start:
   row into NaN);
 - tiny Qwen2 with a sliding-window layer at sp 4, ZeRO stage 2 with the optimizer offloaded and activation
   checkpointing (the attention recomputed in backward), 2 micro-batches, every kind of batch;
+- Muon (matrices) with Adam (the rest) at sp 2 x 2 batches, ZeRO stage 2 (ZeRO's Muon tests' reference loop);
 - sp 2 x tp 2 and sp 2 x ep 2 on a tiny Qwen3-MoE (stages 2 and 3);
 - refusals at run time: a mask of the local length, meshes whose sizes do not divide;
 - at sp 1 the layer changes nothing: same model object, no hook, attention implementation untouched, no
@@ -34,6 +35,7 @@ RUNS = {
     "llama_sp2_dp2_z3_eager": ("llama", lib.engine_config(3, 2, 1), ("plain", "packed"), "eager", 2),
     "qwen2_sliding_sp4_z2": ("qwen2_sliding", lib.engine_config(2, 4, 2, offload=True, recompute=True), lib.KINDS,
                              "sdpa", 1),
+    "llama_sp2_dp2_muon_z2": ("llama", lib.muon_config(2, 2), lib.KINDS, "sdpa", 2),
     "moe_sp2_tp2_z2": ("qwen3_moe", lib.engine_config(2, 2, 1, tp=2), lib.KINDS, "sdpa", 1),
     "moe_sp2_ep2_z3": ("qwen3_moe", lib.engine_config(3, 2, 1, ep=2), lib.KINDS, "sdpa", 2),
 }
@@ -90,7 +92,10 @@ def runs():
 @pytest.mark.parametrize("name", list(RUNS))
 def test_training_matches_the_whole_sequence_on_one_process(runs, name):
     family, cfg, kinds, impl, shares = RUNS[name]
-    ref = lib.reference(family, shares, cfg["gradient_accumulation_steps"], kinds, impl)
+    if cfg["optimizer"]["type"] == "muon":
+        ref = lib.muon_reference(family, shares, kinds)
+    else:
+        ref = lib.reference(family, shares, cfg["gradient_accumulation_steps"], kinds, impl)
     for rank, res in enumerate(runs):
         lib.assert_matches(res[name], ref, f"{name} rank {rank}")
 
