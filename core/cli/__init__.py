@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata as md
+import os
 import sys
 
 COMMAND_GROUP = "polyaccel.commands"
+#: set to 1 to let a command's unexpected exception end in its traceback (by default: one line, exit status 1)
+TRACEBACK_ENV = "POLYACCEL_TRACEBACK"
 
 #: core subcommand -> (module under polyaccel.cli, one-line help)
 SUBCOMMANDS = {
@@ -65,7 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"polyaccel {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a command's unexpected error: one line, not a traceback
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        from polyaccel.errors import PolyaccelError
+
+        what = str(exc) if isinstance(exc, PolyaccelError) else f"{type(exc).__name__}: {exc}"
+        print(f"polyaccel {args.command}: {what.strip().splitlines()[0] if what.strip() else type(exc).__name__} "
+              f"(set {TRACEBACK_ENV}=1 to see where it was raised)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,6 +1,7 @@
 """The shared shape of an engine's plan command (``autotp-plan``, ``autoep-plan``): a model family or a
 config.json built on the meta device, the engine's parallel degree and extra config keys as JSON, the
-plan printed, and every refusal printed as one line naming the command (exit status 1).
+plan printed, and every refusal printed as one line naming the command (exit status 1; 2 when --model names
+nothing a model can be built from: an unknown family, a config.json transformers rejects).
 
 The engine's command module keeps its docstring, ``HELP`` and any options of its own, and passes
 what differs: its names, how to build its model families and how to infer and show its plan.
@@ -42,11 +43,13 @@ class PlanCommand:
 
     def run(self, args, make_plan: Callable[[dict, Callable[[], object]], object],
             show: Callable[[object], str] = str) -> int:
-        """Print ``show(make_plan(section, build_model))``; 0, or 1 with the refusal on stderr.
+        """Print ``show(make_plan(section, build_model))``; 0, or 1 with the refusal on stderr (2 for a --model
+        that builds nothing).
 
         ``make_plan`` gets the config section (--config with the degree set) and a function that
         builds the meta model (so the engine decides what is checked before the model is built).
         """
+        from polyaccel.cli.meta_model import ModelArgumentError
         from polyaccel.errors import PolyaccelError
 
         try:
@@ -55,6 +58,9 @@ class PlanCommand:
                 raise PolyaccelError("--config must be a JSON object")
             section = {**section, self.size_key: getattr(args, self.degree)}
             plan = make_plan(section, lambda: _meta_model(args, self.models))
+        except ModelArgumentError as exc:
+            print(f"polyaccel {self.name}: {exc}", file=sys.stderr)
+            return 2
         except (PolyaccelError, OSError, ValueError) as exc:
             print(f"polyaccel {self.name}: {exc}", file=sys.stderr)
             return 1

@@ -13,9 +13,8 @@ before any tensor is touched, so a refused call changes nothing.
 from __future__ import annotations
 
 import math
-from numbers import Real
-
 import operator
+from numbers import Real
 
 import torch
 
@@ -102,4 +101,5 @@ def check_fused_muon(params, grads, momentum_buffers, *, lr, momentum, weight_de
             check_split(op, i, p.shape, split)
 
 
-__all__ = ["MUON_LISTS", "NS_DTYPES", "check_fused_muon", "check_momentum_dtypes", "check_newton_schulz", "check_ns_settings"]
+__all__ = ["MUON_LISTS", "NS_DTYPES", "check_fused_muon", "check_momentum_dtypes", "check_newton_schulz",
+           "check_ns_settings"]

@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from polyaccel.errors import CheckpointError, PolyaccelError
+from polyaccel.errors import CheckpointError, InvalidArgument, PolyaccelError
 from polyaccel.parallel import get_layout
 
 from .consolidate import (
@@ -36,11 +36,13 @@ from .consolidate import (
     MODEL_STATES,
     Shard,
     check_files,
+    check_tag,
     full_tensors,
     full_tensors_any,
     group_id,
     layout_from_meta,
     rank_file,
+    read_latest,
     read_meta,
     read_model_states,
     resolve_tag,
@@ -229,9 +231,10 @@ def _meta(engine, tag: str, client_json: str, files: dict) -> dict:
 
 
 def save(engine, save_dir, tag=None, client_state=None) -> str:
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    if "/" in tag or tag.startswith(".") or not tag.strip() or "\n" in tag:
-        raise PolyaccelError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.')")
+    tag = check_tag(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if (Path(save_dir) / tag).exists() and not (Path(save_dir) / tag).is_dir():
+        raise InvalidArgument(f"checkpoint tag {tag!r}: {Path(save_dir) / tag} is a file, not a checkpoint folder; "
+                              "a tag names a folder of its own: pass another tag")
     try:
         client_json = json.dumps(client_state if client_state is not None else {})
     except TypeError as exc:
@@ -242,6 +245,7 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
     what = f"saving checkpoint {tag!r} in {str(root)!r} failed"
     model_states = _model_states(engine)  # collective in stage 3: every rank takes part
     status: dict = {}
+    before = _latest_note(root)  # said by every error: what 'latest' named before this save touched anything
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -272,7 +276,7 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         coll.barrier()  # every rank failed here: none returns before the staging folder is gone
-        raise CheckpointError(f"{exc}; nothing was changed, {_latest_note(root)}", exc.path) from None
+        raise CheckpointError(f"{exc}; nothing was changed, {before}", exc.path) from None
 
     status = {}
     if rank == 0:
@@ -284,17 +288,27 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
         except Exception as exc:  # noqa: BLE001
             shutil.rmtree(staging, ignore_errors=True)
             status = _error_record(exc)
-            status["error"] = f"{status['error']}; {_latest_note(root)}"
+            status["error"] = f"{status['error']}; {_after_failed_commit(root, before)}"
     _raise_first(_agree(coll, status), what)
     return tag
 
 
 def _latest_note(root: Path) -> str:
     latest = root / LATEST
-    try:
-        return f"'latest' still names {latest.read_text().strip()!r}"
-    except OSError:
+    if not latest.exists():
         return "no checkpoint was there before"
+    try:
+        return f"'latest' still names {read_latest(root)!r}"
+    except CheckpointError:
+        return f"{latest} was already unreadable before this save"
+
+
+def _after_failed_commit(root: Path, before: str) -> str:
+    """What a failed commit left: ``before`` when 'latest' names what it named then, else what it names now."""
+    now = _latest_note(root)
+    if now == before:
+        return before
+    return f"{now.replace('still names', 'now names')} (before this save: {before.replace('still names', 'named')})"
 
 
 def _commit(root: Path, staging: Path, tag: str) -> None:

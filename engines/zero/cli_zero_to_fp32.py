@@ -4,7 +4,8 @@ Reads every rank's shard of CKPT_DIR (the tag named in its ``latest`` file unles
 given) and writes the model's full state dict, trainable parameters from the fp32 master
 weights, to OUT (a file, or a directory that receives ``model.safetensors``). Works offline:
 no process group, no model code, any world size and ZeRO stage. Shows a progress bar for
-big checkpoints. Every file of the checkpoint is checked against the size and checksum recorded
+big checkpoints. OUT must lie outside CKPT_DIR (the conversion never writes into what it reads). Every
+file of the checkpoint is checked against the size and checksum recorded
 at save first (--no-verify skips the checksums; `polyaccel checkpoint verify` checks only).
 """
 
@@ -30,11 +31,12 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from polyaccel.errors import PolyaccelError
 
-    from .consolidate import consolidate, save_state_dict
+    from .consolidate import check_output_outside, consolidate, save_state_dict
 
     try:
+        check_output_outside(args.output, args.checkpoint_dir)  # before the (long) read, and again before the write
         state = consolidate(args.checkpoint_dir, tag=args.tag, progress=args.progress, verify=args.verify)
-        out = save_state_dict(state, args.output)
+        out = save_state_dict(state, args.output, checkpoint_dir=args.checkpoint_dir)
     except (PolyaccelError, OSError) as exc:
         print(f"polyaccel zero-to-fp32: {exc}", file=sys.stderr)
         return 1

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 import torch
-from polyaccel.errors import CheckpointError, PolyaccelError
+from polyaccel.errors import CheckpointError, InvalidArgument, PolyaccelError
 from safetensors import safe_open
 
 from .integrity import ALGORITHM, file_digest, read_checked_json
@@ -33,6 +33,46 @@ PROGRESS_BYTES = 256 * 2**20
 
 #: what to do about a damaged or missing file, said at the end of every such error
 FIX = "restore the checkpoint folder from a good copy, or load another tag"
+
+
+#: tag names a checkpoint folder can never take: the files beside the tags
+RESERVED_TAGS = (LATEST,)
+#: the longest tag, in UTF-8 bytes (a file name is at most 255; the staging folder adds ``.<tag>.partial``)
+MAX_TAG_BYTES = 200
+
+
+def tag_problem(tag) -> str | None:
+    """Why ``tag`` cannot name a checkpoint folder, or None: a tag is a plain folder name of its own."""
+    if isinstance(tag, bool) or not isinstance(tag, (str, int)):
+        return f"is a {type(tag).__name__}, not a string"
+    tag = str(tag)
+    if not tag.strip():
+        return "is empty"
+    if "\0" in tag:
+        return "holds a NUL byte"
+    if any(ord(c) < 32 or ord(c) == 127 for c in tag):
+        return "holds a control character (a newline, a tab...)"
+    if "/" in tag or "\\" in tag or (os.altsep and os.altsep in tag):
+        return "holds a path separator ('/' or '\\'): a tag names one folder inside the checkpoint directory"
+    if tag != tag.strip():
+        return "starts or ends with whitespace (the 'latest' file could not give it back)"
+    if tag.startswith("."):
+        return "starts with '.' (hidden names are the staging and backup folders')"
+    if tag.casefold() in {t.casefold() for t in RESERVED_TAGS}:
+        return f"is reserved: {LATEST!r} is the file naming the newest checkpoint"
+    if tag.endswith(".json"):
+        return "ends with '.json' (the names of the files kept beside the tags)"
+    if len(tag.encode("utf-8", "surrogatepass")) > MAX_TAG_BYTES:
+        return f"is longer than {MAX_TAG_BYTES} bytes"
+    return None
+
+
+def check_tag(tag, what: str = "checkpoint tag") -> str:
+    """``tag`` as a string when it can name a checkpoint folder; else :class:`InvalidArgument` saying why."""
+    problem = tag_problem(tag)
+    if problem is not None:
+        raise InvalidArgument(f"{what} {tag!r} {problem}; pass a plain folder name such as 'global_step100'")
+    return str(tag)
 
 
 def rank_file(rank: int) -> str:
@@ -77,6 +117,8 @@ def resolve_tag(ckpt_dir, tag: str | None = None) -> Path:
     named_by = "" if tag is not None else f" (named by {root / LATEST})"
     if tag is None:
         tag = read_latest(root)
+    else:
+        tag = check_tag(tag)
     folder = root / tag
     if not (folder / META).is_file():
         old = root / f".{tag}.old"
@@ -402,13 +444,43 @@ def _state_dict(folder: Path, meta: dict, trained: dict[str, torch.Tensor], mast
     return out
 
 
-def save_state_dict(state: dict[str, torch.Tensor], out_path) -> Path:
-    """Write ``state`` as one safetensors file, atomically (temporary name, fsync, rename)."""
+def output_file(out_path) -> Path:
+    """The file ``out_path`` names: itself, or ``model.safetensors`` in it when it is a directory."""
+    out = Path(out_path)
+    return out / "model.safetensors" if out.is_dir() else out
+
+
+def check_output_outside(out_path, ckpt_dir) -> Path:
+    """The output file, when writing it cannot touch the checkpoint in ``ckpt_dir``: not inside that directory (by
+    its real path, links followed) and not one of its files under another name (a hard link); else
+    :class:`InvalidArgument` naming both."""
+    out = output_file(out_path)
+    root = Path(ckpt_dir).resolve()
+    target = out.resolve()
+    if target == root or root in target.parents:
+        raise InvalidArgument(f"output {str(out_path)!r} is inside the checkpoint directory {str(ckpt_dir)!r} "
+                              f"(it would write {target}); the conversion never writes into the checkpoint it "
+                              "reads: pass a path outside it, e.g. model.safetensors")
+    if target.exists() and root.is_dir():
+        st = target.stat()
+        for path in root.rglob("*"):
+            try:
+                other = path.stat()
+            except OSError:
+                continue
+            if (other.st_ino, other.st_dev) == (st.st_ino, st.st_dev):
+                raise InvalidArgument(f"output {str(out_path)!r} is the checkpoint's file {path} under another name "
+                                      "(a hard link); writing it would replace that file: pass another path")
+    return out
+
+
+def save_state_dict(state: dict[str, torch.Tensor], out_path, checkpoint_dir=None) -> Path:
+    """Write ``state`` as one safetensors file, atomically (temporary name, fsync, rename). With
+    ``checkpoint_dir`` (the checkpoint ``state`` was read from), an output that would land in it is refused
+    (:func:`check_output_outside`) before anything is written."""
     from safetensors.torch import save_file
 
-    out = Path(out_path)
-    if out.is_dir():
-        out = out / "model.safetensors"
+    out = output_file(out_path) if checkpoint_dir is None else check_output_outside(out_path, checkpoint_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})

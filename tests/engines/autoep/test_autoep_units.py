@@ -400,5 +400,5 @@ def test_autoep_plan_command(capsys):
     assert "softmax top-4" in out and "shared_expert (+sigmoid shared_expert_gate)" in out
     assert _plan_cmd(["--model", "mixtral", "--ep", "3"]) == 1
     assert "does not divide the 8 experts" in capsys.readouterr().err
-    assert _plan_cmd(["--model", "llama", "--ep", "2"]) == 1
+    assert _plan_cmd(["--model", "llama", "--ep", "2"]) == 2  # a --model that builds nothing: a usage error
     assert "choose one of mixtral" in capsys.readouterr().err
