@@ -335,14 +335,13 @@ def optimizer_config(optimizer: torch.optim.Optimizer) -> dict:
                               "the config's 'optimizer' section")
     g = groups[0]
     name = type(optimizer).__name__
+    _refuse_dropped_settings(optimizer, g)
     decay = optimizer.defaults.get("weight_decay", g.get("weight_decay", 0.0)) if len(groups) > 1 \
         else g.get("weight_decay", 0.0)
     params: dict = {"lr": float(g["lr"]), "weight_decay": float(decay)}
     if "betas" in g:
         params["betas"] = [float(b) for b in g["betas"]]
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        if g.get("amsgrad"):
-            raise ConfigError("amsgrad is not supported by the polyaccel engine")
         decoupled = isinstance(optimizer, torch.optim.AdamW) or g.get("decoupled_weight_decay", False)
         params["eps"] = float(g["eps"])
         if not decoupled:
@@ -360,6 +359,53 @@ def optimizer_config(optimizer: torch.optim.Optimizer) -> dict:
         return {"type": "lamb", "params": params}
     raise ConfigError(f"PolyaccelStrategy cannot translate {name} into the engine's optimizer (Adam, AdamW and "
                       "polyaccel.optim.FusedAdam/FusedLion/FusedLamb can); set the config's 'optimizer' section")
+
+
+#: param-group keys each optimizer maps into the engine's config (plus the per-group keys)
+_MAPPED = {
+    "Adam": {"lr", "betas", "eps", "weight_decay", "decoupled_weight_decay"},
+    "FusedAdam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"},
+    "FusedLion": {"lr", "betas", "weight_decay"},
+    "FusedLamb": {"lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff"},
+}
+#: torch settings that choose how torch would run the same step (one kernel per tensor, a multi-tensor kernel, a
+#: fused kernel): carried as what they ask, the engine's step being one fused multi-tensor kernel whatever they say
+_IMPLEMENTATION = {"foreach", "fused"}
+#: torch settings that change what a step computes, with the value the engine's step has; another value is refused
+_BEHAVIOUR = {"maximize": False, "amsgrad": False, "capturable": False, "differentiable": False}
+#: keys torch's LR schedulers add to param groups: the lr they drive reaches the engine at every step
+_SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "base_lr"}
+_WHY = {
+    "maximize": "the engine always descends (negate the loss instead)",
+    "amsgrad": "the engine's Adam keeps no maximum of the second moments",
+    "capturable": "the engine's step is not captured in torch's device graphs",
+    "differentiable": "the engine's step is not differentiable",
+    "max_momentum": "a scheduler cycling the momentum (betas) would move it at every step, which the engine does "
+                    "not follow; pass cycle_momentum=False",
+    "base_momentum": "a scheduler cycling the momentum (betas) would move it at every step, which the engine does "
+                     "not follow; pass cycle_momentum=False",
+}
+
+
+def _refuse_dropped_settings(optimizer: torch.optim.Optimizer, group: dict) -> None:
+    """Every key of ``group`` is mapped, an implementation choice, a scheduler's bookkeeping or a behaviour at the
+    engine's value; anything else is a setting the engine would drop: :class:`ConfigError` naming it."""
+    name = type(optimizer).__name__
+    mapped = next((keys for cls, keys in _MAPPED.items()
+                   if any(c.__name__ == cls for c in type(optimizer).__mro__)), None)
+    if mapped is None:
+        return  # the caller refuses the type itself
+    for key, value in group.items():
+        if key in mapped or key in _PER_GROUP_KEYS or key in _IMPLEMENTATION or key in _SCHEDULER_KEYS:
+            continue
+        if key in _BEHAVIOUR and value == _BEHAVIOUR[key]:
+            continue
+        if key in _BEHAVIOUR or key in _WHY:
+            raise ConfigError(f"{name}({key}={value!r}) cannot be carried into the polyaccel engine: {_WHY[key]}; "
+                              f"drop {key}, or set the config's 'optimizer' section")
+        raise ConfigError(f"{name}'s param group holds {key!r} = {value!r}, a setting the polyaccel engine has no "
+                          f"place for (it maps {', '.join(sorted(mapped))}); drop it, or set the config's "
+                          "'optimizer' section")
 
 
 def weight_decay_groups(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> list[dict]:

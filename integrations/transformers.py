@@ -77,9 +77,10 @@ def engine_config(args: transformers.TrainingArguments, config: dict | None = No
     """The engine config for ``args``: ``config`` (DeepSpeed-style keys) completed from the Trainer's arguments.
 
     Keys that are absent or ``"auto"`` are taken from ``args``: the micro-batch size, gradient
-    accumulation, clipping (``max_grad_norm``), ``bf16`` and the AdamW optimizer (learning rate, betas,
-    epsilon, weight decay). The micro-batch size and accumulation steps must agree with ``args`` when
-    given: the Trainer drives both.
+    accumulation, clipping (``max_grad_norm``), ``bf16`` and the optimizer's settings the Trainer has under
+    their own names (learning rate and weight decay for every type; betas and epsilon for Adam, AdamW and LAMB,
+    betas for Lion; Muon's Newton-Schulz ``eps`` and its AdamW's ``adam_*`` keys come from the config alone).
+    The micro-batch size and accumulation steps must agree with ``args`` when given: the Trainer drives both.
     """
     cfg = copy.deepcopy(config) if config else {}
     if not isinstance(cfg, dict):
@@ -107,12 +108,23 @@ def engine_config(args: transformers.TrainingArguments, config: dict | None = No
     opt = cfg.setdefault("optimizer", {})
     fill(opt, "type", "adamw")
     params = opt.setdefault("params", {})
+    taken = _TRAINER_FILLS.get(str(opt["type"]).lower(), ("lr", "weight_decay"))
     for key, value in (("lr", args.learning_rate), ("betas", [args.adam_beta1, args.adam_beta2]),
                        ("eps", args.adam_epsilon), ("weight_decay", args.weight_decay)):
-        if key == "eps" and str(opt["type"]).lower() == "lion":
-            continue
-        fill(params, key, value)
+        if key in taken:
+            fill(params, key, value)
     return cfg
+
+
+#: which TrainingArguments each optimizer type takes from the Trainer (lr, betas from adam_beta1/2, eps from
+#: adam_epsilon, weight_decay): only the settings it has under that name. Muon's ``eps`` is Newton-Schulz's, not
+#: Adam's, and its auxiliary AdamW has its own ``adam_betas`` / ``adam_eps`` (set them in the config): the Trainer
+#: gives it the lr its scheduler drives and the weight decay only.
+_TRAINER_FILLS = {
+    "adam": ("lr", "betas", "eps", "weight_decay"), "adamw": ("lr", "betas", "eps", "weight_decay"),
+    "lamb": ("lr", "betas", "eps", "weight_decay"), "lion": ("lr", "betas", "weight_decay"),
+    "muon": ("lr", "weight_decay"),
+}
 
 
 _RESUME_FIX = "resume from another checkpoint (or train from scratch)"
