@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from polyaccel.ops.reference.rope import make_rope
 
-#: pairs of one head per program step are BLOCK_D wide; heads per step bounded so a tile stays <= this many pairs
+#: pairs of one head are BLOCK_D wide; heads per step (q's and k's each, up to their count) keep a tile <= this
 MAX_TILE = 4096
 
 
@@ -50,8 +50,8 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, S, HALF, n_qh, 
                  qs_b, qs_h, qs_s, qs_d, ks_b, ks_h, ks_s, ks_d,
                  qos_b, qos_h, qos_s, qos_d, kos_b, kos_h, kos_s, kos_d,
                  cs_b, cs_s, cs_d, ss_b, ss_s, ss_d,
-                 INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                 BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     b = tok // S
     s = tok % S
@@ -70,9 +70,9 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, S, HALF, n_qh, 
     s1 = tl.load(s_row + i1 * ss_d, mask=dmask, other=0.0).to(ACC)[None, :]
     s2 = tl.load(s_row + i2 * ss_d, mask=dmask, other=0.0).to(ACC)[None, :]
     _rotate_heads(q_ptr, qo_ptr, b, s, n_qh, qs_b, qs_h, qs_s, qs_d, qos_b, qos_h, qos_s, qos_d, i1, i2, dmask,
-                  c1, c2, s1, s2, BACKWARD, ACC, BLOCK_H)
+                  c1, c2, s1, s2, BACKWARD, ACC, BLOCK_HQ)
     _rotate_heads(k_ptr, ko_ptr, b, s, n_kh, ks_b, ks_h, ks_s, ks_d, kos_b, kos_h, kos_s, kos_d, i1, i2, dmask,
-                  c1, c2, s1, s2, BACKWARD, ACC, BLOCK_H)
+                  c1, c2, s1, s2, BACKWARD, ACC, BLOCK_HK)
 
 
 def _table_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -95,12 +95,14 @@ def _launch(q, k, cos, sin, interleaved: bool, backward: bool, *, block_h: int |
         return qo, ko
     half = D // 2
     block_d = triton.next_power_of_2(half)
-    if block_h is None:
-        block_h = max(1, min(triton.next_power_of_2(max(n_qh, n_kh)), MAX_TILE // block_d))
+    cap = max(1, MAX_TILE // block_d)
+    block_hq = block_h or min(triton.next_power_of_2(max(n_qh, 1)), cap)
+    block_hk = block_h or min(triton.next_power_of_2(max(n_kh, 1)), cap)
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
     _rope_kernel[(B * S,)](q, k, cos, sin, qo, ko, S, half, n_qh, n_kh, *q.stride(), *k.stride(), *qo.stride(),
                            *ko.stride(), *_table_strides(cos), *_table_strides(sin), INTERLEAVED=interleaved,
-                           BACKWARD=backward, ACC=acc, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps)
+                           BACKWARD=backward, ACC=acc, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d,
+                           num_warps=num_warps)
     return qo, ko
 
 
