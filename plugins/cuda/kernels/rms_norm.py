@@ -21,6 +21,8 @@ reference's ``make_rms_norm``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -181,8 +183,13 @@ def tile_config(block: int, backward: bool) -> tuple[int, int]:
 
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 1  # the interpreter: ranges of rows and the partial sums are still exercised
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, *,
