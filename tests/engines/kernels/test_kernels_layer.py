@@ -196,3 +196,29 @@ def test_a_swapped_decoder_layer_compiles_and_matches_hugging_faces():
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-5)
     for a, b in zip(outs[0][2], outs[1][2], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_without_kernels_keeps_hugging_faces_rotary_in_the_same_process(monkeypatch):
+    """The modeling file's apply_rotary_pos_emb now dispatches; outside a swapped attention it is the original."""
+    from transformers.models.llama import modeling_llama
+
+    swapped = apply_kernels(build("llama"), {"rope": True})
+    plain = build("llama", seed=1)
+    assert "transformers.models.llama.modeling_llama" in get_plan(swapped).rotary_modules
+    assert modeling_llama.apply_rotary_pos_emb.__wrapped__ is not None
+    calls = OpCalls(monkeypatch)
+    x = ids()
+    plain(input_ids=x)
+    assert calls.counts["rope"] == 0
+    swapped(input_ids=x)
+    assert calls.counts["rope"] == 2
+
+
+def test_only_a_layer_that_expands_shorthands_takes_one():
+    from polyaccel.engine_entry import layer_mesh_sizes
+
+    with pytest.raises(polyaccel.ConfigError, match="config key 'tensor_parallel' must be a dict, got str"):
+        layer_mesh_sizes({"tensor_parallel": "auto"})
+    assert layer_mesh_sizes({"kernels": True}) == {} and layer_mesh_sizes({"kernels": False}) == {}
+    with pytest.raises(polyaccel.ConfigError, match="a plan is recorded under one of"):
+        polyaccel.parallel.set_plan(nn.Linear(1, 1), "kernel", object())
