@@ -159,8 +159,15 @@ def run(args: argparse.Namespace) -> int:
         f"{f', sequence parallel {opts.sp} x data {opts.data_parallel}' if opts.sp > 1 else ''}, {opts.dtype}, "
         f"{opts.steps} steps", highlight=False,
     )
+    from .run_records import claim_save_dir
+
     try:
-        result = launch(opts)
+        claim = claim_save_dir(opts.save)  # one run at a time writes a --save directory
+    except PolyaccelError as exc:
+        return _error(str(exc))
+    try:
+        with claim:
+            result = launch(opts)
     except RankFailed as exc:
         if exc.traceback and not exc.expected:
             print(exc.traceback.rstrip(), file=sys.stderr)

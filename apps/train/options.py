@@ -340,6 +340,9 @@ def _resume_point(args, spec: ModelSpec) -> tuple[str | None, int]:
             f"--steps {args.steps}: checkpoint {tag!r} in {args.resume} is already at step {start_step}; "
             f"pass --steps greater than {start_step} to continue training"
         )
+    from .run_records import check_records_agree
+
+    check_records_agree(args.resume, tag, meta)  # the folder and the metadata file come from one save
     return tag, start_step
 
 

@@ -61,11 +61,11 @@ def save(engine, opts: TrainOptions, step: int, rank: int, world_size: int) -> s
     directory as it was: the engine removes its staging folder, rank 0 puts back the metadata file
     of the tag (removes it, when the tag is new).
     """
-    from polyaccel.engines.zero.checkpoint import raise_if_any_failed
+    from polyaccel.engines.zero.checkpoint import raise_if_any_failed, run_id
     from polyaccel.errors import CheckpointError
 
     tag = f"step{step}"
-    meta = _checkpoint_meta(opts, step, world_size)
+    meta = {**_checkpoint_meta(opts, step, world_size), "run_id": run_id(engine)}  # (rank 0's is the one written)
     meta_file = Path(opts.save) / f"{META_PREFIX}{tag}.json"
     before = None
     error = None
@@ -198,6 +198,9 @@ def _resume(engine, opts: TrainOptions) -> None:
     """Load the checkpoint to resume from; its step must be the one its metadata file gave."""
     import polyaccel
 
+    from .options import read_checkpoint_meta
+    from .run_records import differences
+
     client_state = engine.load_checkpoint(opts.resume, tag=opts.resume_tag) or {}
     saved = client_state.get("train", {}).get("step")
     if saved != opts.start_step:
@@ -205,6 +208,11 @@ def _resume(engine, opts: TrainOptions) -> None:
             f"checkpoint {opts.resume_tag!r} in {opts.resume} says step {saved}, "
             f"its metadata file says {opts.start_step}; the directory is inconsistent"
         )
+    diff = differences(read_checkpoint_meta(opts.resume, opts.resume_tag)[1], client_state.get("train"))
+    if diff:  # (checked before spawning too: this catches a file replaced since)
+        raise polyaccel.PolyaccelError(f"checkpoint {opts.resume_tag!r} in {opts.resume} and its metadata file come "
+                                       f"from two different runs ({'; '.join(diff[:3])}); the directory is "
+                                       "inconsistent")
 
 
 def _train_loop(engine, opts: TrainOptions, device, rank: int, world: int) -> _RunLog:

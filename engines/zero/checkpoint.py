@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ from .consolidate import (
     saved_files,
     verify_files,
 )
+from .dir_lock import DirectoryLock, LockHeld
 from .integrity import ALGORITHM, CHUNK_BYTES, dumps_checked, write_safetensors
 from .model_check import check_fits, trainable_shapes
 from .partition import FlatLayout
@@ -213,7 +215,8 @@ def _tensors_to_save(engine) -> tuple[dict, dict]:
 def _meta(engine, tag: str, client_json: str, files: dict) -> dict:
     grouped = _is_grouped(engine)
     return {
-        "format": FORMAT, "version": 2 if grouped else 1, "tag": tag, "zero_stage": engine.stage,
+        "format": FORMAT, "version": 2 if grouped else 1, "tag": tag, "run_id": run_id(engine),
+        "zero_stage": engine.stage,
         "world_size": engine.world_size,
         "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps, "optimizer_type": engine.config.optimizer.type,
@@ -230,7 +233,29 @@ def _meta(engine, tag: str, client_json: str, files: dict) -> dict:
     }
 
 
+#: the lock file a save holds in its directory (:mod:`.dir_lock`): two processes never save into one at once
+SAVE_LOCK = ".polyaccel-save.lock"
+
+
+def run_id(engine) -> str:
+    """The engine's run identity: a random id made at its first save, written into every ``meta.json`` it saves
+    (and by the train app into its ``train-meta-<tag>.json``), so that two records of one save can be matched."""
+    rid = getattr(engine, "checkpoint_run_id", None)
+    if rid is None:
+        rid = engine.checkpoint_run_id = uuid.uuid4().hex
+    return rid
+
+
 def save(engine, save_dir, tag=None, client_state=None) -> str:
+    lock = DirectoryLock(save_dir, SAVE_LOCK, f"a save of checkpoint {tag!r}") if engine.rank == 0 else None
+    try:
+        return _save(engine, save_dir, tag, client_state, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _save(engine, save_dir, tag, client_state, lock) -> str:
     tag = check_tag(tag) if tag is not None else f"global_step{engine.global_steps}"
     if (Path(save_dir) / tag).exists() and not (Path(save_dir) / tag).is_dir():
         raise InvalidArgument(f"checkpoint tag {tag!r}: {Path(save_dir) / tag} is a file, not a checkpoint folder; "
@@ -249,9 +274,13 @@ def save(engine, save_dir, tag=None, client_state=None) -> str:
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
+            lock.acquire()  # before anything is written: a second writer is refused here
             if staging.exists():
                 shutil.rmtree(staging)
             staging.mkdir()
+        except LockHeld as exc:
+            status = {"error": f"{exc}; wait for it to finish, or save elsewhere; nothing was changed",
+                      "path": str(exc.path)}
         except OSError as exc:
             status = _error_record(exc)
     _raise_first(_agree(coll, status), what)

@@ -3,7 +3,8 @@
 Reads DIR's checkpoint (the tag named in ``latest``, --tag TAG, or --all tags) and checks that
 ``meta.json`` matches its own checksum, that every file it lists is there with the size recorded
 at save, and that each file's bytes match their recorded checksum. JSON files next to the
-checkpoints that carry a checksum (the train app's ``train-meta-<tag>.json``) are checked too.
+checkpoints that carry a checksum (the train app's ``train-meta-<tag>.json``) are checked too, and
+must come from the same save as the checkpoint (the same run id, or the record the save kept).
 Prints one line per checkpoint; exits 1 at the first damaged or missing file, naming it.
 """
 
@@ -30,6 +31,26 @@ def _sidecars(root: Path, tag: str) -> list[Path]:
     return sorted(p for p in root.glob(f"*-{tag}.json") if p.is_file() and not p.name.startswith("."))
 
 
+def check_same_save(folder: Path, meta: dict, path: Path, record: dict) -> None:
+    """``record`` (a JSON file saved beside the checkpoint ``folder``) comes from the same save as its ``meta.json``:
+    the same run id when both carry one; else, where ``meta.json``'s client state holds a record with the same
+    keys (what the train app passes), the same values. Raises :class:`CheckpointError` naming both files."""
+    from polyaccel.errors import CheckpointError
+
+    fix = "they come from two different runs; restore the pair from one run, or load another tag"
+    ours, theirs = record.get("run_id"), meta.get("run_id")
+    if ours is not None and theirs is not None:
+        if ours != theirs:
+            raise CheckpointError(f"{path} (run {ours}) and {folder / 'meta.json'} (run {theirs}) do not belong to "
+                                  f"one save: {fix}", path)
+        return
+    for saved in (meta.get("client_state") or {}).values():
+        if isinstance(saved, dict) and saved.keys() == record.keys() and saved != record:
+            diff = sorted(k for k in record if record[k] != saved[k])
+            shown = ", ".join(f"{k}: {record[k]!r} there, {saved[k]!r} in the checkpoint" for k in diff[:3])
+            raise CheckpointError(f"{path} and {folder / 'meta.json'} do not describe one save ({shown}): {fix}", path)
+
+
 def verify_checkpoint(root: Path, tag: str | None) -> str:
     """One line describing the verified checkpoint; raises :class:`CheckpointError` on the first bad file."""
     from .consolidate import open_checkpoint, saved_files
@@ -40,7 +61,8 @@ def verify_checkpoint(root: Path, tag: str | None) -> str:
     nbytes = sum(rec["bytes"] for rec in meta["files"].values())
     extra = []
     for path in _sidecars(root, folder.name):
-        _, checked = read_checked_json(path, "it no longer matches what was saved; restore it from a good copy")
+        record, checked = read_checked_json(path, "it no longer matches what was saved; restore it from a good copy")
+        check_same_save(folder, meta, path, record)
         if checked:
             extra.append(path.name)
     files = len(saved_files(meta)) + 1 + len(extra)

@@ -2,12 +2,16 @@
 saves, end to end (2 ranks on the cpu plugin over gloo): one line naming the file, nothing half-written left."""
 
 import json
+import os
 import resource
 import shutil
 import signal
 
 import pytest
+from polyaccel.apps.train.run_records import TRAIN_LOCK
 from polyaccel.cli import main
+from polyaccel.engines.zero.dir_lock import DirectoryLock
+from polyaccel.engines.zero.integrity import dumps_checked, read_checked_json
 
 TINY = ["--hidden-size", "64", "--layers", "1", "--heads", "2", "--batch-size", "4", "--seq-len", "32",
         "--threads", "1", "--lr", "1e-2"]
@@ -36,9 +40,28 @@ def test_damaged_checkpoint_and_failed_save_end_to_end(capfd, tmp_path):
     assert main(["checkpoint", "verify", str(ckpt)]) == 0
     assert "ok: " in capfd.readouterr().out
 
-    # the train app's metadata file: refused before any rank starts
+    # another run's metadata file beside this run's step4/ (its own checksum intact): both readers refuse
     meta = ckpt / "train-meta-step4.json"
     good_meta = meta.read_bytes()
+    other, _ = read_checked_json(meta, "")
+    meta.write_text(dumps_checked({**other, "seed": 99, "run_id": "0" * 32}))
+    assert main(["checkpoint", "verify", str(ckpt)]) == 1
+    line = _one_error_line(capfd.readouterr().err, "checkpoint verify")
+    assert str(meta) in line and "do not belong to one save" in line
+    assert main(["train", *TINY, "--steps", "6", "--resume", str(ckpt)]) == 2
+    line = _one_error_line(capfd.readouterr().err, "train")
+    assert "come from two different runs" in line and "seed: 99 in the metadata file, 1234 in the checkpoint" in line
+    meta.write_bytes(good_meta)
+
+    # a second run writing the same --save directory while the first holds it: refused before it starts
+    before = sorted(p.name for p in ckpt.iterdir())
+    with DirectoryLock(ckpt, TRAIN_LOCK, "polyaccel train --save"):
+        assert main(["train", *TINY, "--steps", "6", "--resume", str(ckpt), "--save", str(ckpt)]) == 2
+    line = _one_error_line(capfd.readouterr().err, "train")
+    assert f"--save {ckpt}: {ckpt} is being written by polyaccel train --save (pid {os.getpid()}" in line
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+
+    # the train app's metadata file: refused before any rank starts
     meta.write_bytes(good_meta.replace(b'"seed": 1234', b'"seed": 1235'))
     assert main(["train", *TINY, "--steps", "6", "--resume", str(ckpt)]) == 2
     line = _one_error_line(capfd.readouterr().err, "train")
