@@ -4,7 +4,8 @@ Triton kernels for the multi-tensor optimizers (fused_adam, fused_lion, fused_la
 torch's fused Adam, and for quantize/dequantize, swiglu, weighted_swiglu, grouped_mm (also
 torch._grouped_mm), gather_sum, rms_norm, rope and the fused expert MLP (moe_gate_up, moe_down_combine: by
 default torch._grouped_mm and the Triton passes in one autograd node per op, the all-Triton
-fused kernels by override). The
+fused kernels by override); the loss ops: linear_cross_entropy (core's chunked loop with Triton chunk
+kernels, cuBLAS GEMMs), logprobs, entropy and kl. The
 plugin's ``polyaccel_op_builders`` hook returns :func:`builders`.
 
 Importing this module loads neither Triton nor a kernel: a loader imports its kernel module on
