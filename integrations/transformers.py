@@ -355,12 +355,23 @@ class PolyaccelTrainer(transformers.Trainer):
         return whole_sequence_loss(loss, adapter.engine) if self._sp_size > 1 else loss.detach()
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """With sequence parallelism, the loss only: each rank's share of the batch's loss, summed over the sequence
+        group (the logits stay cut over the sequence ranks, so predictions and compute_metrics are refused)."""
         if self.polyaccel_engine is None or self._sp_size == 1:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        raise ConfigError(
-            f"PolyaccelTrainer with sequence_parallel (sequence size {self._sp_size}): evaluation through the split "
-            "model is not supported (its logits are cut over the sequence ranks); evaluate the consolidated model "
-            "(trainer.save_model, or polyaccel zero-to-fp32) with a plain Trainer")
+        if not prediction_loss_only:
+            raise ConfigError(
+                f"PolyaccelTrainer with sequence_parallel (sequence size {self._sp_size}) evaluates the loss only: the "
+                "logits are cut over the sequence ranks, so predict() and compute_metrics cannot have them; drop "
+                "compute_metrics (or set prediction_loss_only=True), or run predictions on the consolidated model "
+                "(trainer.save_model, or polyaccel zero-to-fp32) with a plain Trainer")
+        inputs = self._prepare_inputs(inputs)
+        if "labels" not in inputs and "shift_labels" not in inputs:
+            return None, None, None
+        part = split_for_sequence(inputs, self._sp_rank, self._sp_size)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = model(**part).loss  # this rank's tokens' loss over the whole batch's token count
+        return whole_sequence_loss(loss, self.polyaccel_engine.engine), None, None
 
     def _clip_grad_norm(self, model):
         return None  # the engine clips inside its step (gradient_clipping)

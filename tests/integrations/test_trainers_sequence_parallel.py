@@ -105,12 +105,14 @@ def hf_run(rank, world, out):
                         polyaccel_config={"zero_optimization": {"stage": 2}, **SP})
     trainer.train()
     engine = trainer.polyaccel_engine
+    evaluated = trainer.evaluate(Data())["eval_loss"]  # the loss only: the logits stay cut over the ranks
     refused = None
     try:
-        trainer.evaluate(Data())
+        trainer.predict(Data())
     except Exception as exc:  # noqa: BLE001 - the refusal is what is checked
         refused = f"{type(exc).__name__}: {exc}"
     res = {"parts": trainer.parts, "losses": trainer.losses, "params": _gathered(engine), "refused": refused,
+           "evaluated": evaluated,
            "logged": [h["loss"] for h in trainer.state.log_history if "loss" in h],
            "seq": (engine.mesh.rank("sequence"), engine.mesh.size("sequence")), "tp_size": trainer.get_tp_size()}
     engine.destroy()
@@ -165,8 +167,9 @@ def lightning_run(rank, world, out):
 
 
 # --------------------------------------------------------------------------------------------- the reference
-def reference(batches: list[dict], hf_decay_split: bool = False):
-    """Single-process AdamW with clipping on the whole sequences; each step's loss and the final parameters."""
+def reference(batches: list[dict], hf_decay_split: bool = False, evaluate: list[dict] = ()):
+    """Single-process AdamW with clipping on the whole sequences; each step's loss and the final parameters (and,
+    with ``evaluate``, the trained model's mean loss over those batches, weighted by their rows)."""
     model = build()
     params = list(model.parameters())
     if hf_decay_split:
@@ -184,7 +187,13 @@ def reference(batches: list[dict], hf_decay_split: bool = False):
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
-    return losses, {k: v.detach() for k, v in model.named_parameters()}
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    if evaluate:
+        model.eval()
+        with torch.no_grad():
+            per_row = [model(**b).loss.item() for b in evaluate for _ in range(len(b["input_ids"]))]
+        return losses, params, sum(per_row) / len(per_row)
+    return losses, params
 
 
 def _whole(res: list[dict]) -> list[torch.Tensor]:
@@ -224,11 +233,15 @@ def test_hf_trainer_sequence_parallel_equals_one_process(tmp_path):
         batches.append({k: torch.stack([it[k] for it in items]) for k in items[0]})
     assert len({i for s in whole for i in (by_row[tuple(r.tolist())] for r in s)}) == STEPS * MICRO
     assert len({int(lengths[by_row[tuple(r.tolist())]]) for s in whole for r in s}) > 1  # padded unevenly
-    want_losses, want_params = reference(batches, hf_decay_split=True)
+    items = [padded(i) for i in range(N)]  # evaluation: the rows in order, MICRO at a time
+    evaluate = [{k: torch.stack([it[k] for it in items[i:i + MICRO]]) for k in items[0]} for i in range(0, N, MICRO)]
+    want_losses, want_params, want_eval = reference(batches, hf_decay_split=True, evaluate=evaluate)
     _check_losses_and_params(res, want_losses, want_params)
     for r in res:  # the Trainer's logged loss is the whole sequence's too (its running sum is a float32 tensor)
         torch.testing.assert_close(r["logged"], want_losses, rtol=1e-6, atol=0)
-        assert r["refused"] and r["refused"].startswith("ConfigError: PolyaccelTrainer with sequence_parallel")
+        assert abs(r["evaluated"] - want_eval) <= 1e-10, (r["evaluated"], want_eval)
+        assert r["refused"] and r["refused"].startswith("ConfigError: PolyaccelTrainer with sequence_parallel "
+                                                        "(sequence size 2) evaluates the loss only")
 
 
 def test_lightning_strategy_sequence_parallel_equals_one_process(tmp_path):
