@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -182,6 +183,9 @@ def run_row(args, sp: int, seq: int, acc, device) -> dict:
         peak = acc.max_memory_allocated() if stats else None
     finally:
         engine.destroy()
+        engine = None
+        gc.collect()
+        acc.empty_cache()
     step_s = statistics.median(times)
     return {"sp": sp, "seq": seq, "data": world // sp, "step_ms": step_s * 1e3,
             "tokens_per_s": (world // sp) * args.batch * seq / step_s, "peak_gib": None if peak is None else
