@@ -480,6 +480,7 @@ def resolve_init_from(path: str, spec: ModelSpec) -> Path:
     try:
         with safe_open(str(p), framework="pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+            codes = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
         raise ConfigError(f"--init-from {path}: not a readable safetensors file ({exc})") from None
     with torch.device("meta"):
@@ -495,8 +496,12 @@ def resolve_init_from(path: str, spec: ModelSpec) -> Path:
     unexpected = sorted(set(shapes) - set(want))
     wrong = sorted(f"{k} {list(shapes[k])} (the model has {list(want[k])})" for k in want
                    if k in shapes and shapes[k] != want[k])
+    floating = {k: v.is_floating_point() for k, v in model.state_dict().items()}
+    numbers = sorted(f"{k} {codes[k]} (the model's is {'floating' if floating[k] else 'not floating'})"
+                     for k in want if k in codes and codes[k].startswith(("F", "BF")) != floating[k])
     problems = [f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
-                for what, names in (("missing", missing), ("not in the model", unexpected), ("shape", wrong))
+                for what, names in (("missing", missing), ("not in the model", unexpected), ("shape", wrong),
+                                    ("dtype", numbers))
                 if names]
     if problems:
         raise ConfigError(f"--init-from {path}: does not fit the {spec.name} model of --hidden-size "

@@ -82,3 +82,18 @@ def test_records_of_two_runs_are_not_taken_for_one_save(tmp_path, capsys):
     assert "seed: 2 there, 1 in the checkpoint" in capsys.readouterr().err
     a.destroy()
     b.destroy()
+
+
+def test_init_from_refuses_a_state_dict_of_integers_for_the_model_s_floats(tmp_path):
+    from polyaccel.apps.train.model import ModelSpec, build_model
+    from polyaccel.apps.train.options import resolve_init_from
+    from safetensors.torch import save_file
+
+    spec = ModelSpec(hidden_size=32, num_layers=1, num_heads=2).validate()
+    state = {k: v.contiguous() for k, v in build_model(spec).state_dict().items()}
+    save_file(state, str(tmp_path / "good.safetensors"))
+    assert resolve_init_from(str(tmp_path / "good.safetensors"), spec) == tmp_path / "good.safetensors"
+    name = next(iter(state))
+    save_file({**state, name: state[name].to(torch.int32)}, str(tmp_path / "ints.safetensors"))
+    with pytest.raises(ConfigError, match=rf"dtype: {name} I32 \(the model's is floating\)"):
+        resolve_init_from(str(tmp_path / "ints.safetensors"), spec)
