@@ -14,7 +14,7 @@ from polyaccel.parallel import set_plan
 from torch import nn
 
 from . import loss, mlp, norm, rotary
-from .config import KernelsConfig, parse, resolve_auto
+from .config import parse, resolve_auto
 from .plan import KernelPlan
 
 PLAN_ATTR = "polyaccel_kernel_plan"
@@ -64,7 +64,7 @@ class _Probes:
         return self.rotary[namespace]
 
 
-def _looks_like(name: str, module: nn.Module) -> str | None:
+def _looks_like(module: nn.Module) -> str | None:
     """The kernel a module's class name or members suggest it might be for (listed when not swapped)."""
     cls = type(module).__name__.lower()
     if "rmsnorm" in cls or norm.is_candidate(module):
@@ -78,13 +78,13 @@ def _looks_like(name: str, module: nn.Module) -> str | None:
     return None
 
 
-def plan_kernels(model: nn.Module, cfg: KernelsConfig, on: dict[str, bool], why: dict[str, str]):
+def plan_kernels(model: nn.Module, on: dict[str, bool], why: dict[str, str]):
     """(plan, swaps): what each module would become; the model is not touched."""
     plan = KernelPlan(kernels=dict(on), why=dict(why))
     probes = _Probes()
     swaps: list[_Swap] = []
     for path, module in model.named_modules():
-        kind = _looks_like(path, module)
+        kind = _looks_like(module)
         if kind is None:
             plan.untouched[type(module).__name__] += 1
             continue
@@ -140,7 +140,7 @@ def apply_kernels(model: nn.Module, section, mesh=None) -> nn.Module:
     from polyaccel import ops
 
     on, why = resolve_auto(cfg, _device_type(model), ops.registry)
-    plan, swaps = plan_kernels(model, cfg, on, why)
+    plan, swaps = plan_kernels(model, on, why)
     for s in swaps:
         if s.kernel == "cross_entropy":
             state = loss.swap(s.module, mesh)
