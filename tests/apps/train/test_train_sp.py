@@ -1,7 +1,7 @@
 """`polyaccel train --sp S`: bad layouts refused before any rank starts (naming the numbers and the sizes that
 fit), and `--sp 2 --nproc 2` on the cpu plugin trains exactly what one process trains on the whole sequences:
 each step's loss (the whole sequence's, the sum of the two ranks' shares) equals plain torch AdamW with clipping
-on the same rows, and tokens/s counts every token once."""
+on the same rows, and tokens/s counts every token once; its checkpoint resumes in one process without --sp."""
 
 from __future__ import annotations
 
@@ -80,8 +80,9 @@ def _reference_losses(opts) -> list[float]:
 
 def test_train_sp2_equals_one_process_on_the_whole_sequence(capfd, tmp_path):
     out = tmp_path / "m.json"
+    ckpt = tmp_path / "ckpt"
     argv = [*TINY, "--nproc", "2", "--sp", "2", "--steps", "3", "--stage", "3", "--metrics-out", str(out)]
-    rc = main(["train", *argv])
+    rc = main(["train", *argv, "--save", str(ckpt), "--save-every", "2"])
     captured = capfd.readouterr()
     assert rc == 0, captured.err
     res = json.loads(out.read_text())
@@ -94,3 +95,10 @@ def test_train_sp2_equals_one_process_on_the_whole_sequence(capfd, tmp_path):
     want = _reference_losses(_opts(argv))
     assert res["losses"] == pytest.approx(want, rel=2e-5, abs=0), (res["losses"], want)
     assert res["losses"][-1] < res["losses"][0]
+
+    # the checkpoint of step 2 holds no sequence layout: one process without --sp continues it
+    resumed = tmp_path / "r.json"
+    rc = main(["train", *TINY, "--nproc", "1", "--steps", "3", "--stage", "2", "--resume", str(ckpt), "--resume-tag",
+               "step2", "--metrics-out", str(resumed)])
+    assert rc == 0, capfd.readouterr().err
+    assert json.loads(resumed.read_text())["losses"] == pytest.approx(want[2:], rel=2e-5, abs=0)
