@@ -258,6 +258,7 @@ def section_linear_cross_entropy(ctx: Ctx) -> list[Result]:
     over the others' (the target: <= 0.2x hf_eager's, <= liger's)."""
     import polyaccel.ops as ops
     import torch.nn.functional as F
+    from polyaccel.ops import chunked_loss
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     n, h, v = ctx.batch * ctx.seq, ctx.hidden, ctx.vocab
@@ -275,6 +276,8 @@ def section_linear_cross_entropy(ctx: Ctx) -> list[Result]:
     impls: dict[str, Callable | str] = {
         "hf_eager": lambda: hf_loss(x, w, labels),
         "polyaccel": lambda: ops.linear_cross_entropy(x, w, labels),
+        # the same chunk loop with torch's chunk math instead of the Triton kernels (what they gain)
+        "torch_chunks": lambda: chunked_loss.linear_cross_entropy(x, w, labels),
     }
     ex = _compiled(ctx, hf_loss)
     impls["torch_compile"] = ex if isinstance(ex, str) else (lambda: ex(x, w, labels))
@@ -287,11 +290,14 @@ def section_linear_cross_entropy(ctx: Ctx) -> list[Result]:
         lflce = lk.LigerFusedLinearCrossEntropyLoss()
         impls["liger"] = lambda: lflce(w, x, labels)
     results = measure(ctx, "linear_cross_entropy", impls, [x, w], [one])
+    for r in results:
+        if r.impl == "torch_chunks" and not r.note:
+            r.note = "polyaccel's chunk loop with torch's chunk math (core's builder)"
     peaks = {r.impl: r.peak_mb for r in results if r.peak_mb}
     mine = next((r for r in results if r.impl == "polyaccel"), None)
     if mine is not None and mine.peak_mb:
         mine.note = "peak " + ", ".join(f"{mine.peak_mb / p:.2f}x {name}'s" for name, p in peaks.items()
-                                        if name != "polyaccel")
+                                        if name not in ("polyaccel", "torch_chunks"))
     return results
 
 
