@@ -161,7 +161,8 @@ def lightning_run(rank, world, out):
     strategy = trainer.strategy
     engine = strategy.polyaccel_engine
     res = {"parts": module.parts, "losses": module.losses, "params": _gathered(engine, "lm."),
-           "sampler": strategy.distributed_sampler_kwargs}
+           "sampler": strategy.distributed_sampler_kwargs,  # and a value to log, summed over the sequence group
+           "sequence_loss": strategy.sequence_loss(torch.tensor(rank + 1.5, dtype=torch.float64)).item()}
     engine.destroy()
     return res
 
@@ -246,7 +247,7 @@ def test_hf_trainer_sequence_parallel_equals_one_process(tmp_path):
 
 def test_lightning_strategy_sequence_parallel_equals_one_process(tmp_path):
     res = run_ranks(lightning_run, 2, str(tmp_path / "pl"), timeout=280, env=ENV)
-    assert all(r["sampler"] == {"num_replicas": 1, "rank": 0} for r in res)
+    assert all(r["sampler"] == {"num_replicas": 1, "rank": 0} and r["sequence_loss"] == 4.0 for r in res)
     whole = _whole(res)
     want_losses, want_params = reference([{"input_ids": ids, "labels": ids} for ids in whole])
     _check_losses_and_params(res, want_losses, want_params)
