@@ -66,8 +66,9 @@ class TorchChunkKernels:
         """``dz = coef * softmax(z) - scale * onehot(target)`` per row, in z's dtype (in z's memory when it can)."""
         zf = z.to(math_dtype(z.dtype))  # z itself for fp32/fp64 input: then all in place
         zf.sub_(lse.unsqueeze(1)).exp_().mul_(coef.unsqueeze(1))
-        rows = (target >= 0).nonzero().squeeze(1)
-        zf[rows, target[rows]] -= scale[rows]
+        mine = target >= 0  # rows whose target is in this shard (no host read: a scatter, not indexing)
+        zf.scatter_add_(1, target.clamp(min=0).unsqueeze(1),
+                        torch.where(mine, -scale, torch.zeros_like(scale)).unsqueeze(1).to(zf.dtype))
         if zf is not z:
             z.copy_(zf)
         return z

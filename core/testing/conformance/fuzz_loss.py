@@ -24,7 +24,7 @@ from .fuzz_outcome import COMPARED, REFUSED, attempt, close, fail, pretty_repr, 
 from .opcases_loss import linear_cross_entropy_bounds
 
 SEEDS = st.integers(0, 2**31 - 1)
-_KINDS = st.sampled_from(("valid",) * 8 + ("bad label", "bad z_loss", "bad reduction", "bad num_items",
+_KINDS = st.sampled_from(("valid",) * 14 + ("bad label", "bad z_loss", "bad reduction", "bad num_items",
                                             "bad chunk_size", "int32 labels"))
 _BAD = {"z_loss": (math.nan, -1e-3, math.inf), "reduction": ("none", "MEAN"), "num_items": (0, -3),
         "chunk_size": (0, -1)}
