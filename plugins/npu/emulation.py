@@ -17,7 +17,7 @@ What it reproduces (from torch_npu's public API and CANN's documented behaviour)
 * ``torch_npu.npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True)``:
   ``round(input / scales) + zero_points`` (``input * scales`` without div_mode), saturated
   to ``dtype``; scales broadcast along ``axis`` (last dimension only, as documented).
-* ``torch_npu.npu_rms_norm`` and ``torch_npu.npu_rotary_mul``, autograd-aware, with their documented
+* ``torch_npu.npu_rms_norm``, ``torch_npu.npu_rotary_mul`` and ``torch_npu.npu_swiglu``, autograd-aware, with their documented
   semantics and constraints (:mod:`.emulation_model_ops`).
 
 The plugin offers it through its ``polyaccel_emulated_runtimes`` hook, and
@@ -116,7 +116,7 @@ class NpuRuntime(ExtensionRuntime):
         "unregister_fails": "npuHostUnregister returns an ACL error code (True: 107000, or the int given)",
         "no_graphs": "torch.npu has no NPUGraph/graph (an older torch_npu)",
         "no_fused_adam": "torch's fused Adam has no npu kernel in this torch_npu",
-        "no_model_ops": "this torch_npu has neither npu_rms_norm nor npu_rotary_mul (an older build)",
+        "no_model_ops": "this torch_npu has none of npu_rms_norm, npu_rotary_mul, npu_swiglu (an older build)",
     }
 
     def __init__(self, device_count: int = 1, track_allocations: bool = True, **faults: Any):
@@ -163,6 +163,7 @@ class NpuRuntime(ExtensionRuntime):
         if not rt.faults.no_model_ops:
             m.npu_rms_norm = functools.partial(model_ops.npu_rms_norm, rt)
             m.npu_rotary_mul = functools.partial(model_ops.npu_rotary_mul, rt)
+            m.npu_swiglu = functools.partial(model_ops.npu_swiglu, rt)
 
     def install(self, patcher: Patcher) -> None:
         if self.install_missing_library(patcher):

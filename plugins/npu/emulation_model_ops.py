@@ -1,4 +1,5 @@
-"""Emulated torch_npu fused model ops: ``npu_rms_norm`` and ``npu_rotary_mul`` (CPU tensors, autograd-aware).
+"""Emulated torch_npu fused model ops: ``npu_rms_norm``, ``npu_rotary_mul`` and ``npu_swiglu`` (CPU tensors,
+autograd-aware).
 
 Semantics from torch_npu's API reference (Ascend PyTorch "torch_npu.npu_rms_norm" and
 "torch_npu.npu_rotary_mul" pages):
@@ -12,6 +13,9 @@ Semantics from torch_npu's API reference (Ascend PyTorch "torch_npu.npu_rms_norm
   ("interleave"). All three 4-D, r1/r2 broadcast to the input (e.g. ``[1, 1, S, D]`` or ``[B, 1, S, D]``
   for ``[B, N, S, D]``); D even and < 896; one dtype of float16, bfloat16, float32. Differentiable
   (RotaryMulGrad), r1/r2 included.
+* ``npu_swiglu(input, dim=-1) -> Tensor``: ``silu(A) * B`` where A and B are the first and second halves of
+  ``input`` along ``dim``. 1-8 dimensions, ``dim`` in ``[-input.dim(), input.dim() - 1]`` with an even size;
+  contiguous and non-empty; one dtype of float16, bfloat16, float32. Differentiable (SwiGluGrad).
 
 Both compute in fp32 with one rounding to the input dtype (the vendor kernels' accumulation type).
 Each call is recorded on the runtime (``rt.record``) so tests can tell the vendor op ran.
@@ -110,3 +114,37 @@ def npu_rotary_mul(rt, x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rota
             raise RuntimeError(f"npu_rotary_mul: {name} {tuple(r.shape)} does not broadcast to input "
                                f"{tuple(x.shape)}")
     return _RotaryMul.apply(x, r1, r2, rotary_mode)
+
+
+class _SwiGlu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.save_for_backward(x)
+        ctx.dim = dim
+        a, b = x.float().chunk(2, dim)
+        return (torch.nn.functional.silu(a) * b).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        a, b = x.float().chunk(2, ctx.dim)
+        sig = torch.sigmoid(a)
+        g = dy.float()
+        da = g * b * sig * (1 + a * (1 - sig))
+        db = g * a * sig
+        return torch.cat([da, db], ctx.dim).to(x.dtype), None
+
+
+def npu_swiglu(rt, input: torch.Tensor, dim: int = -1):
+    rt.record("npu_swiglu", tuple(input.shape), input.dtype, dim)
+    if not 1 <= input.dim() <= 8:
+        raise RuntimeError(f"npu_swiglu: input must have 1-8 dimensions, got {input.dim()}")
+    if not -input.dim() <= dim < input.dim():
+        raise RuntimeError(f"npu_swiglu: dim {dim} is out of range for a {input.dim()}-D input")
+    if input.numel() == 0 or not input.is_contiguous():
+        raise RuntimeError("npu_swiglu: the input must be non-empty and contiguous")
+    if input.shape[dim] % 2:
+        raise RuntimeError(f"npu_swiglu: the size of dim {dim} must be even, got {input.shape[dim]}")
+    if input.dtype not in VENDOR_DTYPES:
+        raise RuntimeError(f"npu_swiglu: input must be float16, bfloat16 or float32, got {input.dtype}")
+    return _SwiGlu.apply(input, dim)

@@ -1,4 +1,5 @@
-"""npu builders of ``rms_norm`` and ``rope``: torch_npu's fused ``npu_rms_norm`` and ``npu_rotary_mul``.
+"""npu builders of ``rms_norm``, ``rope`` and ``swiglu``: torch_npu's fused ``npu_rms_norm``, ``npu_rotary_mul``
+and ``npu_swiglu``.
 
 Both vendor ops are autograd-aware (their backward kernels are RmsNormGrad and RotaryMulGrad), so
 these functions only map the op's contract onto them:
@@ -11,6 +12,8 @@ these functions only map the op's contract onto them:
 * ``rope``: ``npu_rotary_mul`` on q and on k with cos/sin as ``[B or 1, 1, S, D]`` and
   ``rotary_mode="half"`` or ``"interleave"``. cos/sin of another dtype than q's, fp64, and head_dim
   of 896 or more (the kernel's limit) go to the reference.
+* ``swiglu``: ``npu_swiglu`` over ``torch.cat([gate, up], -1)`` (the vendor op takes one tensor and halves
+  it; the concatenation keeps autograd's gradients for gate and up separate). fp64 goes to the reference.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from polyaccel.ops.reference.rms_norm import check_rms_norm_args
 from polyaccel.ops.reference.rms_norm import rms_norm as reference_rms_norm
 from polyaccel.ops.reference.rope import check_rope_args, heads_view
 from polyaccel.ops.reference.rope import rope as reference_rope
+from polyaccel.ops.reference.swiglu import check_swiglu_args
+from polyaccel.ops.reference.swiglu import swiglu as reference_swiglu
 
 VENDOR_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROTARY_MAX_D = 896
@@ -55,3 +60,10 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     mode = "interleave" if interleaved else "half"
     vendor = _vendor()
     return vendor.npu_rotary_mul(q, c, s, rotary_mode=mode), vendor.npu_rotary_mul(k, c, s, rotary_mode=mode)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    check_swiglu_args(gate, up)
+    if gate.dtype not in VENDOR_DTYPES or gate.numel() == 0:
+        return reference_swiglu(gate, up)
+    return _vendor().npu_swiglu(torch.cat([gate, up], dim=-1), dim=-1)

@@ -9,8 +9,8 @@
 * ``quantize`` (int8/int4, symmetric and asymmetric): group scales computed with torch,
   rounding and saturation by ``torch_npu.npu_quantize``; fp8 goes to the reference. A group
   holding a NaN or an infinity gets the contract's NaN scale (zero point 0, codes 0).
-* ``rms_norm`` / ``rope``: torch_npu's fused ``npu_rms_norm`` and ``npu_rotary_mul``
-  (:mod:`.model_ops`).
+* ``rms_norm`` / ``rope`` / ``swiglu``: torch_npu's fused ``npu_rms_norm``, ``npu_rotary_mul`` and
+  ``npu_swiglu`` (:mod:`.model_ops`).
 """
 
 from __future__ import annotations
@@ -123,4 +123,8 @@ def builders() -> list[OpBuilder]:
                   priority=50, compatible=_vendor_op_compatible("npu_rotary_mul"),
                   description="torch_npu.npu_rotary_mul on q and on k (half / interleave, autograd via "
                               "RotaryMulGrad); cos/sin of another dtype, fp64 or head_dim >= 896 to the reference"),
+        OpBuilder(op="swiglu", name="npu_swiglu", device_types=("npu",), loader=_model_op("swiglu"), kind="vendor",
+                  priority=50, compatible=_vendor_op_compatible("npu_swiglu"),
+                  description="torch_npu.npu_swiglu over [gate | up] (autograd via SwiGluGrad); fp64 to the "
+                              "reference"),
     ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from polyaccel import ops
+from polyaccel.errors import OpArgumentError
 from polyaccel.ops import reference as ref
 from polyaccel.testing.conformance import opcases_model
 from polyaccel.testing.emulation import emulate
@@ -89,3 +90,49 @@ def test_without_the_vendor_ops_the_reference_serves(monkeypatch):
         for op in ("rms_norm", "rope"):
             assert ops.registry.chosen(op, "npu").name == "reference"
             assert "this torch_npu has no npu_" in ops.explain(op, "npu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_npu_swiglu_runs_the_vendor_op_and_matches_float64(npu_runtime, dtype):
+    from polyaccel.testing.conformance import opcases
+
+    assert ops.registry.chosen("swiglu", "npu").name == "npu_swiglu"
+    fn = ops.resolve("swiglu", "npu")
+    opcases.check_swiglu(fn, CPU, dtype)
+    assert npu_runtime.calls.count_of("npu_swiglu") > 0
+    gen = torch.Generator().manual_seed(7)
+    gate = torch.randn(3, 5, 16, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    up = torch.randn(3, 5, 16, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    out = fn(gate, up)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    out.backward(g.to(dtype))
+    g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+    want = torch.nn.functional.silu(g64) * u64
+    want.backward(g)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out.double(), want, **tol)
+    torch.testing.assert_close(gate.grad.double(), g64.grad, **tol)
+    torch.testing.assert_close(up.grad.double(), u64.grad, **tol)
+
+
+def test_npu_swiglu_refusals_and_fallbacks(npu_runtime):
+    import torch_npu
+
+    with pytest.raises(RuntimeError, match="even"):
+        torch_npu.npu_swiglu(torch.randn(2, 5))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch_npu.npu_swiglu(torch.randn(4, 6).t())
+    with pytest.raises(RuntimeError, match="float16, bfloat16 or float32"):
+        torch_npu.npu_swiglu(torch.randn(2, 4, dtype=torch.float64))
+    fn = ops.resolve("swiglu", "npu")
+    n = npu_runtime.calls.count_of("npu_swiglu")
+    g, u = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(fn(g, u), ref.swiglu(g, u), rtol=0, atol=0)  # fp64: the reference serves it
+    assert npu_runtime.calls.count_of("npu_swiglu") == n
+    with pytest.raises(OpArgumentError, match="differ in shape"):
+        fn(torch.randn(2, 4), torch.randn(2, 3))
+
+
+def test_npu_without_swiglu_falls_back_to_the_reference():
+    with emulate("npu", no_model_ops=True):
+        assert ops.registry.chosen("swiglu", "npu").name != "npu_swiglu"
