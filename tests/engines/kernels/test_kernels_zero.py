@@ -1,8 +1,8 @@
 """The kernels layer composed through ``polyaccel.initialize``: ZeRO stages 1-3 (and stage 3 with Hugging Face's
-activation checkpointing) in one process, then one 2-rank gloo launch with ZeRO stage 3 over data 2 and with AutoTP
-2 (the lm_head split over the vocabulary: the vocab-parallel fused cross-entropy; the MLPs' forward on AutoTP's split
-projections). Every run trains a tiny Llama in
-float64 and its losses equal training without kernels (the reference's norms in float64, see
+activation checkpointing, and with the optimizer and parameters offloaded) in one process; AutoEP before it; then
+one 2-rank gloo launch with ZeRO stage 3 over data 2, and with AutoTP 2 (the lm_head split over the vocabulary: the
+vocab-parallel fused cross-entropy; the MLPs' forward on AutoTP's split projections). Every run trains a tiny model
+in float64 and its losses equal training without kernels (the reference's norms in float64, see
 ``kernels_testlib.exact_norms``) to 1e-10."""
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ pytestmark = pytest.mark.timeout(300)
 STEPS, LR, WD = 3, 1e-2, 0.01
 
 
-def config(stage: int, **layers) -> dict:
+def config(stage: int, offload: bool = False, **layers) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 5000}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        zero["offload_param"] = {"device": "cpu"}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
     return {"optimizer": {"type": "adamw", "params": {"lr": LR, "weight_decay": WD}}, "zero_optimization": zero,
@@ -73,11 +76,12 @@ def world_of_one():
         comm.destroy()
 
 
-@pytest.mark.parametrize("stage,checkpointing", [(1, False), (2, False), (3, False), (3, True)],
-                         ids=["stage1", "stage2", "stage3", "stage3-actckpt"])
-def test_zero_trains_the_same_with_kernels(stage, checkpointing, world_of_one, monkeypatch):
+@pytest.mark.parametrize("stage,checkpointing,offload", [(1, False, False), (2, False, False), (3, False, False),
+                                                          (3, True, False), (3, False, True)],
+                         ids=["stage1", "stage2", "stage3", "stage3-actckpt", "stage3-offload"])
+def test_zero_trains_the_same_with_kernels(stage, checkpointing, offload, world_of_one, monkeypatch):
     batches = [ids(s) for s in range(STEPS)]
-    cfg = config(stage, kernels=dict(ALL_ON))
+    cfg = config(stage, offload, kernels=dict(ALL_ON))
     calls = OpCalls(monkeypatch)
     losses, plan = train_kernels(cfg, batches, checkpointing)
     # 2 attentions a step; with checkpointing their recomputation in backward runs the kernel again
