@@ -2,9 +2,9 @@
 
 Two processes saving into one directory at once would mix their files (one removes the other's staging
 folder, each ``latest`` names a folder the other rewrote). The first to take the lock writes; the second is
-refused before it writes anything, told who holds it (pid, host, what, since when). The kernel drops a
-``flock`` when its holder exits, however it exits (a crash or SIGKILL leaves no stale lock to clean up); the
-file itself stays, holding the last holder's description. On filesystems without ``flock`` (some network
+refused before it writes anything, told who holds it (pid, host, what, since when). The holder removes the
+file when it is done; the kernel drops a ``flock`` when its holder exits, however it exits, so a file left by a
+crash or SIGKILL holds no lock and the next writer takes it. On filesystems without ``flock`` (some network
 mounts) the lock cannot be taken and the writer goes on unguarded, as before.
 """
 
@@ -52,16 +52,26 @@ class DirectoryLock:
     def acquire(self) -> DirectoryLock:
         if fcntl is None or self._fd is not None:
             return self
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read(fd)
-            os.close(fd)
-            raise LockHeld(f"{self.path.parent} is being written by {describe(holder)}; two writers in one "
-                           f"directory would mix their checkpoints' files", self.path, holder) from None
-        except OSError:  # no flock here (a network filesystem): unguarded, as before
-            os.close(fd)
+        for _ in range(20):  # the file may be removed by its releasing holder between our open and our flock
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read(fd)
+                os.close(fd)
+                raise LockHeld(f"{self.path.parent} is being written by {describe(holder)}; two writers in one "
+                               f"directory would mix their checkpoints' files", self.path, holder) from None
+            except OSError:  # no flock here (a network filesystem): unguarded, as before
+                os.close(fd)
+                return self
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # we locked a file its holder had just removed: take the one at the path now
+        else:  # pragma: no cover - twenty holders in a row removing it under us
             return self
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": self.what,
                              "since": time.time()}).encode()
@@ -71,7 +81,11 @@ class DirectoryLock:
         return self
 
     def release(self) -> None:
+        """Remove the file (while still holding it: a process that opened it meanwhile sees it gone and retries),
+        then drop the lock."""
         if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
             with contextlib.suppress(OSError):
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
