@@ -10,9 +10,10 @@ tensor of the model's state (tied names once, under their first name):
 - ``dtype``: for frozen parameters and buffers, whose saved values are loaded as they are (a trainable
   parameter loads from its master copy, whose precision ``meta.json`` records).
 
-The checkpoint's record comes from its files' headers and ``meta.json`` (no tensor is read): the
-partition layout of a version-1 checkpoint, the group records of each rank file of a version-2 one,
-the header of ``model_states.safetensors``. Dtypes must match exactly when the engine computes in the
+The checkpoint's record comes from what loading rebuilds the tensors from, headers only (no tensor is
+read): the partition layout in ``meta.json`` (version 1) or the group records of each rank file (version
+2), and the header of ``model_states.safetensors``; ``meta.json``'s ``params`` (the full shapes, written
+at save) must agree with them. Dtypes must match exactly when the engine computes in the
 dtype the checkpoint was saved in (a different dtype then means a different model); across a change of
 training precision (fp32 -> bf16) only the kind of number must (floating, integer, bool).
 """
@@ -89,13 +90,16 @@ def _v2_trainable(folder: Path, meta: dict) -> dict[str, tuple[int, ...]]:
 
 def checkpoint_record(folder: Path, meta: dict) -> dict[str, Entry]:
     """The checkpoint's record, from ``meta.json`` and the files' headers."""
-    if isinstance(meta.get("params"), dict):
-        trainable = {n: tuple(s) for n, s in meta["params"].items()}
-    elif meta.get("version", 1) >= 2:
+    if meta.get("version", 1) >= 2:  # what loading rebuilds the tensors from: the rank files' group records
         trainable = _v2_trainable(folder, meta)
-    else:
+    else:  # ... or meta.json's partition layout
         lay = meta["layout"]
         trainable = {n: tuple(s) for n, s in zip(lay["names"], lay["shapes"], strict=True)}
+    recorded = meta.get("params")
+    if isinstance(recorded, dict) and {n: tuple(s) for n, s in recorded.items()} != trainable:
+        raise CheckpointError(f"{folder / 'meta.json'}: its 'params' record does not match the partition layout the "
+                              "rank files were saved in; the files come from different saves; restore the checkpoint "
+                              "folder from a good copy, or load another tag", folder / "meta.json")
     out = {n: Entry("trainable", s, None) for n, s in trainable.items()}
     frozen = set(meta.get("frozen", ()))
     with Shard(folder / MODEL_STATES) as f:

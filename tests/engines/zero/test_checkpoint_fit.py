@@ -125,3 +125,17 @@ def test_round_trip_is_identical_or_refused(tmp_path_factory, widths, stage, dty
     else:
         _refused(dst, root)
     dst.destroy()
+
+
+def test_a_params_record_that_disagrees_with_the_layout_is_refused(tmp_path):
+    from polyaccel.engines.zero.integrity import dumps_checked, read_checked_json
+
+    eng = _engine(Net([4, 8, 3], bias=False), 2)
+    eng.save_checkpoint(tmp_path, tag="t")
+    meta_path = tmp_path / "t" / "meta.json"
+    meta, _ = read_checked_json(meta_path, "")
+    meta["params"]["layers.0.weight"] = [4, 8]  # re-checksummed: only the record lies
+    meta_path.write_text(dumps_checked(meta))
+    with pytest.raises(CheckpointError, match="'params' record does not match the partition layout"):
+        eng.load_checkpoint(tmp_path)
+    eng.destroy()
