@@ -408,6 +408,19 @@ def _refuse_dropped_settings(optimizer: torch.optim.Optimizer, group: dict) -> N
                           "'optimizer' section")
 
 
+def optimizer_covers_module(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> torch.optim.Optimizer:
+    """``optimizer`` when it steps every trainable parameter of ``module``: the engine steps them all, so a
+    parameter left out (one the optimizer would never change) is refused by name; returns ``optimizer``."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    left = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+    if left:
+        shown = ", ".join(repr(n) for n in left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        raise ConfigError(f"{type(optimizer).__name__} from configure_optimizers leaves out the trainable parameter(s) "
+                          f"{shown}, which it would never change; the polyaccel engine steps every trainable "
+                          "parameter: freeze them (requires_grad_(False)) or give them to the optimizer")
+    return optimizer
+
+
 def weight_decay_groups(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> list[dict]:
     """The engine's ``param_groups`` for ``optimizer``'s param groups: each group's parameters by their name in
     ``module`` with the group's weight decay (names, not tensors: a model layer such as tensor_parallel may
@@ -550,7 +563,7 @@ class PolyaccelStrategy(DDPStrategy):
             if len(optimizers) != 1:
                 raise ConfigError(f"PolyaccelStrategy trains with one optimizer; configure_optimizers gave "
                                   f"{len(optimizers)}")
-            source = optimizers[0]
+            source = optimizer_covers_module(optimizers[0], module)
             cfg["optimizer"] = optimizer_config(source)
             groups = weight_decay_groups(source, module)
             if groups:

@@ -100,3 +100,17 @@ def test_lightning_refuses_an_unknown_param_group_key_and_carries_the_rest():
         _lightning_config(opt)
     fused = torch.optim.Adam(_params(), lr=0.02, fused=True, weight_decay=0.01)
     assert _lightning_config(fused)["params"]["adam_w_mode"] is False
+
+
+def test_lightning_refuses_an_optimizer_that_leaves_out_trainable_parameters():
+    pytest.importorskip("lightning")
+    from polyaccel.errors import ConfigError
+    from polyaccel.integrations.lightning import optimizer_covers_module
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    whole = torch.optim.AdamW(net.parameters())
+    assert optimizer_covers_module(whole, net) is whole
+    with pytest.raises(ConfigError, match=r"leaves out the trainable parameter\(s\) '0.weight', '0.bias'"):
+        optimizer_covers_module(torch.optim.AdamW(net[1].parameters()), net)
+    net[0].requires_grad_(False)  # frozen: the engine does not step them either
+    optimizer_covers_module(torch.optim.AdamW(net[1].parameters()), net)
