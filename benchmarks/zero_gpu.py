@@ -244,8 +244,13 @@ def report(args, peers, rows, n_params=None) -> None:
             ours, plain = by_name.get(f"polyaccel {name} sp1"), by_name.get(f"polyaccel {name}")
             if ours and plain:
                 memory = f"memory {ours['peak_gib'] / plain['peak_gib']:5.2f}" if plain["peak_gib"] else ""
-                print(f"{name:45s} time {ours['step_ms'] / plain['step_ms']:5.3f}  {memory}  "
-                      f"losses {'equal' if ours['last_loss'] == plain['last_loss'] else 'DIFFER'}")
+                # the same first loss (same weights, same batch); the last within run-to-run noise (two processes'
+                # GPU reductions are not bitwise reproducible: the plain row differs from itself by as much)
+                first = ours["first_loss"] == plain["first_loss"]
+                last = abs(ours["last_loss"] - plain["last_loss"]) <= 1e-4 * abs(plain["last_loss"])
+                print(f"{name:45s} time {ours['step_ms'] / plain['step_ms']:5.3f}  {memory}  first loss "
+                      f"{'equal' if first else 'DIFFERS'}, last {'within 1e-4' if last else 'DIFFERS'} "
+                      f"({ours['last_loss']:.6f} vs {plain['last_loss']:.6f})")
     if args.kernels:
         kernels_report(by_name, CONFIGS, BASELINE)
     if args.out:
