@@ -8,13 +8,16 @@
 #   zero1b    zero_gpu.py 1B stage 3: polyaccel with and without kernels, FSDP2, FSDP2 + Liger (isolated rows)
 #   zero220m  zero_gpu.py 220M stage 1 with and without kernels against the torch fused-AdamW baseline
 #   sp1       zero_gpu.py 220M stages 1 and 3 with the sequence_parallel layer at size 1 (AutoSP's no-op target)
-# ROUNDS=N sets zero_gpu's rounds (default 2).
+# ROUNDS=N sets zero_gpu's rounds of the 220M rows (default 2), ROUNDS_1B those of the 1B rows (default 1);
+# SP1_ONLY the configurations of the sp1 step (default "=stage 1,=stage 3").
 set -u
 OUT=${1:?usage: kernels_device.sh OUTDIR STEP...}
 shift
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 ROUNDS=${ROUNDS:-2}
+ROUNDS_1B=${ROUNDS_1B:-1}
+SP1_ONLY=${SP1_ONLY:-=stage 1,=stage 3}
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TORCH_CUDA_ARCH_LIST=9.0
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || echo "pip install failed (see install.log)"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -33,11 +36,11 @@ for step in "$@"; do
     conf) TAIL=12 run conf 300 polyaccel conformance --accelerator cuda --timeout 280 \
             -k "rms_norm or rope or linear_cross_entropy or logprobs or entropy or kl" --json "$OUT/conf.json" ;;
     kernels) (cd benchmarks && TAIL=40 run kernels 300 python3 model_kernels_gpu.py --json "$OUT/kernels.json") ;;
-    zero1b) (cd benchmarks && TAIL=30 run zero1b 400 python3 zero_gpu.py --size 1b --kernels --isolate --rounds "$ROUNDS" \
+    zero1b) (cd benchmarks && TAIL=30 run zero1b 400 python3 zero_gpu.py --size 1b --kernels --isolate --rounds "$ROUNDS_1B" \
               --only "=stage 3" --no-granular --peers fsdp2 --steps 5 --out "$OUT/zero1b.json") ;;
     zero220m) (cd benchmarks && TAIL=20 run zero220m 300 python3 zero_gpu.py --kernels --isolate --rounds "$ROUNDS" \
               --only "=stage 1" --no-granular --peers "" --steps 6 --out "$OUT/zero220m.json") ;;
-    sp1) (cd benchmarks && TAIL=20 run sp1 300 python3 zero_gpu.py --sp1 --peers "" --only "=stage 1,=stage 3" \
+    sp1) (cd benchmarks && TAIL=20 run sp1 300 python3 zero_gpu.py --sp1 --peers "" --only "$SP1_ONLY" \
               --no-granular --isolate --rounds "$ROUNDS" --steps 6 --out "$OUT/sp1.json") ;;
     *) echo "unknown step $step" ;;
   esac
