@@ -360,7 +360,7 @@ def test_autotp_plan_command(capsys):
                    '{"partition_config": {"layer_specs": [{"patterns": ["nope"]}]}}')
     assert rc == 1 and "match no module" in out.err
     rc, out = _cli(capsys, "--model", "falcon")
-    assert rc == 1 and "choose one of llama" in out.err
+    assert rc == 2 and "choose one of llama" in out.err
 
 
 def test_gpt_neox_interleaved_qkv_and_scaled_embeddings():
