@@ -159,11 +159,4 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     `polyaccel.ops.reference.rope`): it supplies the argument checks and the autograd wiring.
     """
     check_rope_args(q, k, cos, sin, interleaved)
-    acc = math_dtype(q.dtype)
-    c, s = heads_view(cos).to(acc), heads_view(sin).to(acc)
-
-    def apply(x):
-        xf = x.to(acc)
-        return (xf * c + rotate(xf, interleaved) * s).to(x.dtype)
-
-    return apply(q), apply(k)
+    return rope_forward(q, k, cos, sin, interleaved)  # plain torch ops: autograd differentiates them
