@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..comm_hooks import CommHooks
 from ..errors import ConfigError
 from ..runtime import current
-from . import dispatch, peers
+from . import dispatch, peers, teardown
 from .errors import TIMEOUT_ENV
 from .staging import StagingStats
 
@@ -75,6 +75,9 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
 
     ``backend`` overrides the comm hooks' backend name. When a process group already exists
     (created by us or by the application) it is adopted and nothing is re-created.
+
+    A group created here is destroyed on every way out of the process (exit, an uncaught exception,
+    ``SIGTERM``; :mod:`polyaccel.comm.teardown`); an adopted one is the application's to destroy.
     """
     runtime = current()
     session = runtime.comm
@@ -102,6 +105,7 @@ def _init_process_group(accelerator, hooks: CommHooks, backend: str | None, time
         accelerator.set_device(local_rank)
         kwargs["device_id"] = accelerator.device(local_rank)
     dist.init_process_group(**kwargs)
+    teardown.arm()  # before anything else can fail: the group is ours to end from here on
     peers.publish()
 
 
@@ -111,6 +115,7 @@ def destroy() -> None:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     finally:
+        teardown.disarm()
         current().comm.end()
         dispatch.install(None)
 
