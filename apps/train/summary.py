@@ -39,6 +39,16 @@ def _sp_rows(result: dict) -> list[tuple[str, str]]:
     return [("sequence parallel", f"AutoSP (Ulysses attention): sequence {sp} x data {data}{each}{plan}")]
 
 
+def _kernel_rows(result: dict) -> list[tuple[str, str]]:
+    k = result.get("kernels")
+    if not k:
+        return []
+    on = [f"{name} x{v['swapped']}" for name, v in k["kernels"].items() if v["on"]]
+    left = len(k.get("left_alone") or {})
+    text = ", ".join(on) if on else "none swapped"
+    return [("model kernels", text + (f"; {left} candidate modules left as Hugging Face's" if left else ""))]
+
+
 def _ep_rows(result: dict) -> list[tuple[str, str]]:
     p = result.get("ep_plan")
     if not p:
@@ -83,6 +93,7 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
         *_tp_rows(result),
         *_ep_rows(result),
         *_sp_rows(result),
+        *_kernel_rows(result),
         ("steps", f"{result['start_step']} -> {result['steps']}"
                   + (f"  (resumed from {result['resumed_from']})" if result.get("resumed_from") else "")),
         ("loss", f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-"),

@@ -38,6 +38,7 @@ def test_a_run_with_kernels_swaps_them_and_learns(capfd, tmp_path):
     out = tmp_path / "all.json"
     assert main(["train", *TINY, "--steps", "6", "--kernels", "all", "--metrics-out", str(out)]) == 0, \
         capfd.readouterr().err
+    assert "rms_norm x3, rope x1, swiglu x1, cross_entropy x1" in " ".join(capfd.readouterr().out.split())
     res = json.loads(out.read_text())
     swapped = {k: v["swapped"] for k, v in res["kernels"]["kernels"].items()}
     assert swapped == {"rms_norm": 3, "rope": 1, "swiglu": 1, "cross_entropy": 1}, res["kernels"]
