@@ -17,6 +17,7 @@ the copies' gradients are summed back by autograd. The attention function then s
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -64,7 +65,7 @@ def ulysses_attention(implementation: str, module, query, key, value, attention_
     hk = key.shape[1]
     if hq % size:
         raise InvalidArgument(f"sequence_parallel: {hq} query heads do not split over {size} sequence ranks")
-    reps = (hk * size // _gcd(hk, size)) // hk
+    reps = math.lcm(hk, size) // hk
     if reps > 1:
         key = key.repeat_interleave(reps, dim=1)
         value = value.repeat_interleave(reps, dim=1)
@@ -76,12 +77,6 @@ def ulysses_attention(implementation: str, module, query, key, value, attention_
     kwargs["position_ids"] = batch.position_ids
     out, _ = _original(implementation, module)(target, q, k, v, mask, **kwargs)
     return heads_to_seq(out, group=group, size=size), None
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def register() -> None:
