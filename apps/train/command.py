@@ -33,8 +33,8 @@ HELP = "train a small HF Llama/GPT-2 with ZeRO across ranks (the main job)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .model import MODELS, ModelSpec
     from .kernels import CHOICES as KERNEL_CHOICES
+    from .model import MODELS, ModelSpec
     from .options import DEFAULT_LR, DTYPES, OPTIMIZERS, STAGES, TrainOptions
 
     d = TrainOptions()

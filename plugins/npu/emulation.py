@@ -17,8 +17,8 @@ What it reproduces (from torch_npu's public API and CANN's documented behaviour)
 * ``torch_npu.npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True)``:
   ``round(input / scales) + zero_points`` (``input * scales`` without div_mode), saturated
   to ``dtype``; scales broadcast along ``axis`` (last dimension only, as documented).
-* ``torch_npu.npu_rms_norm``, ``torch_npu.npu_rotary_mul`` and ``torch_npu.npu_swiglu``, autograd-aware, with their documented
-  semantics and constraints (:mod:`.emulation_model_ops`).
+* ``torch_npu.npu_rms_norm``, ``torch_npu.npu_rotary_mul`` and ``torch_npu.npu_swiglu``, autograd-aware, with
+  their documented semantics and constraints (:mod:`.emulation_model_ops`).
 
 The plugin offers it through its ``polyaccel_emulated_runtimes`` hook, and
 ``polyaccel.testing.emulation.emulate("npu", **options)`` installs it; tensors stay on the CPU.
