@@ -17,9 +17,10 @@ docs/integrations-lightning.md)::
 - :class:`PolyaccelStrategy` (registered as ``"polyaccel"``) wraps the LightningModule with
   :func:`polyaccel.initialize` (ZeRO stages 1-3, offload, AutoTP/AutoEP when the config names them):
   backward, clipping and the optimizer step are the engine's; the optimizer comes from
-  ``configure_optimizers`` (Adam, AdamW and polyaccel's fused optimizers are translated into the
-  engine's config, their param groups' weight decays into the engine's ``param_groups``, and their LR
-  schedulers keep working) or from the config's ``optimizer`` section.
+  ``configure_optimizers`` (Adam, AdamW and polyaccel's fused optimizers, and torch.optim.Muon with an
+  AdamW under manual optimization, are translated into the engine's config, their param groups' weight
+  decays into the engine's ``param_groups``, and their LR schedulers keep working) or from the config's
+  ``optimizer`` section.
   Checkpoints are directories: the engine's sharded checkpoint plus ``lightning.pt`` (loops,
   callbacks, schedulers, loaded with torch's ``weights_only`` loader) and ``polyaccel-files.json``
   (its checksum, checked before a resume reads anything); ``polyaccel zero-to-fp32`` consolidates the weights.
@@ -280,21 +281,58 @@ class _EngineModule(torch.nn.Module):
         return self.adapter.engine(*args, **kwargs)
 
 
+class _MuonPair:
+    """torch.optim.Muon and its AdamW from ``configure_optimizers``, one Muon optimizer in the engine: Lightning
+    (manual optimization) steps each once per batch, and the engine steps when both have. The engine scales the
+    auxiliary Adam's lr with Muon's (``adam_lr * lr / initial lr``), so an AdamW lr that a schedule moved otherwise
+    is refused rather than silently replaced."""
+
+    def __init__(self, adapter: EngineAdapter, muon: torch.optim.Optimizer, adam: torch.optim.Optimizer):
+        self.adapter, self.muon, self.adam = adapter, muon, adam
+        self.muon_lr0, self.adam_lr0 = float(muon.param_groups[0]["lr"]), float(adam.param_groups[0]["lr"])
+        self.stepped: list[torch.optim.Optimizer] = []
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if any(o is optimizer for o in self.stepped):
+            raise ConfigError(f"{type(optimizer).__name__} stepped twice before "
+                              f"{type(self.adam if optimizer is self.muon else self.muon).__name__}: the polyaccel "
+                              "engine steps Muon and its AdamW together; step each once per batch")
+        self.stepped.append(optimizer)
+        if len(self.stepped) < 2:
+            return
+        self.stepped = []
+        lr, adam_lr = float(self.muon.param_groups[0]["lr"]), float(self.adam.param_groups[0]["lr"])
+        want = self.adam_lr0 * lr / self.muon_lr0 if self.muon_lr0 > 0 else self.adam_lr0
+        if abs(adam_lr - want) > 1e-12 * max(abs(want), 1e-30):
+            raise ConfigError(f"{type(self.adam).__name__}'s lr is {adam_lr!r}, but the polyaccel engine moves the "
+                              f"auxiliary Adam's lr with Muon's (initial {self.adam_lr0!r} x {lr!r} / "
+                              f"{self.muon_lr0!r} = {want!r}): schedule both optimizers by the same factor")
+        self.adapter.engine.set_lr(lr)
+        self.adapter.step(boundary=True)
+        for o in (self.muon, self.adam):
+            o._opt_called = True  # see _EngineOptimizer.step
+
+
 class _EngineOptimizer(torch.optim.Optimizer):
     """The optimizer Lightning steps: it shares the param groups of the optimizer ``configure_optimizers``
     returned (so that optimizer's LR schedulers keep working) and steps the engine with their lr."""
 
-    def __init__(self, adapter: EngineAdapter, source: torch.optim.Optimizer | None, lr: float):
+    def __init__(self, adapter: EngineAdapter, source: torch.optim.Optimizer | None, lr: float,
+                 pair: _MuonPair | None = None):
         super().__init__([torch.zeros(0)], {"lr": lr})
         if source is not None:
             self.param_groups = source.param_groups
             self.defaults = source.defaults
         self._adapter = adapter
         self._source = source
+        self._pair = pair
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        if self._pair is not None:
+            self._pair.step(self._source)
+            return loss
         self._adapter.engine.set_lr(self.param_groups[0]["lr"])
         self._adapter.step(boundary=True)
         if self._source is not None:
@@ -320,10 +358,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
 _PER_GROUP_KEYS = ("params", "weight_decay", "name")
 
 
-def optimizer_config(optimizer: torch.optim.Optimizer) -> dict:
-    """The engine's ``optimizer`` config section for a torch or polyaccel optimizer with one set of
-    hyperparameters (several param groups are allowed when only their ``weight_decay`` differs: the engine
-    gets those from :func:`weight_decay_groups`)."""
+def _groups_agree(optimizer: torch.optim.Optimizer) -> None:
+    """Every param group of ``optimizer`` has group 0's hyperparameters but for the per-group keys."""
     groups = optimizer.param_groups
     keys = [k for k in groups[0] if k not in _PER_GROUP_KEYS]
     for i, g in enumerate(groups[1:], 1):
@@ -333,6 +369,14 @@ def optimizer_config(optimizer: torch.optim.Optimizer) -> dict:
                               f"{', '.join(repr(k) for k in differ)} than group 0; the polyaccel engine varies only "
                               "weight_decay per group: give every group the same other hyperparameters, or set "
                               "the config's 'optimizer' section")
+
+
+def optimizer_config(optimizer: torch.optim.Optimizer) -> dict:
+    """The engine's ``optimizer`` config section for a torch or polyaccel optimizer with one set of
+    hyperparameters (several param groups are allowed when only their ``weight_decay`` differs: the engine
+    gets those from :func:`weight_decay_groups`)."""
+    groups = optimizer.param_groups
+    _groups_agree(optimizer)
     g = groups[0]
     name = type(optimizer).__name__
     _refuse_dropped_settings(optimizer, g)
@@ -367,6 +411,7 @@ _MAPPED = {
     "FusedAdam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"},
     "FusedLion": {"lr", "betas", "weight_decay"},
     "FusedLamb": {"lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff"},
+    "Muon": {"lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"},
 }
 #: torch settings that choose how torch would run the same step (one kernel per tensor, a multi-tensor kernel, a
 #: fused kernel): carried as what they ask, the engine's step being one fused multi-tensor kernel whatever they say
@@ -419,6 +464,97 @@ def optimizer_covers_module(optimizer: torch.optim.Optimizer, module: torch.nn.M
                           f"{shown}, which it would never change; the polyaccel engine steps every trainable "
                           "parameter: freeze them (requires_grad_(False)) or give them to the optimizer")
     return optimizer
+
+
+#: torch.optim.Muon's ``adjust_lr_fn`` as the engine's ``lr_adjustment``
+_LR_ADJUSTMENTS = {None: "original", "original": "original", "match_rms_adamw": "match_rms_adamw"}
+
+
+def _name_pattern(name: str) -> str:
+    """An fnmatch pattern matching exactly ``name`` (``*``, ``?`` and ``[`` taken literally)."""
+    import re
+
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def _names_of(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str]:
+    out = []
+    for i, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            if id(p) not in names:
+                raise ConfigError(f"{type(optimizer).__name__}'s param group {i} holds a tensor of shape "
+                                  f"{tuple(p.shape)} that is not a parameter of the LightningModule; optimize the "
+                                  "module's own parameters (self.parameters() or self.named_parameters())")
+            out.append(names[id(p)])
+    return out
+
+
+def muon_optimizer_config(muon: torch.optim.Optimizer, adam: torch.optim.Optimizer | None,
+                          module: torch.nn.Module) -> tuple[dict, list[dict]]:
+    """The engine's ``optimizer`` section (``type: "muon"``) and ``param_groups`` for ``torch.optim.Muon`` over
+    the hidden matrices and ``adam`` (torch's AdamW, or Adam without L2 decay; None when Muon holds every trainable
+    parameter) over the rest: Muon's settings under their engine names, the Adam's as ``adam_*``, and each
+    optimizer's parameters by exact name (``muon_params`` / ``adam_params``). ``param_groups`` carries the weight
+    decay of each param group when an optimizer has several (empty otherwise). What the engine would not step
+    exactly as these two optimizers is refused with a :class:`ConfigError` naming it."""
+    if not isinstance(muon, torch.optim.Muon):
+        raise ConfigError(f"expected torch.optim.Muon, got {type(muon).__name__}")
+    names = {id(p): n for n, p in module.named_parameters()}
+    _groups_agree(muon)
+    g = muon.param_groups[0]
+    _refuse_dropped_settings(muon, g)
+    muon_names = _names_of(muon, names)
+    by_name = dict(module.named_parameters())
+    flat = [n for n in muon_names if by_name[n].dim() != 2]
+    if flat:
+        raise ConfigError(f"Muon holds the parameter {flat[0]!r} of shape {tuple(by_name[flat[0]].shape)}; Muon steps "
+                          "2-D matrices only: give it to the AdamW")
+    adjust = g.get("adjust_lr_fn")
+    if adjust not in _LR_ADJUSTMENTS:
+        raise ConfigError(f"Muon(adjust_lr_fn={adjust!r}) has no engine equivalent (None, 'original', "
+                          "'match_rms_adamw' do)")
+    params: dict = {"lr": float(g["lr"]), "weight_decay": float(g["weight_decay"]),
+                    "momentum": float(g["momentum"]), "nesterov": bool(g["nesterov"]),
+                    "ns_steps": int(g["ns_steps"]), "ns_coefficients": [float(c) for c in g["ns_coefficients"]],
+                    "eps": float(g["eps"]), "lr_adjustment": _LR_ADJUSTMENTS[adjust],
+                    "ns_dtype": "bf16",  # torch.optim.Muon's Newton-Schulz iteration runs in bf16
+                    "muon_params": [_name_pattern(n) for n in muon_names]}
+    groups = [(muon, muon_names)]
+    if adam is not None:
+        if not isinstance(adam, torch.optim.Adam):  # AdamW is an Adam
+            raise ConfigError(f"PolyaccelStrategy pairs torch.optim.Muon with torch.optim.AdamW or Adam (the engine's "
+                              f"auxiliary optimizer is an AdamW), not {type(adam).__name__}")
+        _groups_agree(adam)
+        a = adam.param_groups[0]
+        _refuse_dropped_settings(adam, a)
+        decoupled = isinstance(adam, torch.optim.AdamW) or a.get("decoupled_weight_decay", False)
+        l2 = [float(x.get("weight_decay", 0.0)) for x in adam.param_groups if x.get("weight_decay", 0.0)]
+        if not decoupled and l2:
+            raise ConfigError(f"Adam(weight_decay={l2[0]}) paired with Muon adds L2 decay to the gradient, but the "
+                              "engine's auxiliary optimizer is an AdamW (decoupled decay): use torch.optim.AdamW")
+        adam_names = _names_of(adam, names)
+        both = sorted(set(adam_names) & set(muon_names))
+        if both:
+            raise ConfigError(f"the parameter {both[0]!r} is in both Muon and {type(adam).__name__}; give each "
+                              "parameter to one optimizer")
+        params.update(adam_params=[_name_pattern(n) for n in adam_names], adam_lr=float(a["lr"]),
+                      adam_betas=[float(b) for b in a["betas"]], adam_eps=float(a["eps"]),
+                      adam_weight_decay=float(a.get("weight_decay", 0.0)))
+        groups.append((adam, adam_names))
+    held = {n for _, ns in groups for n in ns}
+    left = [n for n, p in module.named_parameters() if p.requires_grad and n not in held]
+    if left:
+        shown = ", ".join(repr(n) for n in left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        raise ConfigError(f"the optimizers from configure_optimizers leave out the trainable parameter(s) {shown}, "
+                          "which they would never change; the polyaccel engine steps every trainable parameter: "
+                          "freeze them (requires_grad_(False)) or give them to Muon (2-D) or the AdamW")
+    param_groups = []
+    if any(len(opt.param_groups) > 1 for opt, _ in groups):
+        for opt, _ in groups:
+            for grp in opt.param_groups:
+                param_groups.append({"params": [names[id(p)] for p in grp["params"]],
+                                     "weight_decay": float(grp.get("weight_decay", 0.0))})
+    return {"type": "muon", "params": params}, param_groups
 
 
 def weight_decay_groups(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> list[dict]:
@@ -557,15 +693,23 @@ class PolyaccelStrategy(DDPStrategy):
 
         module = self.lightning_module
         cfg = copy.deepcopy(self.config)
-        source, schedulers, extra = None, [], {}
+        source, schedulers, extra, optimizers = None, [], {}, []
         if "optimizer" not in cfg:
             optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
-            if len(optimizers) != 1:
-                raise ConfigError(f"PolyaccelStrategy trains with one optimizer; configure_optimizers gave "
-                                  f"{len(optimizers)}")
-            source = optimizer_covers_module(optimizers[0], module)
-            cfg["optimizer"] = optimizer_config(source)
-            groups = weight_decay_groups(source, module)
+            muon = [o for o in optimizers if isinstance(o, torch.optim.Muon)]
+            if muon and len(optimizers) <= 2:
+                # Muon over the hidden matrices (with an AdamW for the rest): the engine's one Muon optimizer
+                other = next((o for o in optimizers if o is not muon[0]), None)
+                cfg["optimizer"], groups = muon_optimizer_config(muon[0], other, module)
+                source = muon[0]
+            elif len(optimizers) != 1:
+                raise ConfigError(f"PolyaccelStrategy trains with one optimizer, or torch.optim.Muon with an AdamW; "
+                                  f"configure_optimizers gave {len(optimizers)} "
+                                  f"({', '.join(type(o).__name__ for o in optimizers)})")
+            else:
+                source = optimizer_covers_module(optimizers[0], module)
+                cfg["optimizer"] = optimizer_config(source)
+                groups = weight_decay_groups(source, module)
             if groups:
                 extra["param_groups"] = groups
         # else: the config's optimizer wins over configure_optimizers, as with Lightning's DeepSpeedStrategy
@@ -593,9 +737,13 @@ class PolyaccelStrategy(DDPStrategy):
         adapter = EngineAdapter(engine)
         self.polyaccel_engine = adapter
         self.model = _EngineModule(module, adapter)
-        self.optimizers = [_EngineOptimizer(adapter, source, cfg["optimizer"]["params"]["lr"]
-                                            if "params" in cfg["optimizer"] and "lr" in cfg["optimizer"]["params"]
-                                            else engine.get_lr())]
+        lr = (cfg["optimizer"]["params"]["lr"] if "params" in cfg["optimizer"] and "lr" in cfg["optimizer"]["params"]
+              else engine.get_lr())
+        if len(optimizers) == 2:  # Muon and its AdamW: Lightning steps both (manual optimization), the engine once
+            pair = _MuonPair(adapter, source, next(o for o in optimizers if o is not source))
+            self.optimizers = [_EngineOptimizer(adapter, o, lr, pair=pair) for o in optimizers]
+        else:
+            self.optimizers = [_EngineOptimizer(adapter, source, lr)]
         self.lr_scheduler_configs = schedulers
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -693,4 +841,5 @@ register_accelerators(AcceleratorRegistry)
 PolyaccelStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["ENGINE_TAG", "LIGHTNING_STATE", "PolyaccelAccelerator", "PolyaccelPrecision", "PolyaccelStrategy",
-           "accelerator_class", "optimizer_config", "register_accelerators", "weight_decay_groups"]
+           "accelerator_class", "muon_optimizer_config", "optimizer_config", "register_accelerators",
+           "weight_decay_groups"]
