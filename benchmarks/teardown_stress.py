@@ -5,8 +5,9 @@
 
 Each run is ``torchrun --standalone --nproc-per-node 4 teardown_stress.py --rank`` (``--rank`` runs the
 snippet on a tiny Qwen3-MoE, the model the snippet leaves to the reader, with ZeRO 2 x AutoTP 2 x AutoEP 2;
-``--steps`` adds training steps before the exit). A run counts as an abort when torchrun reports a rank
-ended by SIGABRT (or any signal), as a failure when it exits non-zero, and as unclean when a rank printed
+``--steps`` adds training steps before the exit; ``--without-teardown`` switches off polyaccel's exit
+teardown in the ranks, the way it was before, for a baseline rate). A run counts as an abort when torchrun
+reports a rank ended by SIGABRT (or any signal), as a failure when it exits non-zero, and as unclean when a rank printed
 a traceback or torch's warning about a process group left alive. The logs of every bad run are kept.
 Prints one line per bad run and a summary; exit status 1 when any run was bad.
 """
@@ -24,11 +25,15 @@ import time
 SIGNAL_DEATH = re.compile(r"exitcode\s*:\s*-(\d+)|Signal (\d+) \((SIG\w+)\)")
 
 
-def rank_main(steps: int) -> None:
+def rank_main(steps: int, without_teardown: bool) -> None:
     import polyaccel
     import torch
     import transformers
+    from polyaccel.comm import teardown
     from polyaccel.engines.autoep.models import build_tiny
+
+    if without_teardown:
+        teardown.arm = lambda: None  # the group is left to interpreter shutdown, as before the exit teardown
 
     transformers.logging.set_verbosity_error()
     model = build_tiny("qwen3_moe", torch.float32, seed=0, vocab=64, hidden=32, experts=4, ffn=16,
@@ -72,11 +77,12 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=0, help="training steps after the snippet (0: the snippet alone)")
+    ap.add_argument("--without-teardown", action="store_true", help="baseline: no exit teardown in the ranks")
     ap.add_argument("--minutes", type=float, default=None, help="stop starting runs after this long")
     ap.add_argument("--logs", default=None, help="folder for the logs of bad runs (default: a temporary one)")
     args = ap.parse_args()
     if args.rank:
-        rank_main(args.steps)
+        rank_main(args.steps, args.without_teardown)
         return 0
 
     logs = args.logs or tempfile.mkdtemp(prefix="teardown-stress-")
@@ -84,6 +90,8 @@ def main() -> int:
     env = dict(os.environ, POLYACCEL_ACCELERATOR=os.environ.get("POLYACCEL_ACCELERATOR", "cpu"), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            os.path.abspath(__file__), "--rank", f"--steps={args.steps}"]
+    if args.without_teardown:
+        cmd.append("--without-teardown")
     print("each run:", " ".join(cmd[2:]), flush=True)
     start = time.monotonic()
     done, bad, aborts = 0, 0, 0
@@ -102,7 +110,7 @@ def main() -> int:
             print(f"run {run}: {what}; log {path}", flush=True)
     minutes = (time.monotonic() - start) / 60
     print(f"{done} runs of {args.nproc} ranks in {minutes:.1f} min: {aborts} aborts, {bad} bad runs in all "
-          f"(steps {args.steps})", flush=True)
+          f"(steps {args.steps}{', without the exit teardown' if args.without_teardown else ''})", flush=True)
     return 1 if bad else 0
 
 
