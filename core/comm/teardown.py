@@ -82,11 +82,6 @@ def disarm() -> None:
         _restore_excepthook()
 
 
-def owns_current_group() -> bool:
-    """Whether the live world group is the one polyaccel created (not one the application made)."""
-    return _group is not None and _default_group() is _group
-
-
 def _default_group():
     if not (dist.is_available() and dist.is_initialized()):
         return None
