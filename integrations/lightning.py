@@ -669,8 +669,10 @@ class PolyaccelStrategy(DDPStrategy):
                            "RANK": str(self.global_rank), "WORLD_SIZE": str(self.world_size),
                            "LOCAL_RANK": str(self.local_rank)})
         from polyaccel import comm
+        from polyaccel.comm import teardown
 
         comm.init_distributed(backend=self._process_group_backend, timeout=self._timeout)
+        teardown.release_signals()  # Lightning's own SIGTERM/SIGINT handling stays as it is; the group goes at exit
         self._process_group_backend = torch.distributed.get_backend()
 
     def setup(self, trainer: pl.Trainer) -> None:

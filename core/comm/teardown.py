@@ -70,16 +70,27 @@ def disarm() -> None:
     global _group
     with _lock:
         _group = None
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum, previous in list(_installed.items()):
-            try:
-                if signal.getsignal(signum) in (_on_sigterm, _on_sigint):
-                    signal.signal(signum, previous)
-            except (ValueError, OSError):
-                pass
-            del _installed[signum]
+        _restore_signals()
         _restore_excepthook()
+
+
+def release_signals() -> None:
+    """Leave SIGTERM and SIGINT to a framework that handles them itself (Lightning stops its loop on SIGTERM);
+    the group is still destroyed at exit."""
+    with _lock:
+        _restore_signals()
+
+
+def _restore_signals() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum, previous in list(_installed.items()):
+        try:
+            if signal.getsignal(signum) in (_on_sigterm, _on_sigint):
+                signal.signal(signum, previous)
+        except (ValueError, OSError):
+            pass
+        del _installed[signum]
 
 
 def _default_group():

@@ -151,3 +151,24 @@ def test_a_failing_teardown_is_one_line_never_an_exception(monkeypatch, capsys):
                    "RuntimeError: the backend refused\n")
     assert teardown.teardown("at exit") is False  # once: nothing left to destroy, nothing said
     assert capsys.readouterr().err == ""
+
+
+def test_release_signals_leaves_them_to_the_framework_and_keeps_the_exit_teardown(monkeypatch):
+    """What PolyaccelStrategy does after init: Lightning's own SIGTERM handling stays; the group still goes at exit."""
+    import signal as sig
+
+    group = object()
+    monkeypatch.setattr(teardown, "_default_group", lambda: group)
+    before = {s: sig.getsignal(s) for s in (sig.SIGTERM, sig.SIGINT)}
+    try:
+        teardown.arm()
+        armed = sig.getsignal(sig.SIGTERM)
+        teardown.release_signals()
+        assert {s: sig.getsignal(s) for s in before} == before
+        assert teardown._group is group  # still owned: the exit hook destroys it
+    finally:
+        monkeypatch.setattr(teardown, "_group", None)
+        teardown.disarm()
+    # armed over the default handler only (an application's own is left alone)
+    assert armed is (teardown._on_sigterm if before[sig.SIGTERM] is sig.SIG_DFL else before[sig.SIGTERM])
+
