@@ -238,6 +238,7 @@ def two_rank_damage(rank: int, world: int, root: str) -> dict:
         out["save_error"] = str(exc)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    comm.barrier()  # rank 0 drops the save's directory lock on its way out of the failed save: list after it
     out["left"] = sorted(os.listdir(root))
     eng.destroy()
     return out
