@@ -20,24 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from polyaccel import comm
+from polyaccel.comm.autograd import sum_grad_over
 from polyaccel.parallel import Split
 from torch import nn
 
 # --------------------------------------------------------------------------------------------- functions
-
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # the gradient comes fresh from this layer's own matmul: reduced in place
-        grad = grad.contiguous()
-        comm.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -101,7 +88,7 @@ class _SliceLastDim(torch.autograd.Function):
 
 
 def copy_to_tp(x, group):
-    return _CopyToTP.apply(x, group)
+    return sum_grad_over(x, group)
 
 
 def reduce_from_tp(x, group):

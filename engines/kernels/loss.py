@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from polyaccel.comm.autograd import sum_grad_over
 from polyaccel.errors import InvalidArgument, PolyaccelError
 from polyaccel.parallel import get_layout
 from torch import nn
@@ -94,23 +95,6 @@ def head_state(head: nn.Module, mesh) -> HeadState:
     return HeadState(group=mesh.group("tensor"), vocab_start=sum(split.sections[0][:split.rank]))
 
 
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; the gradient (partial: this rank's vocabulary columns only) summed over the group."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        from polyaccel import comm
-
-        grad = grad.contiguous().clone()
-        comm.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def head_forward(head: nn.Module, original, state: HeadState, x: torch.Tensor, *args, **kwargs):
     request = state.pending
     if request is None or args or kwargs:
@@ -123,7 +107,7 @@ def head_forward(head: nn.Module, original, state: HeadState, x: torch.Tensor, *
         raise InvalidArgument(f"the causal-LM loss got {hidden.shape[0]} hidden states but {request.labels.shape[0]} "
                               "shifted labels; pass labels (or shift_labels) of the input's [batch, seq] shape")
     if state.group is not None:
-        hidden = _SumGradOverGroup.apply(hidden, state.group)
+        hidden = sum_grad_over(hidden, state.group)  # each rank's part covers its vocabulary columns only
     return ops.linear_cross_entropy(hidden, head.weight, request.labels.to(hidden.device), bias=head.bias,
                                     ignore_index=request.ignore_index, num_items=request.num_items,
                                     group=state.group, vocab_start=state.vocab_start)
