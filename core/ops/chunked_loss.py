@@ -22,7 +22,9 @@ logits), and the gradients stay with the shard (see :mod:`polyaccel.ops.referenc
 The per-chunk math is a pair of *chunk kernels* (:class:`TorchChunkKernels` here; the cuda
 plugin passes Triton ones): ``stats(z, target) -> (lse, picked)`` per row and
 ``grad_(z, lse, target, coef, scale) -> dz``, ``target`` being each row's column in this shard
-or -1 (ignored, or another shard's class).
+or -1 (ignored, or another shard's class). Optional: ``stats_grad_(z, target, scale, z_loss)``
+does both in one pass over each row when no group has to combine the statistics first, and
+``scale_(g, factor)`` scales a stored gradient by the loss's incoming gradient in the backward.
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ class TorchChunkKernels:
         if zf is not z:
             z.copy_(zf)
         return z
+
+
+    @staticmethod
+    def scale_(g: torch.Tensor, factor: torch.Tensor) -> None:
+        """``g *= factor`` (the loss's incoming gradient, a 0-dim tensor), in place."""
+        g.mul_(factor)
 
 
 def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
@@ -136,19 +144,26 @@ def _run(kernels, hidden, weight, bias, labels, ignore_index, reduction, z_loss,
         e = min(n, s + chunk)
         h_c = hidden[s:e]
         z = F.linear(h_c, weight, bias)  # [rows, V_local] in the input dtype, fp32 accumulation
-        lse, picked = kernels.stats(z, target[s:e])
+        ok = valid[s:e]
+        fused = group is None and any(want) and hasattr(kernels, "stats_grad_")
+        if fused:  # statistics and gradient in one pass over each row (z becomes dz)
+            lse, picked = kernels.stats_grad_(z, target[s:e], ok.to(acc) * inv, z_loss)
+        else:
+            lse, picked = kernels.stats(z, target[s:e])
         if group is not None:
             both = _all_gather_rows(torch.stack([lse, picked]), group)
             lse, picked = torch.logsumexp(both[:, 0], dim=0), both[:, 1].sum(0)
         rows = lse - picked
         if z_loss:
             rows = rows + z_loss * lse * lse
-        ok = valid[s:e]
         total += torch.where(ok, rows, torch.zeros_like(rows)).sum()
         if any(want):
-            scale = ok.to(acc) * inv
-            coef = scale * (1.0 + 2.0 * z_loss * lse) if z_loss else scale
-            dz = kernels.grad_(z, lse, target[s:e], coef, scale)
+            if fused:
+                dz = z
+            else:
+                scale = ok.to(acc) * inv
+                coef = scale * (1.0 + 2.0 * z_loss * lse) if z_loss else scale
+                dz = kernels.grad_(z, lse, target[s:e], coef, scale)
             if want_h:
                 torch.mm(dz, weight, out=grad_h[s:e])
             if want_w:
@@ -166,6 +181,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         want = tuple(ctx.needs_input_grad[:3])
         loss, grad_h, grad_w, grad_b = _run(kernels, hidden, weight, bias, labels, *options, want=want)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.kernels = kernels
         ctx.spent = False
         return loss
 
@@ -177,9 +193,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                               "call the op again for another backward")
         ctx.spent = True
         grads = list(ctx.saved_tensors)
+        scale_ = getattr(ctx.kernels, "scale_", TorchChunkKernels.scale_)
         for g in grads:
             if g is not None:
-                g.mul_(grad_loss.to(g.device))
+                scale_(g, grad_loss.to(g.device))
         return grads[0], grads[1], grads[2], None, None, None
 
 

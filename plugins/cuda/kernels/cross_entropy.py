@@ -9,6 +9,13 @@ chunk's math, and cuBLAS spends the gradient (``dz @ W``, ``dz.T @ h``). Two ker
 * :func:`grad_`: ``dz = coef * exp(z - lse) - scale * onehot(target)`` written over the logits
   chunk (same dtype, same memory): one read and one write, a 2-D grid over rows and column blocks.
 
+Without a vocab-parallel group the two run as one (:func:`stats_grad_`): a program per row makes
+the statistics pass and then the gradient pass over the same row. At :data:`FUSED_WARPS` warps a
+program fills an SM, so the rows in flight fit in L2 and the second read of a row costs no
+HBM traffic: two passes over the chunk instead of three. The backward's scaling by the loss's
+incoming gradient (:func:`scale_`) reads that scalar on the device and returns at once when it
+is exactly 1 (``loss.backward()``), without a host read.
+
 Compared with torch's chunk math (an fp32 copy of the chunk, logsumexp's temporaries, the
 exp and scatter passes), the chunk needs no memory beyond its logits and three passes instead
 of about eight. 64-bit offsets: a chunk may pass 2**31 elements.
@@ -24,6 +31,11 @@ from polyaccel.ops.chunked_loss import make_linear_cross_entropy
 #: columns per step of a row (stats) and per program (grad)
 BLOCK_V = 4096
 NUM_WARPS = 8
+#: the fused kernel's columns per step and warps (one program an SM: its rows stay in L2 between the passes)
+FUSED_BLOCK = 8192
+FUSED_WARPS = 32
+#: elements per program of the backward's scaling
+SCALE_BLOCK = 8192
 
 
 @triton.jit
@@ -59,6 +71,47 @@ def _grad_kernel(z_ptr, lse_ptr, target_ptr, coef_ptr, scale_ptr, V, stride, BLO
     dz = tl.load(coef_ptr + row) * tl.exp(z - lse)
     dz = tl.where(offs == tl.load(target_ptr + row), dz - tl.load(scale_ptr + row), dz)
     tl.store(ptrs, dz.to(z_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stats_grad_kernel(z_ptr, target_ptr, scale_ptr, lse_ptr, picked_ptr, V, stride, z_loss,
+                       ACC: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = z_ptr + row * stride
+    cols = tl.arange(0, BLOCK).to(tl.int64)
+    m = tl.full((BLOCK,), float("-inf"), ACC)
+    s = tl.zeros((BLOCK,), ACC)
+    for start in range(0, V, BLOCK):
+        offs = start + cols
+        z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(ACC)
+        m_new = tl.maximum(m, z)
+        s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(z - m_new))
+        m = m_new
+    row_max = tl.max(m, 0)
+    lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), 0))
+    t = tl.load(target_ptr + row)
+    picked = tl.load(base + tl.maximum(t, 0)).to(ACC)
+    tl.store(lse_ptr + row, lse)
+    tl.store(picked_ptr + row, tl.where(t >= 0, picked, 0.0))
+    scale = tl.load(scale_ptr + row).to(ACC)
+    coef = scale * (1.0 + 2.0 * z_loss * lse)
+    for start in range(0, V, BLOCK):
+        offs = start + cols
+        mask = offs < V
+        z = tl.load(base + offs, mask=mask, other=0.0).to(ACC)
+        dz = coef * tl.exp(z - lse)
+        dz = tl.where(offs == t, dz - scale, dz)
+        tl.store(base + offs, dz.to(z_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_kernel(g_ptr, factor_ptr, n, BLOCK: tl.constexpr):
+    factor = tl.load(factor_ptr)
+    if factor != 1.0:  # loss.backward() hands exactly 1: nothing to do, and no host read to find that out
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask)
+        tl.store(g_ptr + offs, (g.to(factor.dtype) * factor).to(g_ptr.dtype.element_ty), mask=mask)
 
 
 def _acc(dtype: torch.dtype):
@@ -100,6 +153,37 @@ class TritonChunkKernels:
                                                     scale.to(acc).contiguous(), v, z.stride(0), BLOCK=block,
                                                     num_warps=NUM_WARPS)
         return z
+
+
+    @staticmethod
+    def stats_grad_(z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
+                    z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``stats`` and ``grad_`` in one pass a row: ``(lse, picked)``, with ``dz`` written over ``z``
+        (``coef = scale * (1 + 2 z_loss lse)``)."""
+        rows, v = z.shape
+        if z.stride(1) != 1 or not rows:  # not row-major (never F.linear's output): the two-kernel path
+            lse, picked = TritonChunkKernels.stats(z, target)
+            coef = scale * (1.0 + 2.0 * z_loss * lse) if z_loss else scale
+            z.copy_(TritonChunkKernels.grad_(z, lse, target, coef, scale))
+            return lse, picked
+        acc = _math_dtype(z.dtype)
+        lse = torch.empty(rows, dtype=acc, device=z.device)
+        picked = torch.empty(rows, dtype=acc, device=z.device)
+        _stats_grad_kernel[(rows,)](z, target.contiguous(), scale.to(acc).contiguous(), lse, picked, v,
+                                    z.stride(0), float(z_loss), ACC=_acc(z.dtype),
+                                    BLOCK=min(FUSED_BLOCK, triton.next_power_of_2(v)), num_warps=FUSED_WARPS)
+        return lse, picked
+
+    @staticmethod
+    def scale_(g: torch.Tensor, factor: torch.Tensor) -> None:
+        """``g *= factor`` in place; a no-op on the device when ``factor`` is exactly 1."""
+        if not g.is_contiguous():
+            g.mul_(factor)
+            return
+        n = g.numel()
+        if n:
+            factor = factor.reshape(1).to(_math_dtype(g.dtype))
+            _scale_kernel[(triton.cdiv(n, SCALE_BLOCK),)](g, factor, n, BLOCK=SCALE_BLOCK, num_warps=8)
 
 
 #: the op: core's chunked loop with the Triton chunk kernels (cuBLAS for the three GEMMs)

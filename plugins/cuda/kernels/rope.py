@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from polyaccel.ops.reference.rope import make_rope
 
-#: pairs of one head are BLOCK_D wide; heads per step (q's and k's each, up to their count) keep a tile at most this
-#: many pairs: 16 a thread at 4 warps (112-122 registers, no spills on sm_90); more heads take more steps
+#: pairs of one head are BLOCK_D wide; heads per step keep a tile at most this many pairs: 16 a thread at 4 warps
+#: (112-122 registers, no spills on sm_90); more heads take more steps
 MAX_TILE = 2048
 
 
@@ -88,7 +88,8 @@ def _like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t)
 
 
-def _launch(q, k, cos, sin, interleaved: bool, backward: bool, *, block_h: int | None = None, num_warps: int = 4):
+def _launch(q, k, cos, sin, interleaved: bool, backward: bool, *, block_hq: int | None = None,
+            block_hk: int | None = None, num_warps: int = 4):
     qo, ko = _like(q), _like(k)
     B, n_qh, S, D = q.shape
     n_kh = k.shape[1]
@@ -96,9 +97,10 @@ def _launch(q, k, cos, sin, interleaved: bool, backward: bool, *, block_h: int |
         return qo, ko
     half = D // 2
     block_d = triton.next_power_of_2(half)
-    cap = max(1, MAX_TILE // block_d)
-    block_hq = block_h or min(triton.next_power_of_2(max(n_qh, 1)), cap)
-    block_hk = block_h or min(triton.next_power_of_2(max(n_kh, 1)), cap)
+    # one head tile for q and k (k's GQA heads padded to q's): k's own smaller tile halves each thread's vector
+    # width and measured ~6% slower on an H100 (RESULTS.md); the padded heads are masked, never read
+    shared = min(triton.next_power_of_2(max(n_qh, n_kh, 1)), max(1, MAX_TILE // block_d))
+    block_hq, block_hk = block_hq or shared, block_hk or shared
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
     _rope_kernel[(B * S,)](q, k, cos, sin, qo, ko, S, half, n_qh, n_kh, *q.stride(), *k.stride(), *qo.stride(),
                            *ko.stride(), *_table_strides(cos), *_table_strides(sin), INTERLEAVED=interleaved,

@@ -31,6 +31,60 @@ def test_stats_and_grad_kernels_match_torch_over_several_column_blocks():
     assert out.data_ptr() == zb.data_ptr() and out.dtype == torch.bfloat16
 
 
+def test_the_fused_kernel_equals_stats_then_grad():
+    gen = torch.Generator().manual_seed(4)
+    v = kce.FUSED_BLOCK + 311  # two steps of columns, the second partial
+    z = torch.randn(5, v, generator=gen, dtype=torch.float64) * 4
+    target = torch.tensor([0, -1, v - 1, kce.FUSED_BLOCK, 17])
+    scale = torch.rand(5, generator=gen, dtype=torch.float64) + 0.5
+    for z_loss in (0.0, 1e-2):
+        got = z.clone()
+        lse, picked = kce.TritonChunkKernels.stats_grad_(got, target, scale, z_loss)
+        want_lse, want_picked = chunked_loss.TorchChunkKernels.stats(z, target)
+        coef = scale * (1.0 + 2.0 * z_loss * want_lse)
+        want = chunked_loss.TorchChunkKernels.grad_(z.clone(), want_lse, target, coef, scale)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(picked, want_picked, rtol=0, atol=0)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    # a column-strided chunk takes the two-kernel path, still in place
+    zt = z.t().contiguous().t()
+    lse_t, _ = kce.TritonChunkKernels.stats_grad_(zt, target, scale, 0.0)
+    torch.testing.assert_close(lse_t, want_lse, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(zt, chunked_loss.TorchChunkKernels.grad_(z.clone(), want_lse, target, scale, scale),
+                               rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_scale_multiplies_unless_the_factor_is_exactly_one(dtype):
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(3, kce.SCALE_BLOCK + 77, generator=gen).to(dtype)
+    same = g.clone()
+    kce.TritonChunkKernels.scale_(same, torch.tensor(1.0))
+    assert torch.equal(same, g)
+    for factor in (2.5, 0.0, -1e-3):
+        got = g.clone()
+        kce.TritonChunkKernels.scale_(got, torch.tensor(factor))
+        want = (g.double() * torch.tensor(factor).double()).to(dtype)  # the factor as handed: an fp32 scalar
+        ulp = 0 if dtype == torch.float64 else 2**-7  # (the interpreter truncates fp32 -> bf16: one ulp)
+        torch.testing.assert_close(got, want, rtol=ulp, atol=0)
+    strided = g.clone().t()  # not contiguous: torch's in-place multiply
+    kce.TritonChunkKernels.scale_(strided, torch.tensor(3.0))
+    torch.testing.assert_close(strided, (g.double() * 3).to(dtype).t(), rtol=0, atol=0)
+
+
+def test_a_loss_gradient_other_than_one_scales_every_gradient():
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(19, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(37, 8, generator=gen, dtype=torch.float64) / 3
+    labels = torch.randint(0, 37, (19,), generator=gen)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight)]
+    (kce.linear_cross_entropy(*leaves, labels, chunk_size=6) * -0.75).backward()
+    r = [t.clone().requires_grad_(True) for t in (hidden, weight)]
+    (ref.linear_cross_entropy(*r, labels) * -0.75).backward()
+    for got, want in zip(leaves, r, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_the_op_matches_the_float64_reference(dtype):
     gen = torch.Generator().manual_seed(1)

@@ -145,9 +145,9 @@ def test_rope_forward_and_backward_match_float64(dtype, interleaved, table, hf_l
     cos, sin = _table(shape, gen, dtype, duplicated=table != "SD")
     q.requires_grad_(), k.requires_grad_()
     gq, gk = torch.randn(q.shape, generator=gen).to(dtype), torch.randn(k.shape, generator=gen).to(dtype)
-    qo, ko = kr.rope_forward(q.detach(), k.detach(), cos, sin, interleaved, block_h=block_h)
+    qo, ko = kr.rope_forward(q.detach(), k.detach(), cos, sin, interleaved, block_hq=block_h, block_hk=block_h)
     assert qo.stride() == q.stride() and ko.stride() == k.stride()  # outputs in the inputs' memory order
-    dq, dk = kr.rope_backward(gq, gk, cos, sin, interleaved, block_h=block_h)
+    dq, dk = kr.rope_backward(gq, gk, cos, sin, interleaved, block_hq=block_h, block_hk=block_h)
     for name, got, dgot, x, g in (("q", qo, dq, q, gq), ("k", ko, dk, k, gk)):
         want, want_d, mag, gmag = _rope64(x.detach(), cos, sin, g, interleaved)
         _check(got, want, mag, dtype, f"{name}_out")
