@@ -1,14 +1,16 @@
 """polyaccel in PyTorch Lightning: an accelerator for the selected plugin and a strategy that trains through
 the polyaccel engine.
 
-Install ``polyaccel[lightning]``; importing this module registers the accelerators (see
-docs/integrations-lightning.md)::
+Install ``polyaccel[lightning]``. Importing this module changes nothing in Lightning: the names
+``"polyaccel"`` (and the plugins') enter Lightning's registries when a :class:`PolyaccelStrategy` is
+constructed or :func:`register` is called (see docs/integrations-lightning.md)::
 
-    import polyaccel.integrations.lightning  # registers "polyaccel" and the plugins' names
     from polyaccel.integrations.lightning import PolyaccelStrategy
 
     trainer = L.Trainer(accelerator="polyaccel", devices=2, strategy=PolyaccelStrategy(stage=3))
     trainer.fit(module)                      # ckpt_path=... resumes from a checkpoint it wrote
+
+    polyaccel.integrations.lightning.register()   # for names alone: Trainer(accelerator="polyaccel")
 
 - :class:`PolyaccelAccelerator` is the selected polyaccel plugin as a Lightning accelerator, registered
   as ``"polyaccel"``; every other available plugin is registered under its own name (``"example"``,
@@ -597,6 +599,7 @@ class PolyaccelStrategy(DDPStrategy):
 
     def __init__(self, stage: int | None = None, config: dict | None = None, *, engine: str = "zero",
                  **kwargs: Any) -> None:
+        register()  # a Trainer built with this strategy finds accelerator="polyaccel" (and the plugins' names)
         super().__init__(**kwargs)
         cfg = copy.deepcopy(config) if config else {}
         if stage is not None:
@@ -839,9 +842,15 @@ class PolyaccelStrategy(DDPStrategy):
             strategy_registry.register(cls.strategy_name, cls, description="training through the polyaccel engine")
 
 
-register_accelerators(AcceleratorRegistry)
-PolyaccelStrategy.register_strategies(StrategyRegistry)
+def register() -> list[str]:
+    """Make ``"polyaccel"`` (accelerator and strategy) and every available plugin's name known to Lightning.
+    Idempotent; constructing a :class:`PolyaccelStrategy` calls it, importing this module does not. Returns the
+    accelerator names registered by this call."""
+    names = register_accelerators(AcceleratorRegistry)
+    PolyaccelStrategy.register_strategies(StrategyRegistry)
+    return names
+
 
 __all__ = ["ENGINE_TAG", "LIGHTNING_STATE", "PolyaccelAccelerator", "PolyaccelPrecision", "PolyaccelStrategy",
-           "accelerator_class", "muon_optimizer_config", "optimizer_config", "register_accelerators",
+           "accelerator_class", "muon_optimizer_config", "optimizer_config", "register", "register_accelerators",
            "weight_decay_groups"]

@@ -128,9 +128,10 @@ def check_transformers(res, tmp):
 def check_lightning(res, tmp):
     import lightning.pytorch as pl
     import polyaccel
-    import polyaccel.integrations.lightning  # noqa: F401 - registers the accelerators
     import torch
-    from polyaccel.integrations.lightning import PolyaccelStrategy
+    from polyaccel.integrations.lightning import PolyaccelStrategy, register
+
+    register()  # accelerator="polyaccel" with Lightning's default strategy: the name must be known first
 
     class LM(pl.LightningModule):
         def __init__(self):

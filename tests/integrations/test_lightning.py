@@ -172,8 +172,9 @@ def test_accelerators_registered_under_polyaccel_and_plugin_names():
 def one_device_run(rank, world, accelerator, strategy, out):
     import lightning.pytorch as pl
     import polyaccel
-    import polyaccel.integrations.lightning  # noqa: F401 - registers the accelerators and the strategy
+    from polyaccel.integrations.lightning import register
 
+    register()  # the names alone ("polyaccel", "example") reach Lightning through register(), not the import
     os.environ.update(ENV)
     module = make_module()
     trainer = pl.Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=2, logger=False,

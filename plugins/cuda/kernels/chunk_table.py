@@ -17,6 +17,7 @@ no host work at all.
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import threading
@@ -42,24 +43,51 @@ _INTERPRETER_CONFIG = (32, 2, 1)
 _config_override: tuple[int, int, int] | None = None
 
 
-def launch_config(param_dtype: torch.dtype = torch.float32) -> tuple[int, int, int]:
-    """(BLOCK, ITERS, num_warps) for the elementwise optimizer kernels over params of ``param_dtype``."""
+#: tuning runs set BLOCK,ITERS,WARPS without code changes; read (and refused if malformed) at first use
+CONFIG_ENV = "POLYACCEL_TRITON_OPTIM_CONFIG"
+
+
+def _checked_config(block: int, iters: int | None, num_warps: int | None, what: str) -> tuple[int, int, int]:
+    if block & (block - 1) or block < 16:
+        raise ConfigError(f"{what}: BLOCK must be a power of two >= 16, got {block}")
+    return int(block), int(iters or 1), int(num_warps or 4)
+
+
+@functools.lru_cache(maxsize=4)
+def _parse_env_config(raw: str) -> tuple[int, int, int]:
+    try:
+        b, i, w = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise ConfigError(f"{CONFIG_ENV}={raw!r} is not 'BLOCK,ITERS,WARPS'") from None
+    return _checked_config(b, i, w, f"{CONFIG_ENV}={raw!r}")
+
+
+def _forced_config() -> tuple[int, int, int] | None:
+    """The configuration set by :func:`set_launch_config`, else by the environment, else None."""
     if _config_override is not None:
         return _config_override
+    raw = os.environ.get(CONFIG_ENV)
+    return _parse_env_config(raw) if raw else None
+
+
+def launch_config(param_dtype: torch.dtype = torch.float32) -> tuple[int, int, int]:
+    """(BLOCK, ITERS, num_warps) for the elementwise optimizer kernels over params of ``param_dtype``."""
+    forced = _forced_config()
+    if forced is not None:
+        return forced
     if interpreting():
         return _INTERPRETER_CONFIG
     return _GPU_CONFIG.get(param_dtype.itemsize, _GPU_CONFIG[4])
 
 
 def set_launch_config(block: int | None, iters: int | None = None, num_warps: int | None = None) -> None:
-    """Force a launch configuration (benchmarks sweep it; tests shrink it). ``None`` restores the default."""
+    """Force a launch configuration (benchmarks sweep it; tests shrink it). ``None`` restores the default
+    (``POLYACCEL_TRITON_OPTIM_CONFIG`` when set, else the tuned table)."""
     global _config_override
     if block is None:
         _config_override = None
         return
-    if block & (block - 1) or block < 16:
-        raise ConfigError(f"BLOCK must be a power of two >= 16, got {block}")
-    _config_override = (int(block), int(iters or 1), int(num_warps or 4))
+    _config_override = _checked_config(block, iters, num_warps, "set_launch_config")
     clear_cache()
 
 
@@ -152,7 +180,7 @@ def table_for(op: str, lists) -> ChunkTable | None:
     if not lists[0]:
         check_lists(op, *lists)
         return None
-    key = (_config_override, interpreting(),
+    key = (_forced_config(), interpreting(),
            *(tuple(map(_ptr, lst)) + tuple(map(_numel, lst)) + tuple(map(_dtype, lst)) for lst in lists))
     with _lock:
         table = _cache.get(key)
@@ -173,16 +201,3 @@ def table_for(op: str, lists) -> ChunkTable | None:
             _cache.popitem(last=False)
     return table if groups else None
 
-
-def _env_config() -> None:
-    """POLYACCEL_TRITON_OPTIM_CONFIG=BLOCK,ITERS,WARPS (for tuning runs without code changes)."""
-    raw = os.environ.get("POLYACCEL_TRITON_OPTIM_CONFIG")
-    if raw:
-        try:
-            b, i, w = (int(x) for x in raw.split(","))
-        except ValueError:
-            raise ConfigError(f"POLYACCEL_TRITON_OPTIM_CONFIG={raw!r} is not 'BLOCK,ITERS,WARPS'") from None
-        set_launch_config(b, i, w)
-
-
-_env_config()
