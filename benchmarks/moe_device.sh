@@ -5,14 +5,13 @@
 # Steps:
 #   conf      conformance (fixed cases and FUZZ fuzz examples a row, default 5: each new shape compiles Triton
 #             kernels) of the swiglu ops, grouped_mm and the expert ops on cuda
-#   autoep    autoep_gpu.py: the 8 rows, AutoEP's default path vs HF eager / HF grouped_mm, and AutoEP forced
-#             onto the fused builders (the 'fused' columns) -> autoep.json
+#   autoep    autoep_gpu.py: the 8 rows, AutoEP's default path vs HF eager / HF grouped_mm -> autoep.json
 #   rows32k   autoep_gpu.py on the two E=8, 32k-token rows only (top-2 and top-8), 10 timed steps
 #   profile8  autoep_profile.py on the k=E row (E=8, 32k tokens, top-8): where AutoEP's device time goes
 #   host4k    autoep_profile.py --host on the two host-bound rows (4k tokens, top-2, E=8 and 64), HF beside,
 #             AutoEP with capture_graphs too
 #   graphs4k  autoep_gpu.py on the two host-bound rows only (with the capture_graphs line), 10 timed steps
-#   experts   moe_experts_gpu.py: the fused builders (forced by override) vs the unfused chain, expert MLP alone
+#   experts   moe_experts_gpu.py: the fused ops' chosen builders vs the unfused chain, expert MLP alone
 # STEPS=N sets the timed steps of autoep/experts (default 5).
 set -u
 OUT=${1:?usage: moe_device.sh OUTDIR STEP...}

@@ -1,6 +1,11 @@
 """The fused expert ops against the unfused ops, on the expert MLP alone (bf16, one device).
 
     python benchmarks/moe_experts_gpu.py [--hidden 2048 --ffn 1536] [--rows E,T,k ...] [--steps 10] [--out x.json]
+                                         [--builders GATE_UP,DOWN]
+
+The fused ops run through the builders the registry chooses (on a GPU the cuda plugin's
+``torch_moe_*``, the default path), or the two named by ``--builders`` (a candidate builder
+measured against the default path and the unfused chain: what docs/autoep.md asks of one).
 
 For each (experts E, tokens T, top-k k): random token rows, a random top-k routing, router
 weights, and expert weights in transformers' layouts (gate_up [E, 2F, H], down [E, H, F], used
@@ -15,8 +20,8 @@ transposed as AutoEP does). Prints, per row:
   unfused chain forward + backward;
 - peak memory of forward + backward, fused and unfused.
 
-What the lead reads: the fwd+bwd speed-up column (``x``) decides the shape rule in
-``plugins/cuda/kernels/moe_experts.py`` (``fused_applies``).
+What the lead reads: the fwd+bwd speed-up column (``x``): the fused builders' time against the
+unfused chain's.
 """
 
 from __future__ import annotations
@@ -181,16 +186,20 @@ def main(argv=None):
     p.add_argument("--ref-rows", type=int, default=8192, help="fp64 reference only where T*k <= this")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true", help="print a kernel table of fwd+bwd, fused and unfused")
+    p.add_argument("--builders", default=None, metavar="GATE_UP,DOWN",
+                   help="override moe_gate_up and moe_down_combine to these builders (default: the registry's)")
     args = p.parse_args(argv)
     rows = [tuple(int(v) for v in r.split(",")) for r in args.rows] if args.rows else ROWS
 
     from polyaccel import ops
 
     device = torch.device("cuda")
-    # the plugin's fused builders rank below the reference (not chosen by default): force them here
-    ops.override("moe_gate_up", "triton_moe_gate_up")
-    ops.override("moe_down_combine", "triton_moe_down_combine")
+    if args.builders:
+        gate_up, down = args.builders.split(",")
+        ops.override("moe_gate_up", gate_up)
+        ops.override("moe_down_combine", down)
     print(f"torch {torch.__version__}; moe_gate_up builder {ops.registry.chosen('moe_gate_up', 'cuda').name}, "
+          f"moe_down_combine builder {ops.registry.chosen('moe_down_combine', 'cuda').name}, "
           f"grouped_mm builder {ops.registry.chosen('grouped_mm', 'cuda').name}; H={args.hidden} F={args.ffn} bf16")
     head = (f"{'E':>3} {'T':>6} {'k':>2} | {'gate_up f/u ms':>15} {'down f/u ms':>13} | {'fwd+bwd f/u ms':>15} "
             f"{'x':>5} | {'peak MB f/u':>13} | rel err fused (out dx dw1 dw2 dwts) / unfused")

@@ -2,11 +2,11 @@
 
 Triton kernels for the multi-tensor optimizers (fused_adam, fused_lion, fused_lamb) above
 torch's fused Adam, and for quantize/dequantize, swiglu, weighted_swiglu, grouped_mm (also
-torch._grouped_mm), gather_sum, rms_norm, rope and the fused expert MLP (moe_gate_up, moe_down_combine: by
-default torch._grouped_mm and the Triton passes in one autograd node per op, the all-Triton
-fused kernels by override); the loss ops: linear_cross_entropy (core's chunked loop with Triton chunk
-kernels, cuBLAS GEMMs), logprobs, entropy and kl. The
-plugin's ``polyaccel_op_builders`` hook returns :func:`builders`.
+torch._grouped_mm), gather_sum, rms_norm, rope and the fused expert MLP (moe_gate_up, moe_down_combine:
+torch._grouped_mm and the Triton passes in one autograd node per op; docs/autoep.md tells why the
+all-Triton fused kernels were taken out); the loss ops: linear_cross_entropy (core's chunked loop
+with Triton chunk kernels, cuBLAS GEMMs), logprobs, entropy and kl. The plugin's
+``polyaccel_op_builders`` hook returns :func:`builders`.
 
 Importing this module loads neither Triton nor a kernel: a loader imports its kernel module on
 first use, and the ``compatible`` checks are cheap questions about the accelerator serving
@@ -42,12 +42,6 @@ TORCH_FUSED_ADAM_PRIORITY = 50
 #: the other Triton kernels; torch._grouped_mm ranks above Triton's grouped_mm where it runs
 TRITON_KERNEL_PRIORITY = 50
 TORCH_GROUPED_MM_PRIORITY = 60
-#: the fused expert-MLP kernels rank below the reference, so they are not chosen by default: on the H200
-#: (benchmarks/moe_experts_gpu.py, 2026-12-04) their forward + backward took 1.1-1.5x the time of the unfused
-#: chain (torch._grouped_mm + the Triton passes), the Triton GEMMs reaching 0.8 of CUTLASS's rate. Correct and
-#: conformance-checked; ``polyaccel.ops.override("moe_gate_up", "triton_moe_gate_up")`` (and
-#: ``moe_down_combine``) selects them (their peak memory is lower)
-TRITON_MOE_PRIORITY = -10
 #: the expert ops as torch._grouped_mm and the Triton passes in one autograd node per op: the unfused chain's
 #: kernels with a third of its autograd nodes (2 against 6), so chosen by default where torch._grouped_mm runs
 TORCH_MOE_PRIORITY = 60
@@ -164,13 +158,6 @@ _TABLE = (
     _Row("gather_sum", "triton_gather_sum", ".kernels.gather_sum", "gather_sum", "triton", TRITON_KERNEL_PRIORITY,
          triton_compatible, "Triton gather-sum: one pass over the rows forward, one backward (weights' gradient "
                             "included), no atomics, autograd-aware"),
-    _Row("moe_gate_up", "triton_moe_gate_up", ".kernels.moe_experts", "moe_gate_up", "triton", TRITON_MOE_PRIORITY,
-         triton_compatible, "Triton fused dispatch + gate/up grouped GEMM + SwiGLU epilogue (x gathered by row on "
-                            "load), bf16/fp16; other dtypes take the unfused ops"),
-    _Row("moe_down_combine", "triton_moe_down_combine", ".kernels.moe_experts", "moe_down_combine", "triton",
-         TRITON_MOE_PRIORITY, triton_compatible,
-         "Triton down grouped GEMM with the router weight in its epilogue (k=1: scattered to the token rows), "
-         "backward gathering grad_out on load, bf16/fp16; other dtypes take the unfused ops"),
     _Row("moe_gate_up", "torch_moe_gate_up", ".kernels.moe_grouped", "moe_gate_up", "torch", TORCH_MOE_PRIORITY,
          torch_moe_compatible, "one autograd node: the dispatch scattered by the gather-sum kernel, torch._grouped_mm "
                                "(CUTLASS, bf16), Triton SwiGLU; other inputs take the unfused ops"),

@@ -15,14 +15,18 @@ backward, let go as soon as that has run), ``h`` (w2's gradient) and the down pr
 the router weights need a gradient.
 
 Inputs ``torch._grouped_mm`` does not take (not bf16, widths not multiples of 8, 2**31 rows) take
-the unfused path through the op registry, as the Triton fused builders do for their dtypes.
+the unfused path through the op registry (``grouped_mm`` then ``swiglu``; ``grouped_mm`` then ``gather_sum``).
 """
 
 from __future__ import annotations
 
 import torch
 from polyaccel import ops
-from polyaccel.ops.reference.moe_experts import check_moe_down_combine_shapes, check_moe_gate_up_shapes
+from polyaccel.ops.reference.moe_experts import (
+    check_moe_down_combine_shapes,
+    check_moe_gate_up_shapes,
+    routed_tokens,
+)
 from polyaccel.ops.reference.swiglu import halves_of
 
 from .gather_sum import gather_sum_backward, gather_sum_forward
@@ -34,8 +38,13 @@ from .grouped_mm import (
     torch_grouped_product,
     torch_grouped_wgrad,
 )
-from .moe_experts import unfused_gate_up
 from .swiglu import swiglu_backward, swiglu_forward
+
+
+def unfused_gate_up(x, index, w1, offsets):
+    """The unfused path through the op registry (its fastest plain builders): gather, grouped_mm, swiglu."""
+    gate, up = ops.grouped_mm(x.index_select(0, routed_tokens(index)), w1, offsets).chunk(2, dim=-1)
+    return ops.swiglu(gate, up)
 
 
 def _routed_stand_in(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

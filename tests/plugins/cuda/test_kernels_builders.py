@@ -50,8 +50,7 @@ def test_register_adds_one_builder_per_op_and_torch_grouped_mm():
         "quantize": ["triton_quantize"], "dequantize": ["triton_dequantize"], "swiglu": ["triton_swiglu"],
         "weighted_swiglu": ["triton_weighted_swiglu"],
         "grouped_mm": ["triton_grouped_mm", "torch_grouped_mm"], "gather_sum": ["triton_gather_sum"],
-        "moe_gate_up": ["triton_moe_gate_up", "torch_moe_gate_up"],
-        "moe_down_combine": ["triton_moe_down_combine", "torch_moe_down_combine"],
+        "moe_gate_up": ["torch_moe_gate_up"], "moe_down_combine": ["torch_moe_down_combine"],
     }
     for op in names:
         for b in reg.builders(op):
@@ -67,8 +66,6 @@ def test_register_adds_one_builder_per_op_and_torch_grouped_mm():
     ("grouped_mm", "triton_grouped_mm", "grouped_mm", "grouped_mm"),
     ("grouped_mm", "torch_grouped_mm", "grouped_mm", "torch_grouped_mm"),
     ("gather_sum", "triton_gather_sum", "gather_sum", "gather_sum"),
-    ("moe_gate_up", "triton_moe_gate_up", "moe_experts", "moe_gate_up"),
-    ("moe_down_combine", "triton_moe_down_combine", "moe_experts", "moe_down_combine"),
     ("moe_gate_up", "torch_moe_gate_up", "moe_grouped", "moe_gate_up"),
     ("moe_down_combine", "torch_moe_down_combine", "moe_grouped", "moe_down_combine"),
 ])
@@ -127,10 +124,19 @@ def test_torch_moe_builders_need_torch_grouped_mm_and_triton(monkeypatch):
     assert not ok and "9.0" in why, "and torch._grouped_mm's compute capability"
 
 
-def test_the_torch_moe_builders_rank_above_the_triton_fused_ones():
+def test_the_all_triton_fused_expert_builders_are_gone(monkeypatch):
+    """They ran at 0.57-0.85x of the default path and were never chosen (docs/autoep.md): taken out, so neither
+    the plugin's table, nor the process's registry, nor ``explain`` lists them, and no kernel module is left."""
+    from polyaccel import ops
+
+    monkeypatch.setenv("POLYACCEL_PLUGINS", "cpu,cuda")
     for op in ("moe_gate_up", "moe_down_combine"):
-        ranks = {b.name: b.priority for b in _registry().builders(op)}
-        assert ranks[f"torch_{op}"] > 0 > ranks[f"triton_{op}"], "above the reference, which is above the Triton"
+        assert [b.name for b in _registry().builders(op)] == [f"torch_{op}"]
+        names = {b.name for b in ops.registry.builders(op)}
+        assert f"torch_{op}" in names and f"triton_{op}" not in names
+        text = ops.explain(op, "cuda")
+        assert f"torch_{op}" in text and "triton_" not in text
+    assert importlib.util.find_spec("polyaccel.plugins.cuda.kernels.moe_experts") is None
 
 
 def test_torch_grouped_mm_reasons_for_missing_pieces(monkeypatch):
