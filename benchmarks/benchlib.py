@@ -11,7 +11,6 @@ in the same run), and :func:`time_ms` to time (median of CUDA-event timings, war
 from __future__ import annotations
 
 import functools
-import json
 import math
 import sys
 from collections.abc import Callable
@@ -135,7 +134,8 @@ def print_rows(rows: list[Row], title: str = "polyaccel benchmarks") -> None:
 
 def write_json(rows: list[Row], path: str, **meta) -> None:
     import datetime
-    import os
+
+    from polyaccel import safe_files
 
     doc = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -152,10 +152,7 @@ def write_json(rows: list[Row], path: str, **meta) -> None:
         doc["triton"] = triton.__version__
     except Exception:  # noqa: BLE001
         doc["triton"] = None
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=2)
-    os.replace(tmp, path)
+    safe_files.write_json(path, doc, indent=2)
 
 
 def run_standalone(main: Callable[..., list[Row]]) -> None:

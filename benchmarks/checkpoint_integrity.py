@@ -58,7 +58,7 @@ def build(size: dict):
 
 def hash_rates(mib: int = 512) -> dict:
     """GB/s of SHA-256 on one thread and over 16 MiB pieces on the checkpoint's hashing pool."""
-    from polyaccel.engines.zero.integrity import CHUNK_BYTES, pool
+    from polyaccel.safe_files import CHUNK_BYTES, pool
 
     buf = memoryview(os.urandom(mib * 2**20))
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ import socket
 import time
 from pathlib import Path
 
-from polyaccel.errors import PolyaccelError
+from .errors import PolyaccelError
 
 try:
     import fcntl

@@ -17,53 +17,20 @@ crafted checkpoint from running code is that no file is unpickled beyond torch's
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..safe_files import check_files, read_record, record_files, write_checked_json
 
 MANIFEST = "polyaccel-files.json"
 FORMAT = "polyaccel-trainer-files"
-_ZEROS = "0" * 64
-_PREFIX = '{\n "checksum": "'
-
-
-def file_sha256(path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _fsync(path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path, data: bytes) -> None:
-    """``data`` into ``path`` under a temporary name, fsynced, then renamed: a crash leaves the old file or none."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    _fsync(tmp)
-    os.replace(tmp, path)
 
 
 def write_manifest(folder, names, trainer: str) -> Path:
     """Record ``names`` (files directly in ``folder``) with their sizes and checksums; written last, atomically."""
     folder = Path(folder)
-    files = {}
-    for name in sorted(names):
-        p = folder / name
-        files[name] = {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-    text = json.dumps({"checksum": _ZEROS, "format": FORMAT, "version": 1, "trainer": trainer, "files": files},
-                      indent=1)
-    text = text.replace(_ZEROS, hashlib.sha256(text.encode()).hexdigest(), 1)
-    write_atomic(folder / MANIFEST, text.encode())
-    return folder / MANIFEST
+    record = {"format": FORMAT, "version": 1, "trainer": trainer, "files": record_files(folder, names)}
+    return write_checked_json(folder / MANIFEST, record)
 
 
 def _read_manifest(folder: Path, fix: str) -> dict:
@@ -71,15 +38,9 @@ def _read_manifest(folder: Path, fix: str) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing, so the checkpoint's files cannot be checked (deleted, or written by "
                               f"an older polyaccel); {fix}", path)
-    raw = path.read_bytes()
-    start = len(_PREFIX)
-    stored = raw[start:start + 64].decode("ascii", "replace")
-    expect = hashlib.sha256(raw[:start] + _ZEROS.encode() + raw[start + 64:]).hexdigest()
-    if not raw.startswith(_PREFIX.encode()) or stored != expect:
-        raise CheckpointError(f"{path}: damaged (its checksum does not match its {len(raw)} bytes); {fix}", path)
-    meta = json.loads(raw)  # cannot fail: the checksum covers the text this module wrote
-    if meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
-        raise CheckpointError(f"{path}: not a {FORMAT} manifest; {fix}", path)
+    meta = read_record(path, FORMAT, fix)
+    if not isinstance(meta.get("files"), dict):
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest (it lists no files); {fix}", path)
     return meta
 
 
@@ -103,18 +64,9 @@ def load_refusal(exc: BaseException) -> str:
 def verify(folder, fix: str) -> dict[str, dict]:
     """Check every file the manifest in ``folder`` lists (present, same size, same SHA-256); returns the list.
     The first problem raises :class:`CheckpointError` naming the file, ending with ``fix``."""
-    folder = Path(folder)
-    files = _read_manifest(folder, fix)["files"]
-    for name, rec in files.items():
-        p = folder / name
-        if not p.is_file():
-            raise CheckpointError(f"{p}: missing (the checkpoint's {MANIFEST} lists it); {fix}", p)
-        size = p.stat().st_size
-        if size != rec["bytes"]:
-            raise CheckpointError(f"{p}: {size} bytes, {rec['bytes']} when saved: truncated or altered; {fix}", p)
-        if file_sha256(p) != rec["sha256"]:
-            raise CheckpointError(f"{p}: damaged (its SHA-256 differs from the one recorded at save); {fix}", p)
+    files = _read_manifest(Path(folder), fix)["files"]
+    check_files(folder, files, fix, listed_by=f"the checkpoint's {MANIFEST}")
     return files
 
 
-__all__ = ["FORMAT", "MANIFEST", "file_sha256", "load_refusal", "verify", "write_atomic", "write_manifest"]
+__all__ = ["FORMAT", "MANIFEST", "load_refusal", "verify", "write_manifest"]

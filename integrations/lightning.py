@@ -46,8 +46,9 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from polyaccel import selection
 from polyaccel.errors import CheckpointError, ConfigError, PolyaccelError
+from polyaccel.safe_files import write_bytes
 
-from ._checkpoint_files import load_refusal, verify, write_atomic, write_manifest
+from ._checkpoint_files import load_refusal, verify, write_manifest
 from ._engine import EngineAdapter, check_data_axis, data_axis, sequence_axis
 from ._sequence import check_sequence_axis, split_for_sequence, whole_sequence_loss, whole_sequence_value
 
@@ -795,7 +796,7 @@ class PolyaccelStrategy(DDPStrategy):
             raise CheckpointError(problem, os.path.join(filepath, LIGHTNING_STATE))
         self.polyaccel_engine.save_checkpoint(filepath, tag=ENGINE_TAG)
         if self.is_global_zero:
-            write_atomic(os.path.join(filepath, LIGHTNING_STATE), data)
+            write_bytes(os.path.join(filepath, LIGHTNING_STATE), data)
             # last: the trainer's commit point; the engine's ``latest`` is listed too (the strategy loads its tag by
             # name, so nothing else would notice it damaged)
             names = [LIGHTNING_STATE] + (["latest"] if os.path.isfile(os.path.join(filepath, "latest")) else [])

@@ -34,6 +34,7 @@ import torch
 import transformers
 from accelerate.optimizer import AcceleratedOptimizer
 from polyaccel.errors import CheckpointError, ConfigError
+from polyaccel.safe_files import write_atomic
 
 from ._checkpoint_files import MANIFEST, load_refusal, verify, write_manifest
 from ._engine import EngineAdapter, check_data_axis, data_axis, sequence_axis
@@ -446,7 +447,8 @@ class PolyaccelTrainer(transformers.Trainer):
             return super()._save_optimizer_and_scheduler(output_dir)
         self.polyaccel_engine.save_checkpoint(os.path.join(output_dir, ENGINE_CHECKPOINT_DIR))
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            state = self.lr_scheduler.state_dict()
+            write_atomic(os.path.join(output_dir, SCHEDULER_NAME), lambda tmp: torch.save(state, tmp))
 
     def _save_scaler(self, output_dir: str) -> None:
         if self.polyaccel_engine is None:

@@ -24,10 +24,8 @@ Arguments are checked before any rank starts; a bad one is reported with the fix
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
 
 HELP = "train a small HF Llama/GPT-2 with ZeRO across ranks (the main job)"
 
@@ -121,16 +119,10 @@ def _error(message: str) -> int:
     return 2
 
 
-def _write_json_atomically(path: str, data: dict) -> None:
-    final = Path(path)
-    tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, final)
-
-
 def run(args: argparse.Namespace) -> int:
     import polyaccel
     from polyaccel.errors import PolyaccelError
+    from polyaccel.safe_files import write_json
 
     from .launcher import RankFailed, launch
     from .options import options_from_args
@@ -175,6 +167,6 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return _error("interrupted")
     if opts.metrics_out:
-        _write_json_atomically(opts.metrics_out, result)
+        write_json(opts.metrics_out, result)
     print_summary(result, console)
     return 0

@@ -132,12 +132,12 @@ def _positive(flag: str, value, minimum=1) -> None:
 def read_checkpoint_meta(directory: str, tag: str | None) -> tuple[str, dict]:
     """(tag, metadata) of the checkpoint ``tag`` (default: the one named by ``latest``) in ``directory``.
 
-    The metadata file must match its checksum (see ``polyaccel.engines.zero.integrity``); a damaged,
+    The metadata file must match its checksum (see :mod:`polyaccel.safe_files`); a damaged,
     empty or missing file is a :class:`ConfigError` naming it.
     """
-    from polyaccel.engines.zero.consolidate import complete_tags, read_latest
-    from polyaccel.engines.zero.integrity import read_checked_json
+    from polyaccel.engines.zero import complete_tags, read_latest
     from polyaccel.errors import CheckpointError
+    from polyaccel.safe_files import read_checked_json
 
     d = Path(directory)
     if not d.is_dir():
@@ -178,21 +178,9 @@ def read_checkpoint_meta(directory: str, tag: str | None) -> tuple[str, dict]:
 
 def write_checkpoint_meta(directory: str, tag: str, meta: dict) -> Path:
     """Write the run metadata for ``tag`` atomically (temporary name, fsync, rename), with its checksum."""
-    from polyaccel.engines.zero.integrity import dumps_checked
+    from polyaccel.safe_files import write_checked_json
 
-    d = Path(directory)
-    final = d / f"{META_PREFIX}{tag}.json"
-    tmp = d / f".{final.name}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(dumps_checked(meta))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return final
+    return write_checked_json(Path(directory) / f"{META_PREFIX}{tag}.json", meta)
 
 
 def options_from_args(args, accelerator) -> TrainOptions:

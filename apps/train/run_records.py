@@ -4,7 +4,7 @@ A save writes two records: the engine's checkpoint folder ``<tag>/`` (whose ``me
 metadata as client state, and the engine's run id) and ``train-meta-<tag>.json`` beside it (the same metadata,
 with that run id). Resuming compares them before any rank starts: a folder of one run beside the metadata file
 of another (other seeds, other weights) is refused, naming what differs. The run holds an exclusive lock on its
-``--save`` directory (:mod:`polyaccel.engines.zero.dir_lock`) for its whole length, so a second run writing
+``--save`` directory (:mod:`polyaccel.dir_lock`) for its whole length, so a second run writing
 there at the same time is refused before it starts instead of interleaving its checkpoints with the first's.
 """
 
@@ -25,7 +25,7 @@ def claim_save_dir(save: str | None):
         return contextlib.nullcontext()
     from pathlib import Path
 
-    from polyaccel.engines.zero.dir_lock import DirectoryLock, LockHeld
+    from polyaccel.dir_lock import DirectoryLock, LockHeld
 
     Path(save).mkdir(parents=True, exist_ok=True)
     try:
@@ -49,9 +49,9 @@ def check_records_agree(directory: str, tag: str, train_meta: dict) -> None:
     the ranks' load, which refuses it naming the missing file."""
     from pathlib import Path
 
-    from polyaccel.engines.zero.consolidate import META, read_meta, resolve_tag
+    from polyaccel.engines.zero import complete_tags, read_meta, resolve_tag
 
-    if not (Path(directory) / tag / META).is_file():
+    if tag not in complete_tags(Path(directory)):
         return  # no folder to compare with: the ranks' load refuses it, naming what is missing
     try:
         folder = resolve_tag(directory, tag)

@@ -61,7 +61,7 @@ def save(engine, opts: TrainOptions, step: int, rank: int, world_size: int) -> s
     directory as it was: the engine removes its staging folder, rank 0 puts back the metadata file
     of the tag (removes it, when the tag is new).
     """
-    from polyaccel.engines.zero.checkpoint import raise_if_any_failed, run_id
+    from polyaccel.engines.zero import raise_if_any_failed, run_id
     from polyaccel.errors import CheckpointError
 
     tag = f"step{step}"
@@ -91,13 +91,13 @@ def _restore(path: Path, content: bytes | None) -> None:
     """Put ``path`` back as it was before a failed save (``None``: it did not exist)."""
     import contextlib
 
+    from polyaccel.safe_files import write_bytes
+
     with contextlib.suppress(OSError):
         if content is None:
             path.unlink(missing_ok=True)
         else:
-            tmp = path.with_name(f".{path.name}.restore{os.getpid()}")
-            tmp.write_bytes(content)
-            os.replace(tmp, path)
+            write_bytes(path, content)
 
 
 def optimizer_builders(engine, acc, opts: TrainOptions) -> list[dict]:

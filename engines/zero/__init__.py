@@ -127,7 +127,9 @@ In stage 3, ``param.data`` is empty outside the forward/backward of the module u
 
 from __future__ import annotations
 
+from .checkpoint import raise_if_any_failed, run_id
 from .config import ZeroConfig, parse_config
+from .consolidate import complete_tags, read_latest, read_meta, resolve_tag
 from .engine import ZeroEngine
 from .leaves import ScheduleMismatch, set_leaf_modules
 
@@ -140,4 +142,7 @@ def initialize(model, config=None, **kwargs) -> ZeroEngine:
 initialize.CONFIG_KEYS = ZeroEngine.CONFIG_KEYS  # what polyaccel.initialize checks a config's top level against
 
 
-__all__ = ["ScheduleMismatch", "ZeroConfig", "ZeroEngine", "initialize", "parse_config", "set_leaf_modules"]
+# what apps/ (``polyaccel train``) reads of a checkpoint besides the engine: its tags, its meta.json, the
+# run id a save writes into it, and the collective that turns one rank's failure into every rank's error
+__all__ = ["ScheduleMismatch", "ZeroConfig", "ZeroEngine", "complete_tags", "initialize", "parse_config",
+           "raise_if_any_failed", "read_latest", "read_meta", "resolve_tag", "run_id", "set_leaf_modules"]

@@ -18,16 +18,23 @@ tensors from all shards and cuts its new partition out of them (resharding).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
 import uuid
 from pathlib import Path
 
 import torch
+from polyaccel.dir_lock import DirectoryLock, LockHeld
 from polyaccel.errors import CheckpointError, InvalidArgument, PolyaccelError
 from polyaccel.parallel import get_layout
+from polyaccel.safe_files import (
+    ALGORITHM,
+    CHUNK_BYTES,
+    replace_folder,
+    write_atomic,
+    write_checked_json,
+    write_text,
+)
 
 from .consolidate import (
     FIX,
@@ -50,8 +57,7 @@ from .consolidate import (
     saved_files,
     verify_files,
 )
-from .dir_lock import DirectoryLock, LockHeld
-from .integrity import ALGORITHM, CHUNK_BYTES, dumps_checked, write_safetensors
+from .integrity import write_safetensors
 from .model_check import check_fits, trainable_shapes
 from .partition import FlatLayout
 
@@ -62,42 +68,6 @@ _FAULT = None
 def _fault(phase: str) -> None:
     if _FAULT is not None:
         _FAULT(phase)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, write):
-    """``write(tmp)`` to a temporary name, fsync, rename to ``path``; returns what ``write`` returned.
-    A failed write removes the temporary file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        out = write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(exc, OSError) and not exc.filename:  # a failed write() names no file: name the one saved
-            raise OSError(exc.errno, exc.strerror, str(path)) from exc
-        raise
-    return out
-
-
-def _write_text(path: Path, text: str) -> None:
-    def write(tmp):
-        with open(tmp, "w") as f:
-            f.write(text)
-    _write_atomic(path, write)
 
 
 #: bytes of one rank's status record in :func:`_agree` (JSON, zero-padded)
@@ -233,7 +203,7 @@ def _meta(engine, tag: str, client_json: str, files: dict) -> dict:
     }
 
 
-#: the lock file a save holds in its directory (:mod:`.dir_lock`): two processes never save into one at once
+#: the lock file a save holds in its directory (:mod:`polyaccel.dir_lock`): never two saves into one at once
 SAVE_LOCK = ".polyaccel-save.lock"
 
 
@@ -289,10 +259,10 @@ def _save(engine, save_dir, tag, client_state, lock) -> str:
     try:
         tensors, file_meta = _tensors_to_save(engine)
         name = rank_file(rank)
-        files[name] = _write_atomic(staging / name, lambda tmp: write_safetensors(tmp, tensors, file_meta))
+        files[name] = write_atomic(staging / name, lambda tmp: write_safetensors(tmp, tensors, file_meta))
         tensors = None  # the host copies of the partition go now, before rank 0 writes the model states
         if rank == 0:
-            files[MODEL_STATES] = _write_atomic(
+            files[MODEL_STATES] = write_atomic(
                 staging / MODEL_STATES, lambda tmp: write_safetensors(tmp, model_states, {"format": "pt"}))
         status = {"files": files}
     except Exception as exc:  # noqa: BLE001 - every failure to write becomes the same error on every rank
@@ -311,7 +281,7 @@ def _save(engine, save_dir, tag, client_state, lock) -> str:
     if rank == 0:
         try:
             all_files = {k: v for rec in records for k, v in rec["files"].items()}
-            _write_text(staging / META, dumps_checked(_meta(engine, tag, client_json, all_files)))
+            write_checked_json(staging / META, _meta(engine, tag, client_json, all_files))
             _fault("commit")
             _commit(root, staging, tag)
         except Exception as exc:  # noqa: BLE001
@@ -342,21 +312,9 @@ def _after_failed_commit(root: Path, before: str) -> str:
 
 def _commit(root: Path, staging: Path, tag: str) -> None:
     """Move the staged folder into place, then point ``latest`` at it (the last step)."""
-    final = root / tag
-    old = root / f".{tag}.old"
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    try:
-        os.replace(staging, final)
-    except OSError:
-        if old.exists() and not final.exists():
-            os.replace(old, final)
-        raise
-    _fsync_dir(root)
-    _write_text(root / LATEST, tag)
-    _fsync_dir(root)
+    old = root / f".{tag}.old"  # the previous folder of this tag until 'latest' is written (see resolve_tag)
+    replace_folder(staging, root / tag, aside=old)
+    write_text(root / LATEST, tag)
     if old.exists():
         shutil.rmtree(old)
 

@@ -53,8 +53,9 @@ def check_same_save(folder: Path, meta: dict, path: Path, record: dict) -> None:
 
 def verify_checkpoint(root: Path, tag: str | None) -> str:
     """One line describing the verified checkpoint; raises :class:`CheckpointError` on the first bad file."""
+    from polyaccel.safe_files import read_checked_json
+
     from .consolidate import open_checkpoint, saved_files
-    from .integrity import read_checked_json
 
     t0 = time.perf_counter()
     folder, meta = open_checkpoint(root, tag, verify=True)

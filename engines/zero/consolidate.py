@@ -6,7 +6,7 @@ A checkpoint directory holds ``latest`` (the newest complete tag) and one folder
 and ``zero_rank_XXXXX.safetensors`` per rank (the rank's flat master partition and optimizer
 moments). Rebuilding needs no process group and no model: the layout in ``meta.json`` says
 where every element of every rank's partition belongs. ``meta.json`` also records every other
-file's size and checksum and carries its own (:mod:`.integrity`); readers check them before
+file's size and checksum and carries its own (:mod:`polyaccel.safe_files`); readers check them before
 trusting a byte, and every failure names the file.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 from polyaccel.errors import CheckpointError, InvalidArgument, PolyaccelError
+from polyaccel.safe_files import ALGORITHM, file_digest, read_checked_json, write_atomic
 from safetensors import safe_open
 
-from .integrity import ALGORITHM, file_digest, read_checked_json
 from .partition import FlatLayout, ShardLayout
 
 META = "meta.json"
@@ -482,9 +482,6 @@ def save_state_dict(state: dict[str, torch.Tensor], out_path, checkpoint_dir=Non
 
     out = output_file(out_path) if checkpoint_dir is None else check_output_outside(out_path, checkpoint_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    tensors = {k: v.contiguous() for k, v in state.items()}
+    write_atomic(out, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     return out

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from polyaccel.errors import PolyaccelError
+from polyaccel.safe_files import write_atomic
 from polyaccel.testing.emulation import (
     EMULATED_MARKER,
     EmulatedEvent,
@@ -290,32 +291,27 @@ class _HostBuild:
             folder = self.cache_dir()
             out = os.path.join(folder, f"{key}.so")
             if not _check_cached_library(out):
-                self._compile(cxx, cpp, folder, key, out)
+                self._compile(cxx, cpp, out)
                 _check_cached_library(out)
             lib = ctypes.CDLL(out)
             self._libs[key] = lib
             return lib
 
     @staticmethod
-    def _compile(cxx: str, cpp: str, folder: str, key: str, out: str) -> None:
-        fd, part = tempfile.mkstemp(prefix=f".{key}.", suffix=".so.tmp", dir=folder)
-        os.close(fd)
-        try:
+    def _compile(cxx: str, cpp: str, out: str) -> None:
+        def compile_to(part) -> None:
             with tempfile.TemporaryDirectory(prefix="polyaccel-metal-") as tmp:
                 src = os.path.join(tmp, "kernel.cpp")
                 with open(src, "w") as f:
                     f.write(cpp)
                 proc = subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes",
-                                       "-o", part, src], capture_output=True, text=True)
+                                       "-o", str(part), src], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"emulated Metal: the shader does not compile (as C++ for the host):\n"
                                    f"{proc.stderr[-4000:]}")
             os.chmod(part, 0o700)
-            os.replace(part, out)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(part)
-            raise
+
+        write_atomic(out, compile_to)  # a reader (another process) never loads half a library
 
 
 _BUILD = _HostBuild()

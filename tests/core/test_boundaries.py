@@ -45,6 +45,47 @@ def test_apps_import_core_and_engines_only():
     assert not bad, bad
 
 
+def engine_exports(engine: str) -> set[str]:
+    """The names in ``engines/<engine>/__init__.py``'s ``__all__`` (read from the source, nothing imported)."""
+    for node in ast.parse((ROOT / "engines" / engine / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def private_engine_imports(source: str, exports=engine_exports) -> list[str]:
+    """What ``source`` imports of an engine besides the names its package exports: a module inside an engine
+    package (``polyaccel.engines.zero.checkpoint``, ``polyaccel.engines.zero._x``), or a name not in ``__all__``."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            bad += [a.name for a in node.names if a.name.startswith("polyaccel.engines.")
+                    and len(a.name.split(".")) > 3]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("polyaccel.engines"):
+            parts = node.module.split(".")
+            if len(parts) != 3:
+                bad.append(node.module)
+                continue
+            bad += [f"{node.module}.{a.name}" for a in node.names if a.name not in exports(parts[2])]
+    return bad
+
+
+def test_private_engine_import_checker_sees_modules_and_unexported_names():
+    source = ("from polyaccel.engines.zero.checkpoint import run_id\nimport polyaccel.engines.zero._x\n"
+              "from polyaccel.engines.zero import ZeroEngine, _hidden\nfrom polyaccel.engines import zero\n")
+    assert sorted(private_engine_imports(source, lambda e: {"ZeroEngine"})) == [
+        "polyaccel.engines", "polyaccel.engines.zero._hidden", "polyaccel.engines.zero._x",
+        "polyaccel.engines.zero.checkpoint"]
+
+
+def test_apps_use_only_what_engine_packages_export():
+    """``apps/`` reaches an engine through its package's ``__all__`` (or through the core), never its modules."""
+    bad = [f"{path.relative_to(ROOT)}: {m}" for path in sorted((ROOT / "apps").rglob("*.py"))
+           for m in private_engine_imports(path.read_text())]
+    assert not bad, "apps/ import engine internals; export them from the engine package or the core:\n" + \
+        "\n".join(bad)
+
+
 def test_plugins_import_no_other_plugin_except_rocm_reusing_cuda():
     bad = []
     for plugin_dir in (ROOT / "plugins").iterdir():

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...errors import InvalidArgument
+from ...safe_files import write_json
 
 SCHEMA = "polyaccel-conformance"
 SCHEMA_VERSION = 1
@@ -101,22 +101,8 @@ class Document:
 
     def write(self, path: str) -> None:
         """Write atomically: a reader never sees half a document."""
-        write_json_atomic(path, self.as_dict())
-
-
-def write_json_atomic(path: str, data: dict[str, Any]) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".conformance-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_json(path, self.as_dict(), indent=2, sort_keys=True, newline=True)
 
 
 def versions() -> dict[str, Any]:

@@ -10,8 +10,8 @@ import signal
 import pytest
 from polyaccel.apps.train.run_records import TRAIN_LOCK
 from polyaccel.cli import main
-from polyaccel.engines.zero.dir_lock import DirectoryLock
-from polyaccel.engines.zero.integrity import dumps_checked, read_checked_json
+from polyaccel.dir_lock import DirectoryLock
+from polyaccel.safe_files import dumps_checked, read_checked_json
 
 TINY = ["--hidden-size", "64", "--layers", "1", "--heads", "2", "--batch-size", "4", "--seq-len", "32",
         "--threads", "1", "--lr", "1e-2"]

@@ -16,8 +16,8 @@ import polyaccel
 import pytest
 import torch
 from polyaccel.engines.zero.consolidate import META, MODEL_STATES, consolidate, rank_file
-from polyaccel.engines.zero.integrity import dumps_checked, read_checked_json
 from polyaccel.errors import CheckpointError, PolyaccelError
+from polyaccel.safe_files import dumps_checked, read_checked_json
 from zero_testlib import build_model, train_engine, zero_config
 
 pytestmark = pytest.mark.timeout(120)

@@ -128,7 +128,7 @@ def test_round_trip_is_identical_or_refused(tmp_path_factory, widths, stage, dty
 
 
 def test_a_params_record_that_disagrees_with_the_layout_is_refused(tmp_path):
-    from polyaccel.engines.zero.integrity import dumps_checked, read_checked_json
+    from polyaccel.safe_files import dumps_checked, read_checked_json
 
     eng = _engine(Net([4, 8, 3], bias=False), 2)
     eng.save_checkpoint(tmp_path, tag="t")

@@ -15,8 +15,8 @@ from polyaccel.cli import main
 from polyaccel.engines.zero import checkpoint as ck
 from polyaccel.engines.zero import cli_zero_to_fp32
 from polyaccel.engines.zero.consolidate import consolidate
-from polyaccel.engines.zero.integrity import dumps_checked, read_checked_json
 from polyaccel.errors import CheckpointError, InvalidArgument
+from polyaccel.safe_files import dumps_checked, read_checked_json
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,10 +15,10 @@ import pytest
 import torch
 from polyaccel.apps.train.run_records import check_records_agree
 from polyaccel.cli import main
+from polyaccel.dir_lock import DirectoryLock
 from polyaccel.engines.zero.checkpoint import SAVE_LOCK, run_id
-from polyaccel.engines.zero.dir_lock import DirectoryLock
-from polyaccel.engines.zero.integrity import dumps_checked, read_checked_json
 from polyaccel.errors import CheckpointError, ConfigError
+from polyaccel.safe_files import dumps_checked, read_checked_json
 
 pytestmark = pytest.mark.timeout(120)
 
