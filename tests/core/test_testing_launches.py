@@ -29,3 +29,17 @@ def test_triton_is_unpatched_on_exit():
     assert (interpreter.InterpretedFunction.run, jit.JITFunction.run) == before
     ks.swiglu_forward(a, a)
     assert sum(count.triton.values()) == 1 and count.total == 0
+
+
+def test_counts_reads_back_to_the_host_apart():
+    a = torch.randn(6)
+    with Launches() as count:
+        a.sum().item()  # _local_scalar_dense
+        bool(a.max() > 0)  # _local_scalar_dense
+        torch.nonzero(a > 0)  # the output size is read
+        torch.repeat_interleave(torch.tensor([1, 2]))  # the repeats summed for the size
+        torch.repeat_interleave(a, torch.tensor([1, 2, 0, 1, 1, 1]), output_size=6)  # size given: no read
+        torch.repeat_interleave(a, 2)  # int repeats: no read
+        torch.sort(a)
+    assert dict(count.syncs) == {"_local_scalar_dense": 2, "nonzero": 1, "repeat_interleave": 1}, count.syncs
+    assert count.ops["sort"] == 1 and count.ops["repeat_interleave"] == 2  # (int repeats: an expand and a copy)
