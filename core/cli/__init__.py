@@ -9,9 +9,11 @@ and ``run(args) -> int``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata as md
 import os
+import re
 import sys
 
 COMMAND_GROUP = "polyaccel.commands"
@@ -33,9 +35,50 @@ def _command_modules():
             yield ep.name, ep.load, None
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The parser of ``polyaccel`` and of every sub-command (argparse gives sub-parsers their parent's class).
+
+    A sub-command refuses arguments it does not know itself, so the error shows that sub-command's usage line
+    (argparse would hand them to the top-level parser, whose usage names no option of the sub-command), and an
+    unknown option comes with the nearest option the parser has ("did you mean --steps?")."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and self.prog != _PROG:  # a sub-command's parser: its own error, with its own usage
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def error(self, message: str):
+        super().error(message + did_you_mean(message, self))
+
+
+_PROG = "polyaccel"
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)")
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+
+
+def did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
+    """The nearest known spelling of each unknown option (or sub-command) ``message`` names, as a sentence to
+    append to the error; "" when nothing is close."""
+    hints: list[tuple[str, str]] = []  # (what was typed, the nearest known spelling)
+    unknown = _UNRECOGNIZED.search(message)
+    if unknown:
+        options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+        for arg in unknown.group(1).split():
+            if arg.startswith("-"):
+                hints += [(arg, m) for m in difflib.get_close_matches(arg.split("=", 1)[0], options, n=1)]
+    choice = _INVALID_CHOICE.search(message)
+    if choice:
+        choices = [c.strip().strip("'") for c in choice.group(2).split(",")]
+        hints += [(choice.group(1), m) for m in difflib.get_close_matches(choice.group(1), choices, n=1)]
+    if len(hints) == 1:
+        return f"; did you mean {hints[0][1]}?"
+    return "; did you mean " + ", ".join(f"{m} (for {typed})" for typed, m in hints) + "?" if hints else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="polyaccel",
+    parser = CommandParser(
+        prog=_PROG,
         description=(
             "polyaccel: plugin-based hardware abstraction for PyTorch training. "
             "Backends are entry-point plugins; see `polyaccel report` for what is installed."
