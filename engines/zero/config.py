@@ -8,10 +8,10 @@ allowed values. The caller's dict is only read (a deep copy is kept for checkpoi
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyaccel.config_check import Bool, Float, Floats, Int, OneOf, Section, Strings
 from polyaccel.errors import ConfigError
 
 from .activation_checkpoint import ActivationCheckpointConfig, parse_activation_checkpointing
@@ -19,6 +19,7 @@ from .muon_config import MUON_PARAM_KEYS, MuonConfig, parse_muon
 
 OPTIMIZERS = ("adam", "adamw", "lion", "lamb", "muon")
 OFFLOAD_DEVICES = ("none", "cpu")
+STAGES = (1, 2, 3)
 
 _TOP_KEYS = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
@@ -33,7 +34,9 @@ _OFFLOAD_KEYS = {"device", "pin_memory", "overlap_step", "ratio"}
 #: ``checkpoint.verify``: check every file's checksum when loading (see ``integrity``); false skips it
 _CHECKPOINT_KEYS = {"verify"}
 _BF16_KEYS = {"enabled"}
-_FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
+_FP16_KEYS = {
+    "enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+}
 _OPTIMIZER_KEYS = {"type", "params"}
 _OPT_PARAM_KEYS = {
     "adam": {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"},
@@ -123,216 +126,131 @@ class ZeroConfig:
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
 
-def _check_keys(where: str, value: Any, allowed: set[str]) -> dict:
-    if not isinstance(value, dict):
-        raise ConfigError(f"config key {where!r} must be a dict, got {type(value).__name__}")
-    unknown = sorted(set(value) - allowed)
-    if unknown:
-        raise ConfigError(
-            f"unknown config key(s) {', '.join(repr(f'{where}.{k}' if where else k) for k in unknown)}; "
-            f"allowed keys{' in ' + repr(where) if where else ''}: {', '.join(sorted(allowed))}"
-        )
-    return value
+_NUMBER = Float(0.0)
+_OPT_RULES = {
+    "lr": _NUMBER, "betas": Floats(2, Float(0.0, 1.0, below=True)), "eps": _NUMBER, "weight_decay": _NUMBER,
+    "adam_w_mode": Bool(), "bias_correction": Bool(), "max_coeff": _NUMBER, "min_coeff": _NUMBER,
+}
+_FP16_RULES = {
+    "loss_scale": _NUMBER, "initial_scale_power": Int(0), "loss_scale_window": Int(1), "hysteresis": Int(1),
+    "min_loss_scale": Float(0.0, above=True),
+}
+_ZERO_RULES = {
+    "reduce_bucket_size": Int(1), "stage3_param_persistence_threshold": Int(0),
+    "stage3_leaf_modules": Strings(what="module class names or module paths"),
+    "stage3_module_granularity_threshold": Int(0), "stage3_check_schedule": Bool(),
+}
 
 
-def _int(key: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"config key {key!r} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _float(key: str, value: Any, minimum: float = 0.0, strict: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < minimum or (strict and value == minimum):
-        rel = ">" if strict else ">="
-        raise ConfigError(f"config key {key!r} must be a finite number {rel} {minimum}, got {value!r}")
-    return float(value)
-
-
-def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
-    return value
-
-
-def _offload(key: str, value: Any) -> OffloadConfig:
-    if value is None:
-        return OffloadConfig()
-    value = _check_keys(key, value, _OFFLOAD_KEYS)
-    device = value.get("device", "none")
-    device = "none" if device is None else device
-    if device not in OFFLOAD_DEVICES:
-        raise ConfigError(
-            f"config key '{key}.device' must be one of {', '.join(OFFLOAD_DEVICES)} (got {device!r}; "
-            "nvme offload is not implemented)"
-        )
-    ratio = value.get("ratio", 1.0)
-    if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1):
-        raise ConfigError(f"config key '{key}.ratio' must be a number in (0, 1] (the fraction of the optimizer "
-                          f"state kept on the host), got {ratio!r}")
+def _offload(parent: Section, key: str) -> OffloadConfig:
+    sec = parent.section(key, _OFFLOAD_KEYS)
+    device = sec.get("device", OneOf(OFFLOAD_DEVICES, optional=True), "none",
+                     hint="nvme offload is not implemented")
+    ratio = sec.get("ratio", Float(0.0, 1.0, above=True), 1.0,
+                    hint="the fraction of the optimizer state kept on the host")
     if ratio != 1 and device != "cpu":
-        raise ConfigError(f"config key '{key}.ratio' ({ratio}) needs '{key}.device' 'cpu'")
-    return OffloadConfig(device=device, pin_memory=_bool(f"{key}.pin_memory", value.get("pin_memory", True)),
-                         overlap_step=_bool(f"{key}.overlap_step", value.get("overlap_step", True)),
-                         ratio=float(ratio))
+        raise sec.error("ratio", f"({ratio}) needs {sec.key('device')!r} 'cpu'")
+    return OffloadConfig(device=device, pin_memory=sec.get("pin_memory", Bool(), True),
+                         overlap_step=sec.get("overlap_step", Bool(), True), ratio=ratio)
 
 
 def _optimizer(value: Any) -> OptimizerConfig:
-    if value is None:
-        return OptimizerConfig()
-    value = _check_keys("optimizer", value, _OPTIMIZER_KEYS)
-    kind = value.get("type", "adamw")
-    if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:
-        raise ConfigError(
-            f"config key 'optimizer.type' must be one of {', '.join(OPTIMIZERS)} (any case), got {kind!r}")
-    kind = kind.lower()
-    params = _check_keys("optimizer.params", value.get("params", {}), _OPT_PARAM_KEYS[kind])
-    out: dict[str, Any] = {"type": kind}
-    if "lr" in params:
-        out["lr"] = _float("optimizer.params.lr", params["lr"])
-    if "betas" in params:
-        b = params["betas"]
-        if (not isinstance(b, (list, tuple)) or len(b) != 2
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in b)):
-            raise ConfigError(f"config key 'optimizer.params.betas' must be two numbers in [0, 1), got {b!r}")
-        out["betas"] = (float(b[0]), float(b[1]))
-    if "eps" in params:
-        out["eps"] = _float("optimizer.params.eps", params["eps"])
-    if "weight_decay" in params:
-        out["weight_decay"] = _float("optimizer.params.weight_decay", params["weight_decay"])
-    for key in ("adam_w_mode", "bias_correction"):
-        if key in params:
-            out[key] = _bool(f"optimizer.params.{key}", params[key])
-    for key in ("max_coeff", "min_coeff"):
-        if key in params:
-            out[key] = _float(f"optimizer.params.{key}", params[key])
+    sec = Section(value, "optimizer", _OPTIMIZER_KEYS)
+    kind = sec.get("type", OneOf(OPTIMIZERS), "adamw", "any case")
+    params = sec.section("params", _OPT_PARAM_KEYS[kind])
+    out: dict[str, Any] = {"type": kind, **params.values(_OPT_RULES)}
     if kind == "adamw":
         out["adam_w_mode"] = True
     if kind == "muon":
         out.setdefault("lr", MuonConfig.DEFAULT_LR)
-        out["muon"] = parse_muon(params)
+        out["muon"] = parse_muon(sec.raw("params") or {})
     return OptimizerConfig(**out)
 
 
 def _fp16(value: Any) -> Fp16Config:
-    if value is None:
-        return Fp16Config()
-    value = _check_keys("fp16", value, _FP16_KEYS)
-    out: dict[str, Any] = {"enabled": _bool("fp16.enabled", value.get("enabled", False))}
-    if "loss_scale" in value:
-        out["loss_scale"] = _float("fp16.loss_scale", value["loss_scale"])
-    if "initial_scale_power" in value:
-        out["initial_scale_power"] = _int("fp16.initial_scale_power", value["initial_scale_power"], 0)
-    if "loss_scale_window" in value:
-        out["loss_scale_window"] = _int("fp16.loss_scale_window", value["loss_scale_window"], 1)
-    if "hysteresis" in value:
-        out["hysteresis"] = _int("fp16.hysteresis", value["hysteresis"], 1)
-    if "min_loss_scale" in value:
-        out["min_loss_scale"] = _float("fp16.min_loss_scale", value["min_loss_scale"], 0.0, strict=True)
-    return Fp16Config(**out)
+    sec = Section(value, "fp16", _FP16_KEYS)
+    return Fp16Config(enabled=sec.get("enabled", Bool(), False), **sec.values(_FP16_RULES))
 
 
-def _zero_optimization(zero: dict) -> dict[str, Any]:
+def _zero_optimization(zero: Section) -> dict[str, Any]:
     """The ZeroConfig fields of the ``zero_optimization`` section."""
-    stage = zero.get("stage", 1)
-    if isinstance(stage, bool) or stage not in (1, 2, 3):
-        raise ConfigError(f"config key 'zero_optimization.stage' must be one of 1, 2, 3, got {stage!r}")
-    out: dict[str, Any] = {"stage": stage}
-    if "reduce_bucket_size" in zero:
-        out["reduce_bucket_size"] = _int("zero_optimization.reduce_bucket_size", zero["reduce_bucket_size"], 1)
-    out["overlap_comm"] = _bool("zero_optimization.overlap_comm", zero.get("overlap_comm", stage == 3))
-    if "contiguous_gradients" in zero:
-        if not _bool("zero_optimization.contiguous_gradients", zero["contiguous_gradients"]):
-            raise ConfigError("config key 'zero_optimization.contiguous_gradients' must be true: gradients always "
-                              "go through contiguous reduce buckets (false is not implemented)")
+    stage = zero.get("stage", OneOf(STAGES), 1)
+    out: dict[str, Any] = {"stage": stage, **zero.values(_ZERO_RULES)}
+    out["overlap_comm"] = zero.get("overlap_comm", Bool(), stage == 3)
+    if not zero.get("contiguous_gradients", Bool(), True):
+        raise zero.error("contiguous_gradients", "must be true: gradients always go through contiguous "
+                         "reduce buckets (false is not implemented)")
     for key in ("stage3_prefetch_bucket_size", "prefetch_bucket_size"):
         if key in zero:
-            out["stage3_prefetch_bucket_size"] = _int(f"zero_optimization.{key}", zero[key], 0)
-    if "stage3_param_persistence_threshold" in zero:
-        out["stage3_param_persistence_threshold"] = _int(
-            "zero_optimization.stage3_param_persistence_threshold", zero["stage3_param_persistence_threshold"], 0)
-    if "stage3_leaf_modules" in zero:
-        leaves = zero["stage3_leaf_modules"]
-        if not isinstance(leaves, (list, tuple)) or not all(isinstance(x, str) and x for x in leaves):
-            raise ConfigError("config key 'zero_optimization.stage3_leaf_modules' must be a list of module class "
-                              f"names or module paths (strings), got {leaves!r}")
-        out["stage3_leaf_modules"] = tuple(leaves)
-    if "stage3_module_granularity_threshold" in zero:
-        out["stage3_module_granularity_threshold"] = _int(
-            "zero_optimization.stage3_module_granularity_threshold", zero["stage3_module_granularity_threshold"], 0)
-    if "stage3_check_schedule" in zero:
-        out["stage3_check_schedule"] = _bool("zero_optimization.stage3_check_schedule", zero["stage3_check_schedule"])
-    out["offload_optimizer"] = _offload("zero_optimization.offload_optimizer", zero.get("offload_optimizer"))
-    out["offload_param"] = _offload("zero_optimization.offload_param", zero.get("offload_param"))
-    if out["offload_param"].ratio != 1:
-        raise ConfigError("config key 'zero_optimization.offload_param.ratio' is not supported: parameters are "
-                          "offloaded whole; the ratio applies to offload_optimizer")
-    if out["offload_optimizer"].ratio != 1 and out["offload_param"].enabled:
-        raise ConfigError("config key 'zero_optimization.offload_optimizer.ratio' below 1 is not supported with "
-                          "offload_param (the parameters' shards live on the host there); remove the ratio or "
-                          "offload_param")
-    if out["offload_param"].enabled and stage != 3:
-        raise ConfigError(
-            f"config key 'zero_optimization.offload_param' needs 'zero_optimization.stage' 3 (got stage {stage}); "
-            "use offload_optimizer for stages 1 and 2"
-        )
+            out["stage3_prefetch_bucket_size"] = zero.get(key, Int(0))
+    out["offload_optimizer"] = _offload(zero, "offload_optimizer")
+    out["offload_param"] = _offload(zero, "offload_param")
+    _check_offload(out, stage)
     return out
 
 
-def _batch_sizes(cfg: dict, world_size: int) -> dict[str, Any]:
+def _check_offload(out: dict[str, Any], stage: int) -> None:
+    """What the two offload sections allow together, and at ``stage``."""
+    if out["offload_param"].ratio != 1:
+        raise ConfigError("config key 'zero_optimization.offload_param.ratio' is not supported: parameters "
+                          "are offloaded whole; the ratio applies to offload_optimizer")
+    if out["offload_optimizer"].ratio != 1 and out["offload_param"].enabled:
+        raise ConfigError("config key 'zero_optimization.offload_optimizer.ratio' below 1 is not supported "
+                          "with offload_param (the parameters' shards live on the host there); remove the "
+                          "ratio or offload_param")
+    if out["offload_param"].enabled and stage != 3:
+        raise ConfigError(f"config key 'zero_optimization.offload_param' needs 'zero_optimization.stage' 3 "
+                          f"(got stage {stage}); use offload_optimizer for stages 1 and 2")
+
+
+def _batch_sizes(cfg: Section, world_size: int) -> dict[str, Any]:
     """Micro batch, accumulation steps and global batch: any two given fix the third (DeepSpeed's rule)."""
-    gas = _int("gradient_accumulation_steps", cfg.get("gradient_accumulation_steps", 1), 1, allow_none=True) or 1
-    micro = _int("train_micro_batch_size_per_gpu", cfg.get("train_micro_batch_size_per_gpu"), 1, allow_none=True)
-    total = _int("train_batch_size", cfg.get("train_batch_size"), 1, allow_none=True)
+    size = Int(1, optional=True)
+    gas = cfg.get("gradient_accumulation_steps", size, 1)
+    micro = cfg.get("train_micro_batch_size_per_gpu", size)
+    total = cfg.get("train_batch_size", size)
     if total is not None:
         if micro is None:
             if total % (gas * world_size):
                 raise ConfigError(
-                    f"config key 'train_batch_size' ({total}) must be divisible by gradient_accumulation_steps "
-                    f"({gas}) x world size ({world_size})"
+                    f"config key 'train_batch_size' ({total}) must be divisible by "
+                    f"gradient_accumulation_steps ({gas}) x world size ({world_size})"
                 )
             micro = total // (gas * world_size)
         elif "gradient_accumulation_steps" not in cfg:
             if total % (micro * world_size):
                 raise ConfigError(
-                    f"config key 'train_batch_size' ({total}) must be divisible by train_micro_batch_size_per_gpu "
-                    f"({micro}) x world size ({world_size})"
+                    f"config key 'train_batch_size' ({total}) must be divisible by "
+                    f"train_micro_batch_size_per_gpu ({micro}) x world size ({world_size})"
                 )
             gas = total // (micro * world_size)
         elif total != micro * gas * world_size:
             raise ConfigError(
-                f"config keys disagree: 'train_batch_size' ({total}) must equal train_micro_batch_size_per_gpu "
-                f"({micro}) x gradient_accumulation_steps ({gas}) x world size ({world_size})"
+                f"config keys disagree: 'train_batch_size' ({total}) must equal "
+                f"train_micro_batch_size_per_gpu ({micro}) x gradient_accumulation_steps ({gas}) x world "
+                f"size ({world_size})"
             )
-    return dict(gradient_accumulation_steps=gas, train_micro_batch_size_per_gpu=micro,
-                train_batch_size=total if total is not None else (micro * gas * world_size if micro else None))
+    if total is None and micro:
+        total = micro * gas * world_size
+    return dict(gradient_accumulation_steps=gas, train_micro_batch_size_per_gpu=micro, train_batch_size=total)
 
 
 def parse_config(config: dict | None, world_size: int = 1) -> ZeroConfig:
     """Validate ``config`` (never modified) for a data-parallel group of ``world_size`` ranks."""
-    if config is None:
-        config = {}
-    raw = copy.deepcopy(config)
-    cfg = _check_keys("", raw, _TOP_KEYS)
-    out = _zero_optimization(_check_keys("zero_optimization", cfg.get("zero_optimization", {}), _ZERO_KEYS))
+    raw = copy.deepcopy(config if config is not None else {})
+    cfg = Section(raw, "", _TOP_KEYS)
+    out = _zero_optimization(cfg.section("zero_optimization", _ZERO_KEYS))
     out.update(_batch_sizes(cfg, world_size))
-    out["gradient_clipping"] = _float("gradient_clipping", cfg.get("gradient_clipping", 0.0))
-
-    bf16 = cfg.get("bf16")
-    bf16_on = _bool("bf16.enabled", _check_keys("bf16", bf16, _BF16_KEYS).get("enabled", False)) if bf16 else False
-    fp16 = _fp16(cfg.get("fp16"))
+    out["gradient_clipping"] = cfg.get("gradient_clipping", _NUMBER, 0.0)
+    bf16_on = cfg.section("bf16", _BF16_KEYS).get("enabled", Bool(), False)
+    fp16 = _fp16(cfg.raw("fp16"))
     if bf16_on and fp16.enabled:
         raise ConfigError("config keys 'bf16.enabled' and 'fp16.enabled' are both true; enable at most one")
-    out.update(bf16=bf16_on, fp16=fp16, optimizer=_optimizer(cfg.get("optimizer")),
-               activation_checkpointing=parse_activation_checkpointing(cfg.get("activation_checkpointing")))
+    out.update(bf16=bf16_on, fp16=fp16, optimizer=_optimizer(cfg.raw("optimizer")),
+               activation_checkpointing=parse_activation_checkpointing(cfg.raw("activation_checkpointing")))
     if out["offload_optimizer"].ratio != 1 and out["optimizer"].type in ("lamb", "muon"):
-        raise ConfigError(f"config key 'zero_optimization.offload_optimizer.ratio' below 1 needs an element-wise "
-                          f"optimizer (adam, adamw, lion); {out['optimizer'].type} steps whole parameters or "
-                          "partitions at once; remove the ratio")
-    ckpt = _check_keys("checkpoint", cfg.get("checkpoint", {}), _CHECKPOINT_KEYS)
-    out["checkpoint_verify"] = _bool("checkpoint.verify", ckpt.get("verify", True))
+        raise ConfigError(f"config key 'zero_optimization.offload_optimizer.ratio' below 1 needs an "
+                          f"element-wise optimizer (adam, adamw, lion); {out['optimizer'].type} steps whole "
+                          "parameters or partitions at once; remove the ratio")
+    out["checkpoint_verify"] = cfg.section("checkpoint", _CHECKPOINT_KEYS).get("verify", Bool(), True)
     return ZeroConfig(**out, raw=raw)

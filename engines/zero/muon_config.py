@@ -18,12 +18,10 @@ assembled before its orthogonalization; "shard": each rank orthogonalizes its ow
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from polyaccel.errors import ConfigError
+from polyaccel.config_check import Bool, Float, Floats, Int, OneOf, Section, Strings
 from polyaccel.ops.reference.muon import LR_ADJUSTMENTS, NS_COEFFICIENTS, NS_EPS, NS_STEPS
 
 MUON_PARAM_KEYS = frozenset({
@@ -31,8 +29,10 @@ MUON_PARAM_KEYS = frozenset({
     "muon_params", "adam_params", "adam_lr", "adam_betas", "adam_eps", "adam_weight_decay",
     "gather_bucket_size", "tensor_parallel",
 })
-NS_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-             "fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64, "float64": torch.float64}
+NS_DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64, "float64": torch.float64,
+}
 TENSOR_PARALLEL_MODES = ("gather", "shard")
 
 
@@ -61,85 +61,20 @@ class MuonConfig:
     tensor_parallel: str = "gather"
 
 
-def _key(k: str) -> str:
-    return f"optimizer.params.{k}"
-
-
-def _number(k: str, v: Any, lo: float, hi: float | None = None, lo_open: bool = False, hi_open: bool = True):
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    ok = ok and (v > lo if lo_open else v >= lo) and (hi is None or (v < hi if hi_open else v <= hi))
-    if not ok:
-        rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}{')' if hi_open else ']'}"
-        raise ConfigError(f"config key {_key(k)!r} must be a finite number in {rng}, got {v!r}")
-    return float(v)
-
-
-def _patterns(k: str, v: Any) -> tuple[str, ...]:
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x for x in v):
-        raise ConfigError(f"config key {_key(k)!r} must be a list of parameter-name patterns (fnmatch strings, "
-                          f"e.g. ['*.mlp.*']), got {v!r}")
-    return tuple(v)
-
-
-def _choice(k: str, v: Any, allowed) -> str:
-    if not isinstance(v, str) or v.lower() not in allowed:
-        raise ConfigError(f"config key {_key(k)!r} must be one of {', '.join(allowed)}, got {v!r}")
-    return v.lower()
+_RULES = {
+    "momentum": Float(0.0, 1.0, below=True), "nesterov": Bool(), "per_head": Bool(), "ns_steps": Int(0, 99),
+    "ns_coefficients": Floats(3), "eps": Float(0.0, above=True), "lr_adjustment": OneOf(LR_ADJUSTMENTS),
+    "ns_dtype": OneOf(tuple(NS_DTYPES)), "muon_params": Strings(what="parameter-name patterns (fnmatch)"),
+    "adam_params": Strings(what="parameter-name patterns (fnmatch)"), "adam_lr": Float(0.0),
+    "adam_betas": Floats(2, Float(0.0, 1.0, below=True)), "adam_eps": Float(0.0),
+    "adam_weight_decay": Float(0.0),
+    "gather_bucket_size": Int(1), "tensor_parallel": OneOf(TENSOR_PARALLEL_MODES),
+}
 
 
 def parse_muon(params: dict) -> MuonConfig:
-    """The :class:`MuonConfig` of a validated ``optimizer.params`` dict (only read)."""
-    out: dict[str, Any] = {}
-    if "momentum" in params:
-        out["momentum"] = _number("momentum", params["momentum"], 0.0, 1.0)
-    for k in ("nesterov", "per_head"):
-        if k in params:
-            if not isinstance(params[k], bool):
-                raise ConfigError(f"config key {_key(k)!r} must be true or false, got {params[k]!r}")
-            out[k] = params[k]
-    if "ns_steps" in params:
-        v = params["ns_steps"]
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 100:
-            raise ConfigError(f"config key {_key('ns_steps')!r} must be an integer in [0, 100), got {v!r}")
-        out["ns_steps"] = v
-    if "ns_coefficients" in params:
-        v = params["ns_coefficients"]
-        if (not isinstance(v, (list, tuple)) or len(v) != 3
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)):
-            raise ConfigError(f"config key {_key('ns_coefficients')!r} must be three finite numbers (a, b, c), "
-                              f"got {v!r}")
-        out["ns_coefficients"] = tuple(float(x) for x in v)
-    if "eps" in params:
-        out["eps"] = _number("eps", params["eps"], 0.0, None, lo_open=True)
-    if "lr_adjustment" in params:
-        out["lr_adjustment"] = _choice("lr_adjustment", params["lr_adjustment"], LR_ADJUSTMENTS)
-    if "ns_dtype" in params:
-        out["ns_dtype"] = NS_DTYPES[_choice("ns_dtype", params["ns_dtype"], tuple(NS_DTYPES))]
-    for k in ("muon_params", "adam_params"):
-        if k in params:
-            out[k] = _patterns(k, params[k])
-    if "adam_lr" in params:
-        out["adam_lr"] = _number("adam_lr", params["adam_lr"], 0.0, None)
-    if "adam_betas" in params:
-        b = params["adam_betas"]
-        if (not isinstance(b, (list, tuple)) or len(b) != 2
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in b)):
-            raise ConfigError(f"config key {_key('adam_betas')!r} must be two numbers in [0, 1), got {b!r}")
-        out["adam_betas"] = (float(b[0]), float(b[1]))
-    if "adam_eps" in params:
-        out["adam_eps"] = _number("adam_eps", params["adam_eps"], 0.0, None)
-    if "adam_weight_decay" in params:
-        out["adam_weight_decay"] = _number("adam_weight_decay", params["adam_weight_decay"], 0.0, None)
-    if "gather_bucket_size" in params:
-        v = params["gather_bucket_size"]
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"config key {_key('gather_bucket_size')!r} must be an integer >= 1 (elements), "
-                              f"got {v!r}")
-        out["gather_bucket_size"] = v
-    if "tensor_parallel" in params:
-        out["tensor_parallel"] = _choice("tensor_parallel", params["tensor_parallel"], TENSOR_PARALLEL_MODES)
+    """The :class:`MuonConfig` of an ``optimizer.params`` dict (only read)."""
+    out = Section(params, "optimizer.params", {*MUON_PARAM_KEYS, "lr", "weight_decay"}).values(_RULES)
+    if "ns_dtype" in out:
+        out["ns_dtype"] = NS_DTYPES[out["ns_dtype"]]
     return MuonConfig(**out)
