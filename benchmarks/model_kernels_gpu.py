@@ -48,6 +48,7 @@ class Ctx:
     head_dim: int
     eps: float = 1e-5
     tune: bool = False
+    profile: bool = False
     vocab: int = 128256
 
     def time_ms(self, fn: Callable[[], object]) -> float:
@@ -61,6 +62,24 @@ class Ctx:
             fn()
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:]) * 1e3
+
+    def kernel_ms(self, fn: Callable[[], object], calls: int = 5) -> tuple[float | None, list[tuple[str, float]]]:
+        """The GPU's kernel time a call (torch.profiler: the kernels' device time summed, host gaps excluded) and
+        the kernels by time a call; ``(None, [])`` on the CPU or where the profiler reports no kernels."""
+        if self.device.type != "cuda":
+            return None, []
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        kernels = [(e.key, e.self_device_time_total / calls / 1e3) for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+        kernels.sort(key=lambda kv: -kv[1])
+        return (sum(ms for _, ms in kernels) or None), kernels
 
     def peak_mb(self, fn: Callable[[], object], leaves=()) -> float | None:
         """Peak memory of ``fn()`` above what is allocated before it, ``leaves``' gradients freed first."""
@@ -85,6 +104,8 @@ class Result:
     peak_mb: float | None = None
     max_rel_diff: float | None = None  # vs hf_eager, over outputs and gradients
     note: str = ""
+    kernel_ms: float | None = None  # forward + backward: the kernels' device time a call, host gaps excluded
+    kernels: list | None = None  # (kernel, ms a call) of forward + backward, with --profile
 
 
 @functools.cache
@@ -134,6 +155,8 @@ def measure(ctx: Ctx, section: str, impls: dict[str, Callable | str], leaves: li
                     got, want, strict=True) if b.numel())
             r = Result(section, name, fwd_ms=ctx.time_ms(outputs), fwd_bwd_ms=ctx.time_ms(fwd_bwd),
                        peak_mb=ctx.peak_mb(fwd_bwd, leaves), max_rel_diff=diff)
+            r.kernel_ms, kernels = ctx.kernel_ms(fwd_bwd)
+            r.kernels = kernels[:12] if ctx.profile else None
         except Exception as exc:  # noqa: BLE001 - one failing implementation is a row, not the end of the run
             r = Result(section, name, note=f"ERROR {type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
         results.append(r)
@@ -247,7 +270,24 @@ def section_rope(ctx: Ctx) -> list[Result]:
         impls["liger"] = "Liger's Triton kernels need a GPU"
     else:
         impls["liger"] = lambda: lk.liger_rotary_pos_emb(q, k, cos, sin)
+    if ctx.tune and ctx.device.type == "cuda":
+        impls.update(tune_rope(ctx, q, k, cos, sin))
     return measure(ctx, "rope", impls, [q, k], [gq, gk])
+
+
+def tune_rope(ctx: Ctx, q, k, cos, sin) -> dict[str, Callable]:
+    """The Triton RoPE at other head tiles and warps (--tune), as extra rows of the section."""
+    from polyaccel.ops.reference.rope import make_rope
+    from polyaccel.plugins.cuda.kernels import rope as kr
+
+    rows = {}
+    full = triton_next_pow2(max(ctx.heads, ctx.kv_heads))
+    for hq, hk, warps in [(full, triton_next_pow2(ctx.kv_heads), 4), (full, full, 8), (full // 2, full // 2, 4),
+                          (full, full, 2)]:
+        kw = {"block_hq": hq, "block_hk": hk, "num_warps": warps}
+        op = make_rope(functools.partial(kr.rope_forward, **kw), functools.partial(kr.rope_backward, **kw))
+        rows[f"tile {hq}/{hk} w{warps}"] = lambda op=op: op(q, k, cos, sin)
+    return rows
 
 
 def section_linear_cross_entropy(ctx: Ctx) -> list[Result]:
@@ -289,6 +329,8 @@ def section_linear_cross_entropy(ctx: Ctx) -> list[Result]:
     else:
         lflce = lk.LigerFusedLinearCrossEntropyLoss()
         impls["liger"] = lambda: lflce(w, x, labels)
+    if ctx.tune and ctx.device.type == "cuda":
+        impls.update(tune_linear_cross_entropy(x, w, labels))
     results = measure(ctx, "linear_cross_entropy", impls, [x, w], [one])
     for r in results:
         if r.impl == "torch_chunks" and not r.note:
@@ -299,6 +341,28 @@ def section_linear_cross_entropy(ctx: Ctx) -> list[Result]:
         mine.note = "peak " + ", ".join(f"{mine.peak_mb / p:.2f}x {name}'s" for name, p in peaks.items()
                                         if name not in ("polyaccel", "torch_chunks"))
     return results
+
+
+def tune_linear_cross_entropy(x, w, labels) -> dict[str, Callable]:
+    """The Triton chunk kernels at other configurations (--tune): the two-kernel path, and the fused kernel at
+    other warps and column blocks (module constants set for the call, then restored)."""
+    from polyaccel.ops.chunked_loss import make_linear_cross_entropy
+    from polyaccel.plugins.cuda.kernels import cross_entropy as kce
+
+    class TwoKernels:
+        stats, grad_, scale_ = kce.TritonChunkKernels.stats, kce.TritonChunkKernels.grad_, kce.TritonChunkKernels.scale_
+
+    rows = {"two kernels": lambda op=make_linear_cross_entropy(TwoKernels): op(x, w, labels)}
+    for block, warps in [(4096, 32), (8192, 16), (16384, 32), (4096, 16)]:
+        def run(block=block, warps=warps):
+            saved = kce.FUSED_BLOCK, kce.FUSED_WARPS
+            kce.FUSED_BLOCK, kce.FUSED_WARPS = block, warps
+            try:
+                return kce.linear_cross_entropy(x, w, labels)
+            finally:
+                kce.FUSED_BLOCK, kce.FUSED_WARPS = saved
+        rows[f"fused b{block} w{warps}"] = run
+    return rows
 
 
 #: section name -> function(ctx) -> list[Result]; run in this order
@@ -317,19 +381,29 @@ def _fmt(v, digits=3):
 def print_results(results: list[Result]) -> None:
     ours = {(r.section, "fwd"): r.fwd_ms for r in results if r.impl == "polyaccel"}
     ours.update({(r.section, "both"): r.fwd_bwd_ms for r in results if r.impl == "polyaccel"})
-    head = f"{'section':<22} {'impl':<14} {'fwd ms':>9} {'x':>6} {'fwd+bwd ms':>11} {'x':>6} {'peak MB':>9} " \
-           f"{'max rel diff':>12}  note"
+    ours.update({(r.section, "gpu"): r.kernel_ms for r in results if r.impl == "polyaccel"})
+    head = f"{'section':<22} {'impl':<14} {'fwd ms':>9} {'x':>6} {'fwd+bwd ms':>11} {'x':>6} {'kernels ms':>10} " \
+           f"{'x':>6} {'peak MB':>9} {'max rel diff':>12}  note"
     print(head)
     print("-" * len(head))
     for r in results:
-        x_f = x_b = None
+        x_f = x_b = x_k = None
+        if r.kernel_ms and ours.get((r.section, "gpu")):
+            x_k = r.kernel_ms / ours[(r.section, "gpu")]
         if r.fwd_ms and ours.get((r.section, "fwd")):
             x_f = r.fwd_ms / ours[(r.section, "fwd")]
         if r.fwd_bwd_ms and ours.get((r.section, "both")):
             x_b = r.fwd_bwd_ms / ours[(r.section, "both")]
         print(f"{r.section:<22} {r.impl:<14} {_fmt(r.fwd_ms):>9} {_fmt(x_f):>6} {_fmt(r.fwd_bwd_ms):>11} "
-              f"{_fmt(x_b):>6} {_fmt(r.peak_mb):>9} {_fmt(r.max_rel_diff, 2):>12}  {r.note}")
-    print("x: the implementation's time over polyaccel's (> 1: polyaccel is faster)")
+              f"{_fmt(x_b):>6} {_fmt(r.kernel_ms):>10} {_fmt(x_k):>6} {_fmt(r.peak_mb):>9} "
+              f"{_fmt(r.max_rel_diff, 2):>12}  {r.note}")
+    print("x: the implementation's time over polyaccel's (> 1: polyaccel is faster); kernels ms: forward + "
+          "backward's kernels on the GPU a call (profiler), without the host's gaps")
+    for r in results:
+        if r.kernels:
+            print(f"-- {r.section} / {r.impl}: forward + backward kernels, ms a call")
+            for name, ms in r.kernels:
+                print(f"   {ms:9.3f}  {name[:110]}")
 
 
 def _device_name(device: torch.device) -> str:
@@ -352,8 +426,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--vocab", type=int, default=128256, help="the LM head's rows (linear_cross_entropy)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--tune", action="store_true", help="also time the Triton RMSNorm kernels at other tile "
+    p.add_argument("--tune", action="store_true", help="also time the Triton kernels at other tile "
                                                         "configurations (GPU only)")
+    p.add_argument("--profile", action="store_true", help="list each implementation's forward + backward kernels "
+                                                           "by time (GPU only)")
     args = p.parse_args(argv)
     unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
     if unknown:
@@ -369,7 +445,7 @@ def make_ctx(args: argparse.Namespace) -> Ctx:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA/ROCm GPU (torch.cuda.is_available() is False); use --smoke on the CPU")
     return Ctx(torch.device("cuda", torch.cuda.current_device()), dtype, False, args.batch, args.seq, args.hidden,
-               args.heads, args.kv_heads, args.head_dim, vocab=args.vocab)
+               args.heads, args.kv_heads, args.head_dim, vocab=args.vocab, tune=args.tune, profile=args.profile)
 
 
 def main(argv=None) -> list[Result]:
