@@ -13,13 +13,11 @@ A routing knob left at ``None``/``"auto"`` takes the detected family's value (se
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
+from polyaccel.config_check import Bool, Float, Int, OneOf, Regex, Rule, Section, Text
 from polyaccel.errors import ConfigError
 
 from .presets import PRESETS
@@ -35,12 +33,12 @@ GROUP_SCORES = ("auto", "max", "top2_sum")
 #: why expert weights are not split over the tensor ranks
 ETP_REFUSED = (
     "splitting expert weights over the tensor ranks is not supported, only 1 (the default). With tensor "
-    "parallelism, AutoEP keeps every expert whole: each tensor rank holds its expert rank's experts and runs them "
-    "on the same tokens (the MoE block's input is replicated over tensor), so expert state is replicated over "
-    "tensor and ZeRO partitions it over expert_data. Splitting an expert over tensor as well would cut one weight "
-    "over two mesh dimensions (experts over expert, features over tensor), which a parameter's layout, the "
-    "gradient norm and the checkpoint format do not describe. Use a larger autoep_size to spread the experts "
-    "over more ranks instead")
+    "parallelism, AutoEP keeps every expert whole: each tensor rank holds its expert rank's experts and runs "
+    "them on the same tokens (the MoE block's input is replicated over tensor), so expert state is "
+    "replicated over tensor and ZeRO partitions it over expert_data. Splitting an expert over tensor as well "
+    "would cut one weight over two mesh dimensions (experts over expert, features over tensor), which a "
+    "parameter's layout, the gradient norm and the checkpoint format do not describe. Use a larger "
+    "autoep_size to spread the experts over more ranks instead")
 
 
 @dataclass(frozen=True)
@@ -76,79 +74,16 @@ class AutoEPConfig:
     capture_graphs: bool = False
 
 
-def _int(key: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        extra = " or null" if allow_none else ""
-        raise ConfigError(f"config key '{SECTION}.{key}' must be an integer >= {minimum}{extra}, got {value!r}")
-    return value
-
-
-def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value is None:
-        value = "auto"
-    if not isinstance(value, str) or value.lower() not in allowed:
-        raise ConfigError(f"config key '{SECTION}.{key}' must be one of {', '.join(allowed)}, got {value!r}")
-    return value.lower()
-
-
-def _name(key: str, value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"config key '{SECTION}.{key}' must be a non-empty string or null, got {value!r}")
-    return value
-
-
-def _flag(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"config key '{SECTION}.{key}' must be true or false, got {value!r}")
-    return value
-
-
-def _optional_flag(key: str, value: Any) -> bool | None:
-    if value is not None and not isinstance(value, bool):
-        raise ConfigError(f"config key '{SECTION}.{key}' must be true, false or null, got {value!r}")
-    return value
-
-
-def _positive_scale(key: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"config key '{SECTION}.{key}' must be a finite number > 0 or null, got {value!r}")
-    return float(value)
-
-
-def _expert_tensor_parallel_size(key: str, value: Any) -> int:
-    etp = _int(key, value, 1)
+def _check_sizes(out: dict[str, Any]) -> None:
+    """Experts stay whole over tensor ranks; graphs fix every size on the path, an all-to-all's row counts
+    change every step."""
+    etp = out.get("expert_tensor_parallel_size", 1)
     if etp != 1:
-        raise ConfigError(f"config key '{SECTION}.{key}' is {etp}: {ETP_REFUSED}")
-    return etp
-
-
-def _preset_name(key: str, value: Any) -> str:
-    return _choice(key, value, ("auto", *sorted(PRESETS)))
-
-
-def _regex(key: str, value: Any) -> str | None:
-    pattern = _name(key, value)
-    if pattern is not None:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ConfigError(f"config key '{SECTION}.{key}' is not a valid regular expression ({exc}): "
-                              f"{pattern!r}") from None
-    return pattern
-
-
-def _check_graphs(out: dict[str, Any]) -> None:
-    """Graphs fix every size on the path; an all-to-all's row counts change every step."""
+        raise ConfigError(f"config key '{SECTION}.expert_tensor_parallel_size' is {etp}: {ETP_REFUSED}")
     if out.get("capture_graphs") and out.get("autoep_size", 1) > 1:
         raise ConfigError(f"config key '{SECTION}.capture_graphs' needs '{SECTION}.autoep_size' 1 (it is "
-                          f"{out['autoep_size']}): a device graph fixes the rows each expert rank receives, which the "
-                          "all-to-all changes every step")
+                          f"{out['autoep_size']}): a device graph fixes the rows each expert rank receives, "
+                          "which the all-to-all changes every step")
 
 
 def _check_expert_groups(out: dict[str, Any]) -> None:
@@ -170,51 +105,34 @@ def _check_expert_projections(out: dict[str, Any]) -> None:
                           "per-expert gate, down and up projections): set all three or none")
 
 
-_Validator = Callable[[str, Any], Any]
-_positive_int = partial(_int, minimum=1)
-_optional_positive_int = partial(_int, minimum=1, allow_none=True)
+_OPTIONAL_COUNT = Int(1, optional=True)
+_NAME = Text(optional=True)
 
-#: the keys of the section, one table per part: each key's validator ``(key, value) -> parsed value``,
-#: then the check across that part's keys. parse_config checks the parts and their keys in this order.
-_SCHEMA: tuple[tuple[dict[str, _Validator], Callable[[dict[str, Any]], None] | None], ...] = (
-    ({"enabled": _flag, "autoep_size": _positive_int,
-      "expert_tensor_parallel_size": _expert_tensor_parallel_size, "capture_graphs": _flag}, _check_graphs),
-    ({"preset_model": _preset_name, "top_k": _optional_positive_int,
-      "score_func": partial(_choice, allowed=SCORE_FUNCS), "score_apply": partial(_choice, allowed=SCORE_APPLY),
-      "group_score": partial(_choice, allowed=GROUP_SCORES), "route_norm": _optional_flag,
-      "routed_scaling_factor": _positive_scale, "num_expert_groups": _optional_positive_int,
-      "num_limited_groups": _optional_positive_int}, _check_expert_groups),
-    ({"moe_layer_pattern": _regex, **dict.fromkeys(
+#: the keys of the section, one table per part: each key's rule, then the check across that part's keys.
+#: parse_config checks the parts and their keys in this order.
+_SCHEMA: tuple[tuple[dict[str, Rule], Callable[[dict[str, Any]], None]], ...] = (
+    ({"enabled": Bool(), "autoep_size": Int(1), "expert_tensor_parallel_size": Int(1),
+      "capture_graphs": Bool()}, _check_sizes),
+    ({"preset_model": OneOf(("auto", *sorted(PRESETS)), optional=True), "top_k": _OPTIONAL_COUNT,
+      "score_func": OneOf(SCORE_FUNCS, optional=True), "score_apply": OneOf(SCORE_APPLY, optional=True),
+      "group_score": OneOf(GROUP_SCORES, optional=True), "route_norm": Bool(optional=True),
+      "routed_scaling_factor": Float(0.0, above=True, optional=True), "num_expert_groups": _OPTIONAL_COUNT,
+      "num_limited_groups": _OPTIONAL_COUNT}, _check_expert_groups),
+    ({"moe_layer_pattern": Regex(optional=True), **dict.fromkeys(
         ("router_pattern", "expert_pattern", "expert_w1", "expert_w2", "expert_w3", "num_experts_attr",
-         "top_k_attr", "shared_expert_pattern", "shared_expert_gate_pattern"), _name)}, _check_expert_projections),
+         "top_k_attr", "shared_expert_pattern", "shared_expert_gate_pattern"), _NAME)},
+     _check_expert_projections),
 )
-_KEYS = {key for validators, _ in _SCHEMA for key in validators}
-
-
-def _section_dict(section: Any) -> dict:
-    """``section`` as a dict of known keys (None is the empty section)."""
-    if section is None:
-        return {}
-    if not isinstance(section, dict):
-        raise ConfigError(f"config key {SECTION!r} must be a dict, got {type(section).__name__}")
-    unknown = sorted(set(section) - _KEYS)
-    if unknown:
-        raise ConfigError(
-            f"unknown config key(s) {', '.join(repr(f'{SECTION}.{k}') for k in unknown)}; "
-            f"allowed keys in {SECTION!r}: {', '.join(sorted(_KEYS))}")
-    return section
+_KEYS = tuple(key for rules, _ in _SCHEMA for key in rules)
 
 
 def parse_config(section: Any) -> AutoEPConfig:
-    """The validated section (``section`` itself is not modified)."""
-    section = _section_dict(section)
+    """The validated section (``section`` itself is not modified; None is the empty section)."""
+    sec = Section(section, SECTION, _KEYS)
     out: dict[str, Any] = {}
-    for validators, check_together in _SCHEMA:
-        for key, validate in validators.items():
-            if key in section:
-                out[key] = validate(key, section[key])
-        if check_together is not None:
-            check_together(out)
+    for rules, check_together in _SCHEMA:
+        out.update(sec.values(rules))
+        check_together(out)
     return AutoEPConfig(**out)
 
 
