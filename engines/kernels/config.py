@@ -19,12 +19,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from polyaccel.config_check import OneOf, Section
 from polyaccel.errors import ConfigError
 
 SECTION = "kernels"
 #: kernel -> the op (in ``polyaccel.ops``) it runs
-KERNELS = {"rms_norm": "rms_norm", "rope": "rope", "swiglu": "swiglu", "cross_entropy": "linear_cross_entropy"}
+KERNELS = {
+    "rms_norm": "rms_norm", "rope": "rope", "swiglu": "swiglu", "cross_entropy": "linear_cross_entropy",
+}
 AUTO = "auto"
+#: a kernel's value in the dict form
+_CHOICE = OneOf((True, False, AUTO))
 
 
 @dataclass(frozen=True)
@@ -48,21 +53,14 @@ def expand(value) -> dict:
         return dict.fromkeys(KERNELS, AUTO)
     if isinstance(value, bool):
         return dict.fromkeys(KERNELS, value)
-    raise ConfigError(f"config key {SECTION!r} must be a dict of kernels ({', '.join(KERNELS)}: true, false or "
-                      f"'auto'), the string 'auto', true or false; got {value!r}")
+    raise ConfigError(f"config key {SECTION!r} must be a dict of kernels ({', '.join(KERNELS)}: true, false "
+                      f"or 'auto'), the string 'auto', true or false; got {value!r}")
 
 
 def parse(value) -> KernelsConfig:
     """Validate a ``kernels`` section (any of the three forms)."""
-    section = expand(value)
-    bad = [k for k in section if k not in KERNELS]
-    if bad:
-        raise ConfigError(f"{SECTION}: unknown key{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}; "
-                          f"allowed keys are {list(KERNELS)}")
-    for key, v in section.items():
-        if not (isinstance(v, bool) or v == AUTO):
-            raise ConfigError(f"{SECTION}.{key} must be true, false or 'auto', got {v!r}")
-    return KernelsConfig(**section)
+    section = Section(expand(value), SECTION, KERNELS)
+    return KernelsConfig(**section.values(dict.fromkeys(KERNELS, _CHOICE)))
 
 
 def resolve_auto(cfg: KernelsConfig, device_type: str, registry) -> tuple[dict[str, bool], dict[str, str]]:

@@ -18,9 +18,10 @@ def test_config_forms_and_refusals_name_the_key():
     assert parse("auto").wanted() == dict.fromkeys(ALL_ON, "auto")
     assert parse(True).wanted() == ALL_ON and not any(parse(False).wanted().values())
     assert parse({"rope": True}).wanted() == {"rms_norm": False, "rope": True, "swiglu": False, "cross_entropy": False}
-    with pytest.raises(polyaccel.ConfigError, match=r"kernels: unknown key 'rmsnorm'; allowed keys are \['rms_norm'"):
+    with pytest.raises(polyaccel.ConfigError,
+                       match=r"unknown config key 'kernels.rmsnorm'; allowed keys in 'kernels': .*did you mean 'rms_norm'"):
         parse({"rmsnorm": True})
-    with pytest.raises(polyaccel.ConfigError, match=r"kernels.swiglu must be true, false or 'auto', got 'yes'"):
+    with pytest.raises(polyaccel.ConfigError, match=r"kernels.swiglu' must be one of true, false, auto, got 'yes'"):
         parse({"swiglu": "yes"})
     with pytest.raises(polyaccel.ConfigError, match=r"config key 'kernels' must be a dict of kernels .* got 'fast'"):
         parse("fast")
@@ -32,7 +33,7 @@ def test_initialize_refuses_a_bad_section_before_touching_the_model():
     section = {"rms_norm": True, "flash": True}
     config = {"kernels": section, "zero_optimization": {"stage": 1}}
     model = build("llama")
-    with pytest.raises(polyaccel.ConfigError, match="kernels: unknown key 'flash'"):
+    with pytest.raises(polyaccel.ConfigError, match="unknown config key 'kernels.flash'"):
         polyaccel.initialize(model, config)
     assert config["kernels"] is section and section == {"rms_norm": True, "flash": True}
     assert not any(hasattr(m, "_polyaccel_kernel") for m in model.modules())
