@@ -26,6 +26,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from polyaccel.config_check import Bool, Int, Section
 from polyaccel.errors import ConfigError
 
 _KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
@@ -49,27 +50,14 @@ def parse_activation_checkpointing(section) -> ActivationCheckpointConfig:
     """Validate the ``activation_checkpointing`` section (None: off)."""
     if section is None:
         return ActivationCheckpointConfig()
-    if not isinstance(section, dict):
-        raise ConfigError(f"config key 'activation_checkpointing' must be a dict, got {type(section).__name__}")
-    unknown = sorted(set(section) - _KEYS)
-    if unknown:
-        raise ConfigError(f"unknown config key(s) {', '.join(repr(f'activation_checkpointing.{k}') for k in unknown)}; "
-                          f"allowed keys in 'activation_checkpointing': {', '.join(sorted(_KEYS))}")
-    flags = {}
-    for key in _KEYS - {"number_checkpoints"}:
-        value = section.get(key, False)
-        if not isinstance(value, bool):
-            raise ConfigError(f"config key 'activation_checkpointing.{key}' must be true or false, got {value!r}")
-        flags[key] = value
+    sec = Section(section, "activation_checkpointing", _KEYS)
+    flags = {key: sec.get(key, Bool(), False) for key in sorted(_KEYS - {"number_checkpoints"})}
     for key, why in _REFUSED.items():
         if flags[key]:
-            raise ConfigError(f"config key 'activation_checkpointing.{key}' is true, but {why}; set it to false")
-    number = section.get("number_checkpoints")
-    if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < 1):
-        raise ConfigError("config key 'activation_checkpointing.number_checkpoints' must be a positive integer or "
-                          f"null, got {number!r}")
-    return ActivationCheckpointConfig(True, flags["cpu_checkpointing"], flags["synchronize_checkpoint_boundary"],
-                                      number)
+            raise sec.error(key, f"is true, but {why}; set it to false")
+    number = sec.get("number_checkpoints", Int(1, optional=True))
+    return ActivationCheckpointConfig(True, flags["cpu_checkpointing"],
+                                      flags["synchronize_checkpoint_boundary"], number)
 
 
 class HostInputs:

@@ -120,7 +120,7 @@ def test_host_buffers_are_reused_between_steps():
     ({"cpu_checkpointing": "yes"}, ["activation_checkpointing.cpu_checkpointing", "true or false"]),
     ({"partition_activations": True}, ["activation_checkpointing.partition_activations", "not implemented"]),
     ({"contiguous_memory_optimization": True}, ["contiguous_memory_optimization", "set it to false"]),
-    ({"number_checkpoints": 0}, ["number_checkpoints", "positive integer"]),
+    ({"number_checkpoints": 0}, ["activation_checkpointing.number_checkpoints", "an integer >= 1"]),
     ({"cpu_checkpoint": True}, ["activation_checkpointing.cpu_checkpoint", "cpu_checkpointing"]),
 ])
 def test_bad_sections_name_the_key(section, words):
