@@ -7,11 +7,11 @@ options object as is (it pickles), so the parent and the ranks can never disagre
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from polyaccel.config_check import Float, Int, OneOf, check_flag
 from polyaccel.errors import ConfigError
 
 from .kernels import resolve as resolve_kernels
@@ -28,6 +28,8 @@ OPTIMIZERS = ("adamw", "muon")
 #: ``--lr`` when not given, per optimizer (Muon's orthogonalized update wants a larger step)
 DEFAULT_LR = {"adamw": 3e-3, "muon": 0.02}
 STAGES = (1, 2, 3)
+#: ``--lr`` and ``--adam-lr``
+_LR = Float(0.0, above=True)
 #: file (in the save directory) that maps a checkpoint tag to the run that wrote it
 META_PREFIX = "train-meta-"
 
@@ -125,8 +127,7 @@ class TrainOptions:
 
 
 def _positive(flag: str, value, minimum=1) -> None:
-    if value < minimum:
-        raise ConfigError(f"{flag} {value}: must be at least {minimum}")
+    check_flag(flag, value, Int(minimum))
 
 
 def read_checkpoint_meta(directory: str, tag: str | None) -> tuple[str, dict]:
@@ -241,29 +242,22 @@ def _check_hyperparameters(args, lr: float) -> None:
     _positive("--seq-len", args.seq_len, 2)
     if args.seq_len > 8192:
         raise ConfigError(f"--seq-len {args.seq_len}: at most 8192 for this small model")
-    if not (math.isfinite(lr) and lr > 0):
-        raise ConfigError(f"--lr {lr}: must be a positive finite number (e.g. 3e-3)")
-    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
-        raise ConfigError(f"--weight-decay {args.weight_decay}: must be a finite number >= 0")
-    if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
-        raise ConfigError(f"--grad-clip {args.grad_clip}: must be >= 0 (0 turns clipping off)")
-    if args.stage not in STAGES:
-        raise ConfigError(f"--stage {args.stage}: choose one of {', '.join(map(str, STAGES))}")
+    check_flag("--lr", lr, _LR, "(e.g. 3e-3)")
+    check_flag("--weight-decay", args.weight_decay, Float(0.0))
+    check_flag("--grad-clip", args.grad_clip, Float(0.0), "(0 turns clipping off)")
+    check_flag("--stage", args.stage, OneOf(STAGES))
 
 
 def _check_optimizer(optimizer: str, adam_lr: float, args) -> None:
-    if optimizer not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-    if not (math.isfinite(adam_lr) and adam_lr > 0):
-        raise ConfigError(f"--adam-lr {adam_lr}: must be a positive finite number (e.g. 3e-3)")
+    check_flag("--optimizer", optimizer, OneOf(OPTIMIZERS))
+    check_flag("--adam-lr", adam_lr, _LR, "(e.g. 3e-3)")
     if optimizer != "muon" and getattr(args, "adam_lr", None) is not None:
         raise ConfigError("--adam-lr is the lr of the parameters Muon leaves to AdamW: it needs --optimizer muon "
                           "(with AdamW, --lr sets every parameter's)")
 
 
 def _check_dtype(dtype: str, accelerator) -> None:
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    check_flag("--dtype", dtype, OneOf(DTYPES))
     if dtype == "bf16" and not accelerator.is_bf16_supported():
         raise ConfigError(f"--dtype bf16: accelerator {accelerator.name!r} does not support bfloat16; use fp32")
     if dtype == "fp16" and not accelerator.is_fp16_supported():
@@ -272,8 +266,7 @@ def _check_dtype(dtype: str, accelerator) -> None:
 
 def _check_checkpoint_flags(args) -> None:
     """The save/resume flags that need one another."""
-    if args.save_every < 0:
-        raise ConfigError(f"--save-every {args.save_every}: must be >= 0 (0: save only at the end)")
+    check_flag("--save-every", args.save_every, Int(0), "(0: save only at the end)")
     if args.save_every and not args.save:
         raise ConfigError("--save-every needs --save DIR (where to write the checkpoints)")
     if args.resume_tag and not args.resume:
@@ -389,9 +382,8 @@ def _check_offload_ratio(ratio: float, args, optimizer: str, tp: int) -> None:
     """``--offload-ratio`` where the engine can split the optimizer between host and device."""
     if ratio == 1:
         return
-    if not (math.isfinite(ratio) and 0 < ratio < 1):
-        raise ConfigError(f"--offload-ratio {ratio}: must be in (0, 1], the share of the optimizer stepped on the "
-                          "host (e.g. 0.5)")
+    check_flag("--offload-ratio", ratio, Float(0.0, 1.0, above=True),
+               "(the share of the optimizer stepped on the host, e.g. 0.5)")
     if not args.offload:
         raise ConfigError(f"--offload-ratio {ratio} needs --offload (it splits the offloaded optimizer)")
     if args.stage == 3:
