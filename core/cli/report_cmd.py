@@ -3,10 +3,9 @@
 Lists versions, every plugin discovered through the `polyaccel.plugins` entry points
 with its status (selected / available / unavailable / loaded / failed / blocked /
 incompatible / duplicate) and the reason, the selected accelerator's capabilities,
-and for every op the builder chosen for that device (``--verbose``: and why, and why
-not each other builder). A plugin whose op hook
-raised (or gave unusable builders) is listed as failed, with the error and the
-builders that were dropped.
+and for every op the builder chosen for that device (--verbose: and why, and why not
+each other builder). A plugin whose op hook raised (or gave unusable builders) is
+listed as failed, with the error and the builders that were dropped.
 
 Environment: POLYACCEL_ACCELERATOR, POLYACCEL_PLUGINS, POLYACCEL_DISABLE_PLUGINS,
 POLYACCEL_DISABLE_PLUGIN_AUTOLOAD, POLYACCEL_OP_OVERRIDES (see the README).
