@@ -277,7 +277,7 @@ class ZeroEngine:
         return MuonPartitionOptimizer(cfg.optimizer, part.master, setup.alloc_master, layout=part.layout,
                                       coll=coll, choices=self.muon_choices, weight_decays=self.weight_decays,
                                       params=entries, comm_device=self.device, tensor_coll=tensor_coll,
-                                      gather_cap=cap)
+                                      gather_cap=cap, accelerator=self.accelerator)
 
     def _grad_dtype(self, key: tuple) -> torch.dtype:
         """dtype of a group's gradient partition. Where nothing ever accumulates into it (one micro-step, no
@@ -362,7 +362,8 @@ class ZeroEngine:
         if not self.stepper.available or self.stepper.active or len(self.groups) != 1:
             return False
         g = self.groups[0]
-        return g.grad_sum is None and g.optimizer.steps_in_slices and g.partitioner.eager
+        sliced = g.optimizer.steps_in_slices or g.optimizer.defers_apply
+        return g.grad_sum is None and sliced and g.partitioner.eager
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last optimizer boundary (before clipping; ``inf`` when fp16 overflowed
@@ -445,6 +446,7 @@ class ZeroEngine:
             return
         if self.stepper.active:  # stepped and uploaded bucket by bucket during backward
             self.stepper.finish()
+            self.groups[0].optimizer.finish_step()  # an optimizer whose slices were only prepared (Muon)
             self.groups[0].partitioner.publish()
         else:
             for g in self.groups:

@@ -77,7 +77,8 @@ class HostStepper:
         g = self._group
         for lo, hi in ranges:
             g.optimizer.step_slice(g.partitioner.grad, lo, hi)
-            g.partitioner.upload(lo, hi)
+            if not g.optimizer.defers_apply:  # else uploaded after its finish_step
+                g.partitioner.upload(lo, hi)
 
     def wait(self) -> None:
         """Finish every submitted bucket (re-raising a worker's error)."""

@@ -11,11 +11,13 @@ One step here:
 2. Each Muon matrix has one **owner** rank (:func:`plan_rounds`: balanced by Newton-Schulz flops,
    deterministic, the same on every rank). Matrices are processed in **rounds** whose gather buffer
    holds at most ``gather_bucket_size`` elements over all ranks (a matrix larger than that gets a
-   round of its own size): each rank writes its pieces of ``u`` into a zeroed buffer laid out as one
-   equal chunk per owner, a reduce-scatter hands every owner its chunk, now holding its matrices
-   whole (a sum with zeros is exact), the owner orthogonalizes them (whole or per head block; with
-   tensor parallelism, after assembling the matrix over the tensor group), and an all-gather of the
-   chunks brings every rank the results for its pieces.
+   round of its own size): each rank writes its pieces of ``u`` into a buffer laid out as one equal
+   chunk per owner (zeroed where the rank writes nothing; in ``ns_dtype`` when the iteration's input
+   is a plain cast of ``u``: half the bytes to move and to read, see :func:`buffer_dtype`), a
+   reduce-scatter hands every owner its chunk, now holding its matrices whole (a sum with zeros is
+   exact), the owner orthogonalizes them (whole or per head block, all blocks of one shape in one
+   batched call; with tensor parallelism, after assembling the matrix over the tensor group), and an
+   all-gather of the chunks brings every rank the results for its pieces.
 3. Every rank applies ``p = p * (1 - lr * wd) - lr * scale * O`` to its Muon elements.
 
 The step is torch.optim.Muon's per matrix (and Adam's per element), so the engine equals the
@@ -26,16 +28,18 @@ buffer on the Muon elements (both an exponential average of the gradient, with t
 coefficient), ``exp_avg_sq`` Adam's second moment (zero on Muon elements). So the state is as large
 as AdamW's and checkpoints re-partition it to any layout like any other state.
 
-Under optimizer offload the partition, the momentum and the element-wise work stay on the host;
-the gather buffer goes to the device, where the owner orthogonalizes (Newton-Schulz is matrix
-products: the device's job), and comes back. The offloaded step does not overlap backward (it
-needs whole matrices).
+Under optimizer offload the partition, the momentum and the element-wise work stay on the host, and
+the step comes in two parts. :meth:`~MuonPartitionOptimizer.step_slice` *prepares* a slice of the
+partition as soon as its gradient has landed, while backward still runs (the engine's overlapped host
+step): the Adam elements are stepped, the Muon elements' momentum and ``u`` written into the round
+buffers, which are kept in pinned host memory. After backward,
+:meth:`~MuonPartitionOptimizer.finish_step` sends each round's buffer to the device, where the owner
+orthogonalizes (Newton-Schulz is matrix products: the device's job), and back into the same host
+buffer, asynchronously; the host applies one round while the device works on the next, and the
+partition is uploaded after that.
 """
 
 from __future__ import annotations
-
-import bisect
-from dataclasses import dataclass
 
 import torch
 from polyaccel import ops
@@ -43,8 +47,8 @@ from polyaccel.errors import ConfigError
 from polyaccel.ops.reference import muon as ref_muon
 from polyaccel.parallel import get_layout
 
+from .muon_plan import Matrix, Round, clip, gaps, pieces_of, plan_rounds
 from .optimizer import PartitionOptimizer
-from .partition import FlatLayout
 
 
 # ------------------------------------------------------------------ which parameters Muon steps
@@ -62,107 +66,6 @@ def choose_params(model: torch.nn.Module, names: list[str], muon_cfg) -> dict:
     return {n: found[n] for n in names}
 
 
-# ------------------------------------------------------------------ where each matrix's elements are
-def pieces_of(layout, rank: int) -> list[tuple[int, int, int, int]]:
-    """``rank``'s partition as ``(lo, hi, parameter index, first element in the parameter)`` pieces (padding
-    left out), for a :class:`~.partition.FlatLayout` or a :class:`~.partition.ShardLayout`."""
-    out = []
-    n_names = len(layout.names)
-    if isinstance(layout, FlatLayout):
-        starts = [b.part_offset for b in layout.buckets]
-        for lo, hi, i in layout.param_ranges(rank):
-            if i >= n_names:
-                continue
-            k = bisect.bisect_right(starts, lo) - 1
-            flat_start, _ = layout.owned(k, rank)
-            elem = flat_start + (lo - layout.buckets[k].part_offset) - layout.offsets[i]
-            out.append((lo, hi, i, elem))
-        return out
-    for lo, hi, i in layout.param_ranges(rank):
-        s = layout.shard_sizes[i]
-        first = rank * s
-        valid = max(0, min(hi - lo, layout.numels[i] - first))
-        if valid:
-            out.append((lo, lo + valid, i, first))
-    return out
-
-
-@dataclass
-class Matrix:
-    """One Muon matrix of a partition group: its place in the rounds and how it is orthogonalized."""
-
-    index: int  # in the layout
-    name: str
-    shape: tuple[int, int]  # this rank's tensor (a piece of the full matrix under tensor parallelism)
-    head_split: tuple[int, int] | None  # of the matrix orthogonalized (the full one when gathered)
-    tp: object  # the polyaccel.parallel Split to assemble over the tensor group first, or None
-    weight_decay: float
-    round: int = 0
-    owner: int = 0
-    offset: int = 0  # in the owner's chunk of its round
-    lr_scale: float = 1.0
-
-    @property
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
-    def full_shape(self) -> tuple[int, int]:
-        if self.tp is None:
-            return self.shape
-        s = list(self.shape)
-        s[self.tp.axis] = self.tp.full_length
-        return tuple(s)
-
-
-@dataclass
-class Round:
-    chunk: int  # elements per rank
-    matrices: list[Matrix]
-
-
-def _flops(shape) -> int:
-    m, n = shape
-    return m * n * min(m, n)
-
-
-def plan_rounds(matrices: list[Matrix], world: int, cap: int) -> list[Round]:
-    """Give each matrix an owner rank and a round; rounds hold at most ``cap`` buffer elements over all ranks.
-
-    Largest matrices (by Newton-Schulz flops of the orthogonalized shape) first; each goes into the first
-    round where some owner's chunk still has room, to the owner with the least work so far (ties: lowest
-    rank). The decisions use the orthogonalized (full) shapes only, so every rank of the data group and
-    every rank of a tensor group decide alike. A round's chunk is the fullest owner's local elements."""
-    per_rank = max(1, cap // max(1, world))
-    work = [0] * world
-    loads: list[list[int]] = []  # per round, per owner: elements (full shapes) placed
-    order = sorted(matrices, key=lambda m: (-_flops(m.full_shape()), m.index))
-    for m in order:
-        size = m.full_shape()[0] * m.full_shape()[1]
-        placed = False
-        for r, load in enumerate(loads):
-            room = [o for o in range(world) if load[o] + size <= per_rank]
-            if room:
-                o = min(room, key=lambda o: (work[o], o))
-                m.round, m.owner = r, o
-                placed = True
-                break
-        if not placed:
-            loads.append([0] * world)
-            m.round, m.owner = len(loads) - 1, min(range(world), key=lambda o: (work[o], o))
-        loads[m.round][m.owner] += size
-        work[m.owner] += _flops(m.full_shape())
-    rounds = [Round(0, []) for _ in loads]
-    for m in sorted(matrices, key=lambda m: m.index):
-        rounds[m.round].matrices.append(m)
-    for rnd in rounds:
-        fill = [0] * world
-        for m in rnd.matrices:
-            m.offset = fill[m.owner]
-            fill[m.owner] += m.numel
-        rnd.chunk = max(fill) if fill else 0
-    return rounds
-
-
 # ------------------------------------------------------------------ the orthogonalization
 def orthogonalize(u: torch.Tensor, head_split, mcfg) -> torch.Tensor:
     """Newton-Schulz of one matrix, whole or per head block, in ``ns_dtype``, back in ``u``'s dtype."""
@@ -174,22 +77,39 @@ def orthogonalize_many(us: list[torch.Tensor], head_splits, mcfg) -> list[torch.
     :func:`~polyaccel.ops.reference.muon.orthogonalized_update` per matrix, with the iteration through the
     registry's ``newton_schulz`` (the device's fastest builder).
 
-    Blocks of one shape go to the op as one batch: the iteration is per matrix, so batching changes no
-    result, and one call of many small matrices runs near the GEMM rate where one call each is bound by
-    launches."""
+    Blocks go to the op in the wide orientation (the iteration runs there anyway: a tall block is iterated as
+    its transpose), all blocks of one wide shape as one batch: a 2816 x 1024 projection and a 1024 x 2816
+    one share a call. The iteration is per matrix, so batching changes no result beyond the last bits of
+    the products' summation order; one call of many matrices runs near the GEMM rate where one call each is
+    bound by launches."""
     blocks = [ref_muon.split_heads(u, s) for u, s in zip(us, head_splits, strict=True)]
+    wide: list[tuple[torch.Tensor, bool]] = []
     by_shape: dict[tuple[int, int], list[int]] = {}
     for k, b in enumerate(blocks):
-        by_shape.setdefault(tuple(b.shape[-2:]), []).append(k)
+        b3 = b.reshape(-1, *b.shape[-2:])
+        tall = b3.shape[-2] > b3.shape[-1]
+        w = b3.mT if tall else b3
+        wide.append((w, tall))
+        by_shape.setdefault(tuple(w.shape[-2:]), []).append(k)
     out: list[torch.Tensor | None] = [None] * len(us)
-    for shape, ks in by_shape.items():
-        parts = [ref_muon.ns_input(blocks[k].reshape(-1, *shape), mcfg.ns_dtype, mcfg.eps) for k in ks]
+    for ks in by_shape.values():
+        parts = [ref_muon.ns_input(wide[k][0], mcfg.ns_dtype, mcfg.eps) for k in ks]
         batch = parts[0] if len(parts) == 1 else torch.cat(parts)
         done = ops.newton_schulz(batch, steps=mcfg.ns_steps, coefficients=mcfg.ns_coefficients, eps=mcfg.eps)
         for k, o in zip(ks, done.split([p.shape[0] for p in parts]), strict=True):
-            o = o.reshape(blocks[k].shape)
+            o = (o.mT if wide[k][1] else o).reshape(blocks[k].shape)
             out[k] = ref_muon.join_heads(o, head_splits[k], us[k].shape).to(us[k].dtype)
     return out
+
+
+def buffer_dtype(ns_dtype: torch.dtype, master_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the round buffers: ``ns_dtype`` where the iteration's input is a plain cast of the update
+    to a narrower dtype (a cast is element-wise, so done while the update is written it rounds alike) and
+    the result, already of ``ns_dtype``, widens exactly; else the master's (float16, whose input is scaled
+    to unit norm before the cast, and iterations wider than the master)."""
+    if ns_dtype != torch.float16 and ns_dtype.itemsize < master_dtype.itemsize:
+        return ns_dtype
+    return master_dtype
 
 
 # ------------------------------------------------------------------ the optimizer
@@ -199,35 +119,29 @@ class MuonPartitionOptimizer(PartitionOptimizer):
     ``layout``: the group's partition layout; ``coll``: its partition group's collectives; ``choices``:
     ``{name: Choice}``; ``weight_decays``: the ``param_groups`` decays by name; ``params``: the group's
     ``(name, parameter)`` entries (their tensor-parallel layouts); ``tensor_coll``: the tensor group's
-    collectives (None without tensor parallelism); ``comm_device``: where the gather buffers live.
+    collectives (None without tensor parallelism); ``comm_device``: where the gather buffers live;
+    ``accelerator``: the engine's (events for the offloaded step's pipeline; None: it waits copy by copy);
+    ``kept_buffers``: whether the round buffers are kept between steps (see :attr:`kept_buffers`).
     """
 
     def __init__(self, cfg, master, alloc, *, layout, coll, choices, weight_decays, params, comm_device,
-                 tensor_coll=None, gather_cap: int):
+                 tensor_coll=None, gather_cap: int, accelerator=None, kept_buffers: bool | None = None):
         super().__init__(cfg, master, alloc)
         self.mcfg = cfg.muon
         self.coll, self.tensor_coll, self.comm_device = coll, tensor_coll, comm_device
+        self.accelerator = accelerator
+        self.buffer_dtype = buffer_dtype(self.mcfg.ns_dtype, master.dtype)
         rank, world = coll.rank, coll.world
         by_name = dict(params)
         self.matrices: list[Matrix] = []
         index_of = {}
         for i, name in enumerate(layout.names):
             c = choices[name]
-            if not c.muon or layout.numels[i] == 0:
-                continue
-            p = by_name[name]
-            split = get_layout(p).split
-            tp = split if (split is not None and split.dim == "tensor" and tensor_coll is not None
-                           and tensor_coll.world > 1 and self.mcfg.tensor_parallel == "gather") else None
-            m = Matrix(i, name, tuple(layout.shapes[i]), c.head_split, tp,
-                       weight_decays.get(name, cfg.weight_decay))
-            if tp is not None and m.head_split is not None and m.head_split[0] == tp.axis:
-                block = m.shape[tp.axis] // m.head_split[1]  # the local head count, as the full matrix's
-                m.head_split = (tp.axis, tp.full_length // block)
-            blk = ref_muon.split_heads(torch.empty(m.full_shape(), device="meta"), m.head_split).shape
-            m.lr_scale = ref_muon.muon_lr_scale(blk, self.mcfg.lr_adjustment)
-            index_of[i] = len(self.matrices)
-            self.matrices.append(m)
+            if c.muon and layout.numels[i]:
+                index_of[i] = len(self.matrices)
+                wd = weight_decays.get(name, cfg.weight_decay)
+                shape = tuple(layout.shapes[i])
+                self.matrices.append(self._matrix(i, name, shape, c.head_split, by_name[name], wd))
         self.rounds = plan_rounds(self.matrices, world, gather_cap)
         #: this rank's Muon pieces by round: (lo, hi, matrix, first element)
         self.round_pieces: list[list[tuple[int, int, Matrix, int]]] = [[] for _ in self.rounds]
@@ -242,10 +156,30 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         self.adam_pieces = list(adam.items())
         #: how many matrices this rank orthogonalized (its owner's share), over all steps
         self.orthogonalized = 0
+        self._alloc = alloc
+        #: whether the round buffers are kept between steps, allocated by ``alloc`` (by default where the
+        #: partition is on the host: the offloaded step, prepared slice by slice, in pinned buffers); else each
+        #: round's buffer lives on the partition's device for its round only (one round's memory)
+        self.kept_buffers = master.device.type == "cpu" if kept_buffers is None else kept_buffers
+        self._buffers: list[torch.Tensor] | None = None  # the offloaded step's round buffers (host, kept)
+        self._slices: dict[tuple[int, int], tuple] = {}
+
+    def _matrix(self, i: int, name: str, shape, head_split, p, weight_decay: float) -> Matrix:
+        split = get_layout(p).split
+        tc = self.tensor_coll
+        tp = split if (split is not None and split.dim == "tensor" and tc is not None and tc.world > 1
+                       and self.mcfg.tensor_parallel == "gather") else None
+        m = Matrix(i, name, shape, head_split, tp, weight_decay)
+        if tp is not None and m.head_split is not None and m.head_split[0] == tp.axis:
+            block = m.shape[tp.axis] // m.head_split[1]  # the local head count, as the full matrix's
+            m.head_split = (tp.axis, tp.full_length // block)
+        blk = ref_muon.split_heads(torch.empty(m.full_shape(), device="meta"), m.head_split).shape
+        m.lr_scale = ref_muon.muon_lr_scale(blk, self.mcfg.lr_adjustment)
+        return m
 
     @property
     def steps_in_slices(self) -> bool:
-        return False  # whole matrices: the step is one piece
+        return False  # whole matrices: a slice is only prepared (defers_apply)
 
     @property
     def adam_lr(self) -> float:
@@ -253,43 +187,93 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         base = self.cfg.lr
         return self.mcfg.adam_lr * (self.lr / base) if base > 0 else self.mcfg.adam_lr
 
+    @property
+    def defers_apply(self) -> bool:
+        """With the partition on the host a sliced step only prepares (Adam, momentum and update into the
+        round buffers; the engine overlaps it with backward) and :meth:`finish_step` orthogonalizes and
+        applies."""
+        return self.kept_buffers
+
     @torch.no_grad()
     def step(self, grad: torch.Tensor) -> None:
         self.begin_step()
-        self._adam_step(grad)
+        if self.kept_buffers:
+            self.step_slice(grad, 0, self.master.numel())
+            self.finish_step()
+            return
+        self._adam_step(grad, self.adam_pieces)
         for rnd, pieces in zip(self.rounds, self.round_pieces, strict=True):
-            self._round(rnd, pieces, grad)
+            send = self._new_buffer(rnd, pieces)
+            self._fill(pieces, grad, send, rnd.chunk)
+            self._apply(pieces, self._orthogonalized(rnd, send), rnd.chunk)
 
-    def _adam_step(self, grad: torch.Tensor) -> None:
+    # ------------------------------------------------------------ the element-wise passes
+    def _adam_step(self, grad: torch.Tensor, adam_pieces) -> None:
         mc = self.mcfg
-        for wd, pieces in self.adam_pieces:
+        for wd, pieces in adam_pieces:
+            if not pieces:
+                continue
             ops.fused_adam([self.master[a:b] for a, b in pieces], [grad[a:b] for a, b in pieces],
                            [self.state["exp_avg"][a:b] for a, b in pieces],
                            [self.state["exp_avg_sq"][a:b] for a, b in pieces],
                            lr=self.adam_lr, beta1=mc.adam_betas[0], beta2=mc.adam_betas[1], eps=mc.adam_eps,
                            weight_decay=wd, step=self.step_count, adam_w_mode=True, bias_correction=True)
 
-    def _round(self, rnd: Round, pieces, grad: torch.Tensor) -> None:
-        """Momentum and ``u`` of this rank's pieces, the matrices to their owners, orthogonalized, applied.
+    def _fill(self, pieces, grad: torch.Tensor, send: torch.Tensor, c: int) -> None:
+        """Momentum of ``pieces`` and their update ``u`` written into the round buffer ``send`` (in its dtype:
+        the update is computed in the master's and rounded once, as a cast after it would round it)."""
+        if not pieces:
+            return
+        mc, dtype = self.mcfg, self.master.dtype
+        bufs = [self.state["exp_avg"][lo:hi] for lo, hi, _, _ in pieces]
+        grads = [grad[lo:hi] if grad.dtype == dtype else grad[lo:hi].to(dtype) for lo, hi, _, _ in pieces]
+        dsts = [send[m.owner * c + m.offset + elem:][:hi - lo] for lo, hi, m, elem in pieces]
+        torch._foreach_lerp_(bufs, grads, 1 - mc.momentum)
+        if not mc.nesterov:
+            torch._foreach_copy_(dsts, bufs)
+        elif send.dtype == dtype:
+            torch._foreach_copy_(dsts, grads)
+            torch._foreach_lerp_(dsts, bufs, mc.momentum)  # = lerp(g, buf, momentum)
+        else:
+            for g, b, d in zip(grads, bufs, dsts, strict=True):
+                torch.lerp(g, b, mc.momentum, out=d)
 
-        The element-wise work is one ``torch._foreach_*`` call per kind over all the round's pieces
-        (the same operations as one call per piece, in the same order per element)."""
-        mc, world, dtype = self.mcfg, self.coll.world, self.master.dtype
-        c = rnd.chunk
-        send = torch.zeros(world * c, dtype=dtype, device=self.master.device)
-        if pieces:
-            bufs = [self.state["exp_avg"][lo:hi] for lo, hi, _, _ in pieces]
-            grads = [grad[lo:hi].to(dtype) for lo, hi, _, _ in pieces]
-            dsts = [send[m.owner * c + m.offset + elem:][:hi - lo] for lo, hi, m, elem in pieces]
-            torch._foreach_lerp_(bufs, grads, 1 - mc.momentum)
-            if mc.nesterov:
-                torch._foreach_copy_(dsts, grads)
-                torch._foreach_lerp_(dsts, bufs, mc.momentum)  # = lerp(g, buf, momentum)
-            else:
-                torch._foreach_copy_(dsts, bufs)
-        send = send.to(self.comm_device)
+    def _apply(self, pieces, full: torch.Tensor, c: int) -> None:
+        """``p = p * (1 - lr * wd) - lr * scale * O`` on ``pieces``, ``O`` read from the round buffer ``full``
+        (widened to the master's dtype inside the addition: the same numbers as a cast first)."""
+        lr = self.lr
+        apply: dict[tuple[float, float], tuple[list, list]] = {}
+        for lo, hi, m, elem in pieces:
+            ps, os_ = apply.setdefault((m.weight_decay, m.lr_scale), ([], []))
+            ps.append(self.master[lo:hi])
+            os_.append(full[m.owner * c + m.offset + elem:][:hi - lo])
+        for (wd, scale), (ps, os_) in apply.items():
+            if lr * wd:  # a factor of exactly 1 changes nothing
+                torch._foreach_mul_(ps, 1 - lr * wd)
+            torch._foreach_add_(ps, os_, alpha=-lr * scale)
+
+    def _new_buffer(self, rnd: Round, pieces) -> torch.Tensor:
+        """A round's buffer where the partition is; zeroed where this rank writes nothing (other ranks' pieces
+        are summed in by the reduce-scatter: adding zeros is exact)."""
+        n = self.coll.world * rnd.chunk
+        if gaps(self._covered(rnd, pieces), n):
+            return torch.zeros(n, dtype=self.buffer_dtype, device=self.master.device)
+        return torch.empty(n, dtype=self.buffer_dtype, device=self.master.device)
+
+    @staticmethod
+    def _covered(rnd: Round, pieces) -> list[tuple[int, int]]:
+        """Where ``pieces`` go in their round's buffer."""
+        at = [m.owner * rnd.chunk + m.offset + e for _, _, m, e in pieces]
+        return [(a, a + hi - lo) for a, (lo, hi, _, _) in zip(at, pieces, strict=True)]
+
+    # ------------------------------------------------------------ the owner's part
+    def _orthogonalized(self, rnd: Round, send: torch.Tensor) -> torch.Tensor:
+        """The round's matrices to their owners (a reduce-scatter of ``send``), orthogonalized there, and back
+        to every rank (an all-gather into ``send``'s device copy, returned)."""
+        world, c = self.coll.world, rnd.chunk
+        send = send.to(self.comm_device, non_blocking=True)
         if world > 1:
-            mine = torch.empty(c, dtype=dtype, device=self.comm_device)
+            mine = torch.empty(c, dtype=send.dtype, device=self.comm_device)
             self.coll.reduce_scatter(mine, send)
         else:
             mine = send
@@ -305,16 +289,7 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         self.orthogonalized += len(owned)
         if world > 1:
             self.coll.all_gather(send, mine)
-        full = send.to(self.master.device)
-        lr = self.lr
-        apply: dict[tuple[float, float], tuple[list, list]] = {}
-        for lo, hi, m, elem in pieces:
-            ps, os_ = apply.setdefault((m.weight_decay, m.lr_scale), ([], []))
-            ps.append(self.master[lo:hi])
-            os_.append(full[m.owner * c + m.offset + elem:][:hi - lo])
-        for (wd, scale), (ps, os_) in apply.items():
-            torch._foreach_mul_(ps, 1 - lr * wd)
-            torch._foreach_add_(ps, os_, alpha=-lr * scale)
+        return send
 
     def _tensor_parallel_orthogonalized(self, u: torch.Tensor, m: Matrix) -> torch.Tensor:
         """The owner's work on a matrix split over the tensor group: assembled there first."""
@@ -329,3 +304,68 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         pieces = [gathered[r].narrow(sp.axis, 0, sp.local_length(r)) for r in range(tc.world)]
         whole = orthogonalize(sp.assemble(pieces), m.head_split, self.mcfg)
         return sp.piece(whole, tc.rank)
+
+    # ------------------------------------------------------------ the offloaded step, in two parts
+    def begin_step(self) -> None:
+        super().begin_step()
+        if self.kept_buffers:
+            bufs = self._round_buffers()
+            for buf, holes in zip(bufs, self._holes, strict=True):  # after last step's results: zeros again
+                for lo, hi in holes:
+                    buf[lo:hi].zero_()
+
+    def _round_buffers(self) -> list[torch.Tensor]:
+        """The kept round buffers (host memory from the partition's allocator: pinned or registered where the
+        accelerator can, so their copies to and from the device are asynchronous DMA) and their holes."""
+        if self._buffers is None:
+            self._buffers, self._holes = [], []
+            for rnd, pieces in zip(self.rounds, self.round_pieces, strict=True):
+                n = self.coll.world * rnd.chunk
+                self._buffers.append(self._alloc(n, self.buffer_dtype))
+                self._holes.append(gaps(self._covered(rnd, pieces), n))
+        return self._buffers
+
+    @torch.no_grad()
+    def step_slice(self, grad: torch.Tensor, lo: int, hi: int) -> None:
+        """Prepare elements ``[lo, hi)`` of the step begun by :meth:`begin_step` (the offloaded step, while
+        backward runs): the Adam elements are stepped, the Muon elements' momentum and update written into the
+        round buffers. :meth:`finish_step` does the rest."""
+        plan = self._slices.get((lo, hi))
+        if plan is None:
+            adam = [(wd, [(a, b) for a, b, _, _ in clip([(a, b, None, 0) for a, b in p], lo, hi)])
+                    for wd, p in self.adam_pieces]
+            plan = self._slices[(lo, hi)] = (adam, [clip(p, lo, hi) for p in self.round_pieces])
+        adam, rounds = plan
+        self._adam_step(grad, adam)
+        bufs = self._round_buffers()
+        for rnd, pieces, buf in zip(self.rounds, rounds, bufs, strict=True):
+            self._fill(pieces, grad, buf, rnd.chunk)
+
+    @torch.no_grad()
+    def finish_step(self) -> None:
+        """Orthogonalize and apply the prepared step: each round's buffer goes to the device, its matrices are
+        orthogonalized there, and it comes back into the same host buffer; the host applies a round while the
+        device works on the next (two rounds in flight at most, so device memory stays one round's)."""
+        in_flight: list[tuple[list, torch.Tensor, int, object]] = []
+        for rnd, pieces, buf in zip(self.rounds, self.round_pieces, self._round_buffers(), strict=True):
+            full = self._orthogonalized(rnd, buf)
+            event = None
+            if full is not buf:
+                buf.copy_(full, non_blocking=self._events)
+                if self._events:
+                    event = self.accelerator.Event()
+                    event.record()
+            in_flight.append((pieces, buf, rnd.chunk, event))
+            if len(in_flight) == 2:
+                self._apply_landed(*in_flight.pop(0))
+        for args in in_flight:
+            self._apply_landed(*args)
+
+    @property
+    def _events(self) -> bool:
+        return self.accelerator is not None and self.accelerator.has("events")
+
+    def _apply_landed(self, pieces, buf: torch.Tensor, c: int, event) -> None:
+        if event is not None:
+            event.synchronize()
+        self._apply(pieces, buf, c)

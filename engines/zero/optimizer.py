@@ -86,6 +86,13 @@ class PartitionOptimizer:
         """Whether a step may be applied slice by slice (element-wise optimizers; LAMB's trust ratio is not)."""
         return self.cfg.type != "lamb"
 
+    #: whether :meth:`step_slice` only prepares a slice and :meth:`finish_step` applies the step once every
+    #: slice is prepared (an optimizer of whole matrices, Muon); the slices are uploaded after that
+    defers_apply = False
+
+    def finish_step(self) -> None:
+        """Apply a step whose slices :meth:`step_slice` prepared (see :attr:`defers_apply`); else nothing."""
+
     @torch.no_grad()
     def step(self, grad: torch.Tensor) -> None:
         self.begin_step()
