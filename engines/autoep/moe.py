@@ -1,47 +1,12 @@
 """The expert-parallel MoE block that replaces a detected HF block.
 
-Forward, for the T tokens of this rank:
-
-1. the block's own router module (kept as is, so transformers' output recorders still see
-   its logits) gives the logits; :func:`route` picks top-k experts and weights with the
-   family's rule;
-2. the T*k assignments are sorted expert-major (stable), and the routed rows gathered;
-3. with ep > 1: one ``all_to_all_single`` exchanges the per-expert counts, a variable-split
-   ``all_to_all_single`` dispatches the rows (its backward is the reverse exchange), and the
-   received rows, ordered [source rank][local expert], are regrouped per local expert;
-4. the local experts run as ``grouped_mm`` -> ``swiglu`` -> ``grouped_mm`` from the op registry
-   (whichever builder serves the device), with 64-bit cumulative offsets;
-5. the results go home by the reverse all-to-all, are weighted by the router weights and
-   summed per token (the op registry's ``gather_sum``); shared experts (with Qwen's sigmoid
-   gate) are added.
-
-Where the device's plugin provides the fused expert ops (``moe_gate_up``, ``moe_down_combine``:
-``ops.provides``), steps 2 and 4-5 run as those two instead (a builder may move the dispatch
-gather into the first GEMM's loads and SwiGLU into its epilogue, or just run the chain as one
-autograd node per op); with ep 1 the router-weighted combine is the second op's, with ep > 1 the
-permutation into and out of expert order is (the combine after the reverse all-to-all stays
-``gather_sum``). Routers that weight the rows before the experts
-(``score_apply == "pre"``) keep the unfused path, as does ``fused_experts=False``. The unfused
-path is the ops' reference, so both give the same numbers (bit for bit on the reference
-builders).
-
-Where every token goes to every expert (top-k equal to the number of experts, ep 1, weights
-applied after the experts), there is nothing to route: the experts are one dense SwiGLU MLP
-whose hidden width is all experts' side by side, its hidden rows scaled by the router weights.
-Steps 2 and 4-5 then run as two plain matrix products around ``weighted_swiglu``, with no
-dispatch, no grouped GEMM and no combine (``dense_when_all_chosen=False`` keeps the routed path).
-
-Dropless: no capacity, every assignment is computed. With ep 1 no collective is issued.
-
-With ``capture_graphs`` (ep 1) the routed part, steps 2 and 4-5 forward and backward, is replayed
-from device graphs captured per input shape (:mod:`.graphed`), for layers whose step is bound by
-the host's launches rather than the device.
-
-Gradients: an expert parameter's local gradient already sums the contributions of every
-rank of its EP group (their tokens came through the all-to-all, and so does the gradient of
-each rank's loss). Summing it over ``expert_data`` then covers the whole data-parallel batch,
-exactly as summing a dense parameter's gradient over ``data`` does; both are divided by the
-data-parallel size for the mean loss (what the ZeRO engine does with a mesh).
+Per forward: the block's own router (kept, so transformers' output recorders still see its logits) picks
+top-k experts; the assignments are sorted expert-major, exchanged over the expert group by all-to-all
+(ep > 1), run through the local experts as ``grouped_mm`` -> ``swiglu`` -> ``grouped_mm`` from the op
+registry (or the plugin's fused expert ops, or one dense MLP when every token goes to every expert), brought
+home and combined per token. Dropless; no collective at ep 1. An expert's local gradient already sums its
+EP group's tokens, so ZeRO sums it over ``expert_data`` as it sums a dense one over ``data``.
+The steps, the fused and dense paths, graphs and gradients: docs/autoep.md.
 """
 
 from __future__ import annotations
