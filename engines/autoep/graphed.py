@@ -1,43 +1,12 @@
 """The routed experts of an AutoEP layer replayed from device graphs (``capture_graphs``).
 
-Where few tokens reach a MoE layer, its step is bound by the host, not the device: the
-routed path (sort, dispatch, two expert GEMMs, SwiGLU, combine) is about twenty kernel
-launches and half a dozen autograd nodes forward and backward, each costing more host time
-than its kernel takes. With ``capture_graphs`` the layer captures that path once per input
-shape, forward and backward, as two device graphs (``create_graph`` / ``capture_to_graph`` /
-``replay_graph`` of the device's accelerator, sharing one memory pool), and afterwards each
-call is three input copies and one replay forward, one copy and one replay backward, inside
-one autograd node. The router stays eager, so its hooks (and transformers' output recorders)
-run as before.
-
-A graph is bound to fixed memory: its inputs are copied into static tensors, its output and
-gradients are read from static tensors, and the activations its backward needs live in its
-pool until the next replay. So:
-
-- it serves ep 1 only (an all-to-all's row counts change every step; the config refuses
-  ``capture_graphs`` with ``autoep_size`` > 1), training only (grad mode on; anything else runs
-  eagerly), not under autocast (eager);
-- a second forward of the same shape before the first one's backward (activation
-  checkpointing's recompute, a layer called twice) runs eagerly: replaying would overwrite
-  the activations the pending backward reads. That run, and the capture, keep their saved
-  tensors away from outer saved-tensor hooks (checkpointing's), so a recompute saves what the
-  replayed forward saved;
-- every op on the routed path must capture: no host reads. The cuda plugin's builders skip
-  their host-side value checks while capturing; a builder that reads back fails the capture
-  with an error that says so, and nothing is half-replaced;
-- expert parameters must stay where they are: a parameter that moved (``to()``, a new
-  storage) before a forward makes the layer capture again, one that moved between a forward
-  and its backward is an error; modules hooked around their forward (ZeRO stage 3 gathers the
-  experts there) are refused, since a replay would skip the hooks;
-- the weight gradients are handed to autograd as aliases of the graph's memory, so a ``.grad``
-  that was None adopts them without a copy (a pass over all expert weights otherwise, more than
-  the launches saved where experts are many and tokens few); the next backward moves a
-  ``.grad`` still on that memory (accumulation over micro-batches) to a copy first, and where
-  anything else still holds it, computes that backward eagerly instead of overwriting it;
-- each captured shape keeps its pool (the layer's activations and its backward's
-  temporaries) allocated between steps, per layer; at most :data:`MAX_SHAPES` shapes are
-  captured per layer, others run eagerly (one warning), as does a shape whose capture ran out
-  of device memory.
+Where few tokens reach a MoE layer its step is bound by the host: the routed path is about twenty launches
+and half a dozen autograd nodes each way. Captured once per input shape as a forward and a backward graph
+(one memory pool), each call becomes a few input copies and one replay per direction inside one autograd
+node; the router stays eager. A graph is bound to fixed memory, so what it cannot replay correctly (ep > 1,
+no grad mode, autocast, a second forward before the pending backward, moved or hooked expert parameters, a
+host read while capturing, more than :data:`MAX_SHAPES` shapes) runs eagerly or is refused: the full list is
+in docs/autoep.md, "Replaying the routed experts from device graphs".
 """
 
 from __future__ import annotations
