@@ -1,33 +1,10 @@
 """Split one batch over the ranks of a sequence-parallel group (the batch side of AutoSP).
 
-Under sequence parallelism every rank of a sequence group gets the *same rows* of a batch and keeps a
-contiguous ``1/size`` of each sequence. :func:`split_batch` cuts a batch that way, so that a model
-running Ulysses attention over the group (the ``sequence_parallel`` layer) computes, summed over the
-ranks of the group, exactly the loss of the whole sequence on one process.
-
-The contract of :func:`split_batch` (``L = seq_len``, ``s = L // size``, rank ``r`` keeps positions
-``[r*s, (r+1)*s)`` along ``seq_dim``):
-
-- ``input_ids`` (and ``inputs_embeds``, ``token_type_ids`` when present): this rank's slice.
-- ``position_ids``: *global* positions, this rank's slice of them. Absent: ``arange(L)`` per row (what an
-  unsplit Hugging Face model uses by default). Given: kept as given (packed sequences whose positions
-  restart), so rotary embeddings see the positions of the whole sequence.
-- ``labels`` and ``shift_labels``: the labels shifted *globally* by one (position ``i`` is scored
-  against the label at ``i + 1``; the label of a shard's last token comes from the next shard; the last
-  global position gets ``ignore_index``), this rank's slice of them. The same tensor is returned under
-  both keys: transformers' ``ForCausalLMLoss`` takes ``shift_labels`` as already shifted and does not
-  shift again. A batch that already carries ``shift_labels`` is taken as already shifted.
-- ``num_items_in_batch``: the number of non-ignored shifted labels of the *whole* batch (all rows, all
-  shards), a 0-d int64 tensor. Passed to the model, each rank's loss is ``sum(local token losses) /
-  global count``, so the sum of the ranks' losses is the full-sequence mean loss. (A training loop that
-  accumulates micro-batches passes its own count, summed the same way over its micro-batches.)
-- ``attention_mask``: the 2-D ``[batch, L]`` padding mask, left *whole*: attention runs over the whole
-  sequence after the all-to-all, so the layer needs every position's mask.
-- any other non-tensor value passes through unchanged; a tensor under a key this function does not
-  know is refused (it cannot tell whether it is per token).
-
-Split tensors are returned contiguous (transformers' loss takes ``.view(-1)`` of ``shift_labels``).
-``L % size != 0`` is refused with the numbers and the valid sizes. The caller's mapping is not changed.
+Every rank of a sequence group gets the same rows and keeps a contiguous ``1/size`` of each sequence, with
+the global positions, the labels shifted over the whole sequence and the whole batch's token count, so that a
+model running Ulysses attention over the group (the ``sequence_parallel`` layer) computes, summed over the
+group's ranks, exactly the whole sequence's loss. What :func:`split_batch` does with each key, and what it
+refuses: docs/autosp.md, "The batch".
 """
 
 from __future__ import annotations
@@ -64,7 +41,7 @@ def shift_labels(labels: torch.Tensor, *, seq_dim: int = 1, ignore_index: int = 
 
 
 def split_batch(batch: Mapping, *, rank: int, size: int, seq_dim: int = 1, ignore_index: int = -100) -> dict:
-    """This sequence rank's part of ``batch``; see the module docstring for the contract."""
+    """This sequence rank's part of ``batch`` (the contract, key by key: docs/autosp.md, "The batch")."""
     if not isinstance(batch, Mapping):
         raise InvalidArgument(f"split_batch needs a mapping (a dict of tensors), got {type(batch).__name__}")
     for name, v in (("size", size), ("rank", rank), ("seq_dim", seq_dim), ("ignore_index", ignore_index)):

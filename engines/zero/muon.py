@@ -1,42 +1,12 @@
 """Muon under ZeRO: element-wise momentum on each rank's partition, each matrix orthogonalized whole, once.
 
-Muon's update of a weight matrix is the Newton-Schulz orthogonalization of its (Nesterov)
-momentum, a function of the *whole* matrix; ZeRO spreads a matrix's elements over ranks (stages
-1/2 cut the flat buffer evenly, so a matrix straddles partitions; stage 3 shards every parameter).
-One step here:
-
-1. Every rank updates the momentum of its own Muon elements (``buf.lerp_(g, 1 - momentum)``, then
-   ``u = g.lerp(buf, momentum)`` with Nesterov, ``buf`` without) and steps its Adam elements with
-   ``fused_adam`` and the ``adam_*`` settings, one call per weight decay.
-2. Each Muon matrix has one **owner** rank (:func:`plan_rounds`: balanced by Newton-Schulz flops,
-   deterministic, the same on every rank). Matrices are processed in **rounds** whose gather buffer
-   holds at most ``gather_bucket_size`` elements over all ranks (a matrix larger than that gets a
-   round of its own size): each rank writes its pieces of ``u`` into a buffer laid out as one equal
-   chunk per owner (zeroed where the rank writes nothing; in ``ns_dtype`` when the iteration's input
-   is a plain cast of ``u``: half the bytes to move and to read, see :func:`buffer_dtype`), a
-   reduce-scatter hands every owner its chunk, now holding its matrices whole (a sum with zeros is
-   exact), the owner orthogonalizes them (whole or per head block, all blocks of one shape in one
-   batched call; with tensor parallelism, after assembling the matrix over the tensor group), and an
-   all-gather of the chunks brings every rank the results for its pieces.
-3. Every rank applies ``p = p * (1 - lr * wd) - lr * scale * O`` to its Muon elements.
-
-The step is torch.optim.Muon's per matrix (and Adam's per element), so the engine equals the
-single-process optimizer to rounding; in float64, exactly up to reduction order.
-
-Optimizer state: ``exp_avg`` holds Adam's first moment on the Adam elements and Muon's momentum
-buffer on the Muon elements (both an exponential average of the gradient, with their own
-coefficient), ``exp_avg_sq`` Adam's second moment (zero on Muon elements). So the state is as large
-as AdamW's and checkpoints re-partition it to any layout like any other state.
-
-Under optimizer offload the partition, the momentum and the element-wise work stay on the host, and
-the step comes in two parts. :meth:`~MuonPartitionOptimizer.step_slice` *prepares* a slice of the
-partition as soon as its gradient has landed, while backward still runs (the engine's overlapped host
-step): the Adam elements are stepped, the Muon elements' momentum and ``u`` written into the round
-buffers, which are kept in pinned host memory. After backward,
-:meth:`~MuonPartitionOptimizer.finish_step` sends each round's buffer to the device, where the owner
-orthogonalizes (Newton-Schulz is matrix products: the device's job), and back into the same host
-buffer, asynchronously; the host applies one round while the device works on the next, and the
-partition is uploaded after that.
+Muon's update of a matrix is the Newton-Schulz orthogonalization of its momentum, a function of the whole
+matrix, while ZeRO spreads a matrix's elements over ranks. So every rank updates the momentum of its own
+elements (and steps its Adam elements), each matrix gets one owner rank (:func:`plan_rounds`), a
+reduce-scatter hands the owners their matrices whole, the owners orthogonalize, an all-gather brings the
+results back, and every rank applies them to its elements. The step equals torch.optim.Muon's to rounding,
+the state is AdamW's size, and under offload the host prepares and applies rounds while the device
+orthogonalizes. The step, the rounds, the state and offload in detail: docs/zero-muon.md, "One step".
 """
 
 from __future__ import annotations
