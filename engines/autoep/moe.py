@@ -22,6 +22,7 @@ from .dispatch import AllToAllV, exchange_counts
 from .graphed import GraphedRoute
 from .permute import DispatchRows, PermuteRows, inverse_permutation
 from .presets import Routing
+from .router_logits import is_linear_router, router_logits
 
 #: logit dtypes for which ``route`` takes a renormalised top-k softmax as the softmax of the top-k logits
 SHORT_ROUTE_DTYPES = (torch.bfloat16, torch.float16)
@@ -229,6 +230,10 @@ class AutoEPMoE(torch.nn.Module):
         self.capture_graphs = False
         self._graphs: GraphedRoute | None = None
         self._expert_id_cache: torch.Tensor | None = None
+        self._row_id_cache: torch.Tensor | None = None
+        self._graphed_call = False  # within a call of the graphed route (see _captured_route)
+        #: the router's logits are F.linear of its input by its class (see :mod:`.router_logits`)
+        self._linear_router = is_linear_router(router)
 
     @property
     def router(self) -> torch.nn.Module:
@@ -246,8 +251,7 @@ class AutoEPMoE(torch.nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         if self.training and self.jitter_noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-        out = self.router(x)
-        logits = out[0] if isinstance(out, tuple) else out
+        logits = router_logits(self.router, x, self._linear_router)
         if logits.shape[-1] != self.num_experts:
             raise InvalidArgument(f"{self.spec.name or 'AutoEP layer'}: the router gives {logits.shape[-1]} scores a "
                                   f"token for {self.num_experts} experts")
@@ -286,8 +290,14 @@ class AutoEPMoE(torch.nn.Module):
         return self._routed_eagerly(x, weights, idx)
 
     def _captured_route(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor):
-        """What :class:`.graphed.GraphedRoute` captures: the eager route, and the expert counts it reports."""
-        y = self._routed_eagerly(x, weights, idx)
+        """What :class:`.graphed.GraphedRoute` captures: the eager route, and the expert counts it reports (with
+        nothing kept between calls in its graphs' reads: a kept tensor replaced for another shape would be freed
+        under a graph still reading it)."""
+        self._graphed_call = True
+        try:
+            y = self._routed_eagerly(x, weights, idx)
+        finally:
+            self._graphed_call = False
         return y, {"counts": self.last_dispatch["counts"]}
 
     def _expert_ids(self, device: torch.device) -> torch.Tensor:
@@ -295,6 +305,15 @@ class AutoEPMoE(torch.nn.Module):
         ids = self._expert_id_cache
         if ids is None or ids.device != device:
             ids = self._expert_id_cache = torch.arange(self.num_experts, device=device)
+        return ids
+
+    def _row_ids(self, n: int, device: torch.device) -> torch.Tensor:
+        """``arange(n)`` on ``device``, kept for the next step of the same size (``inverse_permutation``'s values)."""
+        if self._graphed_call:
+            return torch.arange(n, device=device)
+        ids = self._row_id_cache
+        if ids is None or ids.numel() != n or ids.device != device:
+            ids = self._row_id_cache = torch.arange(n, device=device)
         return ids
 
     def _sorted_routes(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -306,7 +325,8 @@ class AutoEPMoE(torch.nn.Module):
         valid by construction: they are marked so (the expert ops then skip reading them back to check)."""
         expert_of_row, order = torch.sort(idx.reshape(-1), stable=True)
         ends = torch.searchsorted(expert_of_row, self._expert_ids(idx.device), right=True)
-        return order, inverse_permutation(order), known_offsets.mark_complete(ends, idx.numel())
+        inverse = inverse_permutation(order, self._row_ids(order.numel(), order.device))
+        return order, inverse, known_offsets.mark_complete(ends, idx.numel())
 
     def _exchange(self, ends: torch.Tensor):
         """ep > 1: the counts this rank sends each expert, exchanged: (counts, received per local expert, the

@@ -13,9 +13,11 @@ import torch
 from polyaccel import ops
 
 
-def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+def inverse_permutation(perm: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``inv`` with ``inv[perm[i]] = i``; ``ids`` is ``arange(perm.numel())`` where the caller keeps one (a launch
+    less a call)."""
     inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    inv[perm] = ids if ids is not None else torch.arange(perm.numel(), device=perm.device)
     return inv
 
 

@@ -93,14 +93,27 @@ def test_sorted_routes_are_one_sort_one_search_and_the_inverse():
     E = layer.num_experts
     torch.manual_seed(3)
     idx = torch.stack([torch.randperm(E)[:2] for _ in range(37)])  # 37 tokens, top-2, no repeats in a token
-    layer._sorted_routes(idx)  # (the expert ids are made on first use)
+    layer._sorted_routes(idx)  # (the expert ids and the row ids are made on first use, then kept)
     with Launches() as count:
         order, inverse, ends = layer._sorted_routes(idx)
-    assert count.ops == Counter(sort=1, searchsorted=1, arange=1, index_put_=1), count.ops
+    assert count.ops == Counter(sort=1, searchsorted=1, index_put_=1), count.ops
     flat = idx.reshape(-1)
     assert torch.equal(order, torch.argsort(flat, stable=True))
     assert torch.equal(inverse[order], torch.arange(flat.numel()))
     assert torch.equal(ends, torch.cumsum(torch.bincount(flat, minlength=E), 0))
+    # another size: row ids made afresh, and right
+    idx = torch.stack([torch.randperm(E)[:2] for _ in range(5)])
+    with Launches() as count:
+        order, inverse, _ = layer._sorted_routes(idx)
+    assert count.ops["arange"] == 1 and torch.equal(inverse[order], torch.arange(10))
+    # a graphed call keeps nothing between calls (a graph reads what it captured): its row ids are its own
+    layer._graphed_call = True
+    try:
+        with Launches() as count:
+            layer._sorted_routes(idx)
+    finally:
+        layer._graphed_call = False
+    assert count.ops["arange"] == 1
 
 
 def test_the_dispatch_record_derives_counts_only_when_read():
