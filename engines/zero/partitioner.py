@@ -1,16 +1,17 @@
-"""What the stage 1/2 and stage 3 partitioners share: their settings and the end of a gradient reduction.
+"""What the stage 1/2 and stage 3 partitioners share: their settings and the reduce-scatter of gradient
+buckets.
 
 :class:`PartitionSetup` is what the engine hands each group's partitioner besides its
 parameters and its process group: the validated :class:`~.config.ZeroConfig` (every tunable
-comes from there) and the engine's runtime resources (device, dtypes, host buffers, streams).
-:class:`Partitioner` holds the reduce-scatter of one gradient bucket and the wait for the
-reductions still in flight, which both stages do the same way; a stage supplies ``_settle``
+comes from there), the :class:`~.placement.Placement` (where the optimizer and the shards live)
+and the engine's runtime resources (device, dtypes, host buffers, streams).
+:class:`ReduceScatter` does the reduce-scatter of one gradient bucket and the wait for the
+reductions still in flight, which both stages do the same way; a stage gives it ``settle``
 (where a reduced bucket goes) and keys its buckets as it likes.
 """
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import torch
 
 from .config import ZeroConfig
 from .offload import HostBuffers, HostTransfer
+from .placement import Placement
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class PartitionSetup:
     """
 
     config: ZeroConfig
+    placement: Placement
     device: torch.device
     compute_dtype: torch.dtype
     master_dtype: torch.dtype
@@ -45,36 +48,25 @@ class PartitionSetup:
     grad_dtype: torch.dtype | None = None
 
 
-class Partitioner(abc.ABC):
-    """Common state and gradient-reduction plumbing of :class:`~.stage12.FlatPartitioner` and
-    :class:`~.stage3.ShardedParameters`."""
+class ReduceScatter:
+    """Averages flat gradient buckets over the ranks and reduce-scatters them, then hands each result to
+    ``settle(key, out)``: on the reduction stream when there is one, else asynchronously with
+    ``overlap_comm``; settled at once when done, otherwise by :meth:`finish`."""
 
-    def __init__(self, coll, setup: PartitionSetup):
+    def __init__(self, coll, setup: PartitionSetup, transfer: HostTransfer, divisor: int,
+                 settle: Callable[[object, torch.Tensor], None]):
         self.coll = coll
-        self.world, self.rank = coll.world, coll.rank
-        self.device = setup.device
-        self.compute_dtype = setup.compute_dtype
         self.overlap = setup.config.overlap_comm
-        self.bucket_size = setup.config.reduce_bucket_size
         self.stream = setup.reduction_stream
         self.accelerator = setup.accelerator
-        self.eager = setup.eager  # False: reduce every bucket after backward (the engine orders several groups)
-        self.divisor = setup.divisor or coll.world  # gradients are averaged over this many data-parallel ranks
-        #: ``alloc(numel, dtype)`` for this partitioner's master, moment and gradient partitions
-        self.alloc_master = setup.alloc_master
-        self.transfer = setup.transfer or HostTransfer(HostBuffers(setup.accelerator), setup.accelerator,
-                                                       setup.device)
-        self._pending: list = []  # (bucket key, work, reduced output, input kept alive until the work is done)
-        self._hooks: list = []
+        self.transfer = transfer
+        self.divisor = divisor
+        self.settle = settle
+        # (bucket key, work, reduced output, input kept alive until the work is done)
+        self._pending: list = []
 
-    @abc.abstractmethod
-    def _settle(self, key, out: torch.Tensor) -> None:
-        """Put the reduced bucket ``key`` (now in ``out``) where this stage keeps its gradient partition."""
-
-    def _reduce_scatter(self, key, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """Average ``inp`` (a flat bucket) over the ranks and reduce-scatter it into ``out``: on the reduction
-        stream when there is one, else asynchronously with ``overlap_comm``; settled at once when done,
-        otherwise by :meth:`_finish_reductions`."""
+    def launch(self, key, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Average ``inp`` (a flat bucket) over the ranks and reduce-scatter it into ``out``."""
         if self.stream is not None:
             self.stream.wait_stream(self.accelerator.current_stream())
             with self.accelerator.stream(self.stream):
@@ -84,20 +76,47 @@ class Partitioner(abc.ABC):
             inp.div_(self.divisor)
             work = self.coll.reduce_scatter(out, inp, async_op=self.overlap)
             if work is None:  # done: settle now, so the bucket's device memory goes back while backward runs
-                self._settle(key, out)
+                self.settle(key, out)
                 return
         self._pending.append((key, work, out, inp))
 
-    def _finish_reductions(self) -> None:
+    def finish(self) -> None:
         """Wait for every reduction in flight and settle it; then flush the copies to the host."""
         if self.stream is not None:
             self.accelerator.current_stream().wait_stream(self.stream)
         for key, work, out, _inp in self._pending:
             if work is not None:
                 work.wait()
-            self._settle(key, out)
+            self.settle(key, out)
         self._pending.clear()
         self.transfer.flush()
+
+
+class Partitioner:
+    """Common state of :class:`~.stage12.FlatPartitioner` and :class:`~.stage3.ShardedParameters`."""
+
+    def __init__(self, coll, setup: PartitionSetup):
+        self.coll = coll
+        self.world, self.rank = coll.world, coll.rank
+        self.device = setup.device
+        self.compute_dtype = setup.compute_dtype
+        self.placement = setup.placement
+        self.bucket_size = setup.config.reduce_bucket_size
+        self.accelerator = setup.accelerator
+        # False: reduce every bucket after backward (the engine orders several groups)
+        self.eager = setup.eager
+        # gradients are averaged over this many data-parallel ranks
+        self.divisor = setup.divisor or coll.world
+        #: ``alloc(numel, dtype)`` for this partitioner's master, moment and gradient partitions
+        self.alloc_master = setup.alloc_master
+        self.transfer = setup.transfer or HostTransfer(HostBuffers(setup.accelerator), setup.accelerator,
+                                                       setup.device)
+        self._hooks: list = []
+
+    def reduce_scatter(self, settle: Callable[[object, torch.Tensor], None],
+                       setup: PartitionSetup) -> ReduceScatter:
+        """The reduce-scatter of this partitioner's buckets, settled by ``settle``."""
+        return ReduceScatter(self.coll, setup, self.transfer, self.divisor, settle)
 
     @property
     def grad(self) -> torch.Tensor:

@@ -29,7 +29,9 @@ class FlatPartitioner(Partitioner):
         super().__init__(coll, setup)
         cfg = setup.config
         self.stage = cfg.stage
-        # stage 1 with one micro-step per boundary has nothing to accumulate: it reduces in backward like stage 2
+        self.reductions = self.reduce_scatter(self._settle, setup)
+        # stage 1 with one micro-step per boundary has nothing to accumulate: it reduces in backward like
+        # stage 2
         self.reduce_in_backward = cfg.stage == 2 or cfg.gradient_accumulation_steps == 1
         self._flatten(entries)
         self._partition_master(setup)
@@ -39,15 +41,16 @@ class FlatPartitioner(Partitioner):
         if self.reduce_in_backward:
             for i, p in enumerate(self.params):
                 if p.numel():
-                    self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p)))
+                    hook = p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p))
+                    self._hooks.append(hook)
 
     def _flatten(self, entries) -> None:
-        """Lay the parameters out in one flat buffer (reverse registration order: roughly backward's, so buckets
-        fill one after another) and make each parameter a view of its slice."""
+        """Lay the parameters out in one flat buffer (reverse registration order: roughly backward's, so
+        buckets fill one after another) and make each parameter a view of its slice."""
         ordered = list(reversed(entries))
         self.params = [p for _, p in ordered]
-        self.layout = lay = FlatLayout([n for n, _ in ordered], [tuple(p.shape) for p in self.params], self.world,
-                                       self.bucket_size)
+        self.layout = lay = FlatLayout([n for n, _ in ordered], [tuple(p.shape) for p in self.params],
+                                       self.world, self.bucket_size)
         self.flat = torch.zeros(lay.padded_total, dtype=self.compute_dtype, device=self.device)
         with torch.no_grad():
             for p, off, n in zip(self.params, lay.offsets, lay.numels, strict=True):
@@ -55,10 +58,10 @@ class FlatPartitioner(Partitioner):
                 p.data = self.flat[off:off + n].view(p.shape)
 
     def _partition_master(self, setup: PartitionSetup) -> None:
-        """This rank's master partition (a copy of its slice of the flat buffer), the gradient partition and the
-        order in which buckets complete."""
+        """This rank's master partition (a copy of its slice of the flat buffer), the gradient partition and
+        the order in which buckets complete."""
         lay, master_dtype = self.layout, setup.master_dtype
-        ratio = setup.config.offload_optimizer.ratio
+        ratio = setup.placement.optimizer.ratio
         if ratio < 1:  # the buckets that land last stay on the device (see split_partition)
             cut = host_cut([b.part_offset for b in lay.buckets], lay.partition_size, ratio)
             warn_if_coarse(ratio, cut, lay.partition_size,
@@ -67,8 +70,8 @@ class FlatPartitioner(Partitioner):
             self.alloc_master = split_allocator(setup.alloc_master, self.device, lay.partition_size, cut)
         self.master = self.alloc_master(lay.partition_size, master_dtype)
         self.master.copy_(lay.partition_of(self.flat, self.rank).to(self.master.device, master_dtype))
-        self._grad = GradientPartition(self.alloc_master, lay.partition_size, setup.grad_dtype or master_dtype,
-                                       self.device)
+        self._grad = GradientPartition(self.alloc_master, lay.partition_size,
+                                       setup.grad_dtype or master_dtype, self.device)
         self._unwritten = set(range(len(lay.buckets)))
         self._buffers: dict[int, torch.Tensor] = {}
         members = [[] for _ in lay.buckets]
@@ -107,7 +110,7 @@ class FlatPartitioner(Partitioner):
             self._settle(k, buf)
             return
         out = torch.empty(b.chunk(self.world), dtype=self.compute_dtype, device=self.device)
-        self._reduce_scatter(k, out, buf)
+        self.reductions.launch(k, out, buf)
 
     def _settle(self, k: int, out: torch.Tensor) -> None:
         b = self.layout.buckets[k]
@@ -122,7 +125,7 @@ class FlatPartitioner(Partitioner):
         if not self.reduce_in_backward:
             return
         self.order.finish(self._reduce, lambda flags: self.coll.all_reduce(flags, op="max"))
-        self._finish_reductions()
+        self.reductions.finish()
 
     def reduce_at_boundary(self) -> None:
         """At the accumulation boundary (stage 1): reduce the full gradients bucket by bucket."""
@@ -136,7 +139,7 @@ class FlatPartitioner(Partitioner):
                 po, bo, n = self.layout.overlap(i, k)
                 buf[bo:bo + n].copy_(p.grad.detach().reshape(-1)[po:po + n])
             self._reduce(k)
-        self._finish_reductions()
+        self.reductions.finish()
         for p in self.params:
             p.grad = None
 
@@ -146,7 +149,8 @@ class FlatPartitioner(Partitioner):
         self._grad.release()
 
     def zero_grad(self) -> None:
-        """Every bucket is reduced in each accumulation window, so its first result overwrites the partition."""
+        """Every bucket is reduced in each accumulation window, so its first result overwrites the
+        partition."""
         self._grad.release()
         self._unwritten = set(range(len(self.layout.buckets)))
         for p in self.params:
@@ -182,7 +186,8 @@ class FlatPartitioner(Partitioner):
         if self.world > 1:
             for b in self.layout.buckets:
                 src = self._uploaded[b.index]
-                works.append((self.coll.all_gather(self.flat[b.start:b.start + b.length], src, async_op=True), src))
+                work = self.coll.all_gather(self.flat[b.start:b.start + b.length], src, async_op=True)
+                works.append((work, src))
         for work, _src in works:  # the source stays referenced until its gather is done
             if work is not None:
                 work.wait()

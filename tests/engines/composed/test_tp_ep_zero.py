@@ -294,7 +294,7 @@ def test_layers_hand_zero_one_layout_per_parameter():
     from polyaccel.engines.autoep import detect, parse_config
     from polyaccel.engines.autoep.convert import convert
     from polyaccel.engines.autotp import apply_tensor_parallel
-    from polyaccel.engines.zero.engine import group_key
+    from polyaccel.engines.zero.groups import group_key
     from polyaccel.parallel import DEFAULT, get_layout
 
     for t in range(2):

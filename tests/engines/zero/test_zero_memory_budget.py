@@ -179,14 +179,14 @@ def test_stage3_at_world_size_one_settles_each_gradient_without_waiting_for_a_bu
     model = build_model("llama", torch.float32, edge=False)
     sizes = sorted((p.numel() for p in model.parameters()), reverse=True)
     engine = polyaccel.initialize(model, _config(3, zero={"reduce_bucket_size": 10**9}))
-    part, pending = engine.partitioner, []
-    reduce = part._reduce_bucket
+    reducer, pending = engine.partitioner.reducer, []
+    reduce = reducer._reduce_bucket
 
     def counting(k):
-        pending.append(sum(g.numel() for g in part._grads.values()))
+        pending.append(sum(g.numel() for g in reducer._grads.values()))
         reduce(k)
 
-    part._reduce_bucket = counting
+    reducer._reduce_bucket = counting
     try:
         engine.backward(lm_loss(engine, _ids(0)))
         engine.step()
@@ -305,7 +305,7 @@ def test_stage3_at_world_size_one_keeps_buckets_when_the_optimizer_is_offloaded(
         engine = polyaccel.initialize(build_model("llama", torch.float64, edge=False), _config(3, zero=zero))
         try:
             n_params = sum(1 for p in engine.module.parameters() if p.requires_grad)
-            assert len(engine.partitioner._buckets) == (1 if offload else n_params)
+            assert len(engine.partitioner.reducer._buckets) == (1 if offload else n_params)
             engine.backward(lm_loss(engine, _ids(0)))
             engine.step()
             results[offload] = {k: v.clone() for k, v in engine.full_state_dict().items()}
