@@ -51,7 +51,8 @@ def sync_file(f) -> None:
 
 
 def fsync_folder(folder) -> None:
-    """Put ``folder``'s entries (a rename into it) on disk; a no-op where folders cannot be opened or synced."""
+    """Put ``folder``'s entries (a rename into it) on disk; a no-op where a folder cannot be opened or
+    synced."""
     try:
         fd = os.open(str(folder), os.O_RDONLY)
     except OSError:  # Windows opens no folder; the rename is durable there without it
@@ -66,7 +67,7 @@ def fsync_folder(folder) -> None:
 
 
 def _reserve_temporary(path: Path) -> Path:
-    """A new empty file beside ``path`` under a hidden name of this process (created with the umask's mode)."""
+    """A new empty file beside ``path``, under a hidden name of this process, with the umask's mode."""
     while True:
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         try:
@@ -77,9 +78,9 @@ def _reserve_temporary(path: Path) -> Path:
 
 
 def write_atomic(path, write: Callable[[Path], T]) -> T:
-    """``write(tmp)`` fills a temporary file beside ``path``; it is then fsynced and renamed to ``path``, and the
-    folder fsynced. Returns what ``write`` returned. On any failure the temporary file is removed and ``path``
-    is as it was; an :class:`OSError` that names no file is raised again naming ``path``."""
+    """``write(tmp)`` fills a temporary file beside ``path``; it is then fsynced and renamed to ``path``, and
+    the folder fsynced. Returns what ``write`` returned. On any failure the temporary file is removed and
+    ``path`` is as it was; an :class:`OSError` that names no file is raised again naming ``path``."""
     path = Path(path)
     tmp = _reserve_temporary(path)
     try:
@@ -140,11 +141,13 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def pool() -> ThreadPoolExecutor:
-    """The hashing threads (one per core, at most 16), started on first use and shared by every writer and check."""
+    """The hashing threads (one per core, at most 16), started on first use, shared by every writer and
+    check."""
     global _pool
     with _pool_lock:
         if _pool is None:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            affinity = getattr(os, "sched_getaffinity", None)
+            cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
             _pool = ThreadPoolExecutor(max(1, min(16, cores)), thread_name_prefix="polyaccel-file-hash")
         return _pool
 
@@ -173,7 +176,8 @@ class ChunkHasher:
                 self._futures.append(pool().submit(_sha256, self._pending))  # handed over, not copied
                 self._pending = bytearray()
         whole = len(mv) - len(mv) % self.chunk
-        for off in range(0, whole, self.chunk):  # zero-copy: the caller keeps ``data`` alive until hexdigest()
+        # zero-copy: the caller keeps ``data`` alive until hexdigest()
+        for off in range(0, whole, self.chunk):
             self._futures.append(pool().submit(_sha256, mv[off:off + self.chunk]))
         if whole < len(mv):
             self._pending += mv[whole:]
@@ -212,35 +216,38 @@ _JSON_PREFIX = '{\n "checksum": "'
 
 
 def dumps_checked(obj: dict) -> str:
-    """``obj`` as indented JSON whose first key ``checksum`` covers the exact text (see the module docstring)."""
+    """``obj`` as indented JSON whose first key ``checksum`` covers the exact text (module docstring)."""
     body = {k: v for k, v in obj.items() if k != "checksum"}
     text = json.dumps({"checksum": _ZEROS, **body}, indent=1)
     return text.replace(_ZEROS, hashlib.sha256(text.encode()).hexdigest(), 1)
 
 
 def loads_checked(raw: bytes, path, fix: str) -> tuple[dict, bool]:
-    """(object, whether it carried a checksum) of a JSON file's bytes; a damaged file raises :class:`CheckpointError`
-    naming ``path`` and ending with ``fix``. The checksum is verified when present."""
+    """(object, whether it carried a checksum) of a JSON file's bytes; a damaged file raises
+    :class:`CheckpointError` naming ``path`` and ending with ``fix``. A checksum present is verified."""
     checked = raw.startswith(_JSON_PREFIX.encode())
     if checked:
         start = len(_JSON_PREFIX)
         stored = raw[start:start + 64].decode("ascii", "replace")
         expect = hashlib.sha256(raw[:start] + _ZEROS.encode() + raw[start + 64:]).hexdigest()
         if stored != expect:
-            raise CheckpointError(f"{path}: checksum mismatch, the file is damaged ({len(raw)} bytes); {fix}", path)
+            raise CheckpointError(f"{path}: checksum mismatch, the file is damaged ({len(raw)} bytes); {fix}",
+                                  path)
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         what = "empty" if not raw.strip() else f"not valid JSON ({exc})"
-        raise CheckpointError(f"{path}: the file is {what}, it is damaged or truncated; {fix}", path) from None
+        raise CheckpointError(f"{path}: the file is {what}, it is damaged or truncated; {fix}",
+                              path) from None
     if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: holds a JSON {type(obj).__name__}, not an object; it is damaged; {fix}", path)
+        raise CheckpointError(f"{path}: holds a JSON {type(obj).__name__}, not an object; it is damaged; "
+                              f"{fix}", path)
     obj.pop("checksum", None)
     return obj, checked
 
 
 def read_checked_json(path, fix: str) -> tuple[dict, bool]:
-    """:func:`loads_checked` of a file; a missing or unreadable file raises :class:`CheckpointError` naming it."""
+    """:func:`loads_checked` of a file; a missing or unreadable one raises :class:`CheckpointError`."""
     try:
         raw = Path(path).read_bytes()
     except FileNotFoundError:
@@ -256,13 +263,14 @@ def write_checked_json(path, obj: dict) -> Path:
 
 
 def read_record(path, format: str, fix: str) -> dict:
-    """A checksummed JSON file whose ``format`` key is ``format``: one without a checksum, or of another format,
-    is refused naming the file."""
+    """A checksummed JSON file whose ``format`` key is ``format``: one without a checksum, or of another
+    format, is refused naming the file."""
     obj, checked = read_checked_json(path, fix)
     if not checked:
         raise CheckpointError(f"{path}: carries no checksum, so it cannot be trusted; {fix}", path)
     if obj.get("format") != format:
-        raise CheckpointError(f"{path}: not a {format} file (its format is {obj.get('format')!r}); {fix}", path)
+        raise CheckpointError(f"{path}: not a {format} file (its format is {obj.get('format')!r}); {fix}",
+                              path)
     return obj
 
 
@@ -275,9 +283,9 @@ def record_files(folder, names) -> dict[str, dict]:
 
 
 def check_files(folder, files: dict[str, dict], fix: str, listed_by: str) -> None:
-    """Every file of a :func:`record_files` record is in ``folder``, at its size, with its SHA-256; the first that
-    is not raises :class:`CheckpointError` naming it, what is wrong (missing, truncated or longer, damaged) and
-    ``fix``. ``listed_by`` names the record in the missing file's message."""
+    """Every file of a :func:`record_files` record is in ``folder``, at its size, with its SHA-256; the first
+    that is not raises :class:`CheckpointError` naming it, what is wrong (missing, truncated or longer,
+    damaged) and ``fix``. ``listed_by`` names the record in the missing file's message."""
     folder = Path(folder)
     for name, rec in files.items():
         p = folder / name
@@ -286,13 +294,14 @@ def check_files(folder, files: dict[str, dict], fix: str, listed_by: str) -> Non
         size = p.stat().st_size
         if size != rec["bytes"]:
             how = "truncated" if size < rec["bytes"] else "longer than written"
-            raise CheckpointError(f"{p}: {size} bytes, {rec['bytes']} when saved: the file is {how}; {fix}", p)
+            raise CheckpointError(f"{p}: {size} bytes, {rec['bytes']} when saved: the file is {how}; {fix}",
+                                  p)
         if file_sha256(p) != rec["sha256"]:
-            raise CheckpointError(f"{p}: checksum mismatch, the file is damaged (its SHA-256 differs from the one "
-                                  f"recorded at save); {fix}", p)
+            raise CheckpointError(f"{p}: checksum mismatch, the file is damaged (its SHA-256 differs from "
+                                  f"the one recorded at save); {fix}", p)
 
 
-__all__ = ["ALGORITHM", "CHUNK_BYTES", "ChunkHasher", "check_files", "dumps_checked", "file_digest", "file_sha256",
-           "fsync_folder", "loads_checked", "pool", "read_checked_json", "read_record", "record_files",
-           "replace_folder", "sync_file", "write_atomic", "write_bytes", "write_checked_json", "write_json",
-           "write_text"]
+__all__ = ["ALGORITHM", "CHUNK_BYTES", "ChunkHasher", "check_files", "dumps_checked", "file_digest",
+           "file_sha256", "fsync_folder", "loads_checked", "pool", "read_checked_json", "read_record",
+           "record_files", "replace_folder", "sync_file", "write_atomic", "write_bytes", "write_checked_json",
+           "write_json", "write_text"]

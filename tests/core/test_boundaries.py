@@ -46,7 +46,7 @@ def test_apps_import_core_and_engines_only():
 
 
 def engine_exports(engine: str) -> set[str]:
-    """The names in ``engines/<engine>/__init__.py``'s ``__all__`` (read from the source, nothing imported)."""
+    """The names in ``engines/<engine>/__init__.py``'s ``__all__`` (read from the source, not imported)."""
     for node in ast.parse((ROOT / "engines" / engine / "__init__.py").read_text()).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
             return set(ast.literal_eval(node.value))
@@ -54,8 +54,9 @@ def engine_exports(engine: str) -> set[str]:
 
 
 def private_engine_imports(source: str, exports=engine_exports) -> list[str]:
-    """What ``source`` imports of an engine besides the names its package exports: a module inside an engine
-    package (``polyaccel.engines.zero.checkpoint``, ``polyaccel.engines.zero._x``), or a name not in ``__all__``."""
+    """What ``source`` imports of an engine besides the names its package exports: a module inside an
+    engine package (``polyaccel.engines.zero.checkpoint``, ``polyaccel.engines.zero._x``), or a name not in
+    the package's ``__all__``."""
     bad = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -79,7 +80,7 @@ def test_private_engine_import_checker_sees_modules_and_unexported_names():
 
 
 def test_apps_use_only_what_engine_packages_export():
-    """``apps/`` reaches an engine through its package's ``__all__`` (or through the core), never its modules."""
+    """``apps/`` reaches an engine through its package's ``__all__`` (or the core), never its modules."""
     bad = [f"{path.relative_to(ROOT)}: {m}" for path in sorted((ROOT / "apps").rglob("*.py"))
            for m in private_engine_imports(path.read_text())]
     assert not bad, "apps/ import engine internals; export them from the engine package or the core:\n" + \

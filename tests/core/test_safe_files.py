@@ -132,7 +132,8 @@ def test_checked_json_round_trips_fresh_random_content(tmp_path):
 
 
 def _damaged(tmp_path, how: str) -> Path:
-    path = safe_files.write_checked_json(tmp_path / "meta.json", {"format": "test-record", "x": os.urandom(8).hex()})
+    record = {"format": "test-record", "x": os.urandom(8).hex()}
+    path = safe_files.write_checked_json(tmp_path / "meta.json", record)
     raw = path.read_bytes()
     if how == "truncated":
         path.write_bytes(raw[:len(raw) // 2])
@@ -177,7 +178,8 @@ def test_file_records_name_the_missing_truncated_longer_or_altered_file(tmp_path
     files = safe_files.record_files(tmp_path, blobs)
     assert files == {n: {"bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in blobs.items()}
     safe_files.check_files(tmp_path, files, "fix", listed_by="the list")
-    cases = [("f0.bin", lambda d: d[:-1], "the file is truncated"), ("f1.bin", lambda d: d + b"x", "longer than"),
+    cases = [("f0.bin", lambda d: d[:-1], "the file is truncated"),
+             ("f1.bin", lambda d: d + b"x", "longer than"),
              ("f2.bin", lambda d: bytes([d[0] ^ 1]) + d[1:], "checksum mismatch")]
     for name, change, what in cases:
         (tmp_path / name).write_bytes(change(blobs[name]))
@@ -197,7 +199,7 @@ def test_chunk_digest_of_a_stream_and_of_the_file_match_an_independent_reference
     expect = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
     hasher = safe_files.ChunkHasher(chunk)
     cut = sorted(random.sample(range(1, len(data)), 9))
-    for a, b in zip([0, *cut], [*cut, len(data)], strict=True):  # fed in pieces that straddle the chunk boundaries
+    for a, b in zip([0, *cut], [*cut, len(data)], strict=True):  # pieces that straddle the chunk boundaries
         hasher.feed(data[a:b])
     assert (hasher.size, hasher.hexdigest()) == (len(data), expect)
     (tmp_path / "blob").write_bytes(data)
@@ -208,8 +210,8 @@ def test_chunk_digest_of_a_stream_and_of_the_file_match_an_independent_reference
 
 # ----------------------------------------------------------------- nobody else renames or fsyncs
 #: calls that make a file appear under its final name or put it on disk; only polyaccel.safe_files makes them
-FILE_COMMIT_CALLS = {("os", "replace"), ("os", "rename"), ("os", "renames"), ("os", "fsync"), ("os", "fdatasync"),
-                     ("tempfile", "mkstemp"), ("tempfile", "NamedTemporaryFile")}
+FILE_COMMIT_CALLS = {("os", "replace"), ("os", "rename"), ("os", "renames"), ("os", "fsync"),
+                     ("os", "fdatasync"), ("tempfile", "mkstemp"), ("tempfile", "NamedTemporaryFile")}
 #: files that may make them anyway, each with the reason
 ALLOWED = {"core/safe_files.py": "the one module that does"}
 
@@ -233,8 +235,8 @@ def file_commit_calls(source: str) -> list[tuple[int, str]]:
 def test_the_checker_sees_each_way_of_calling():
     source = ("import os, tempfile\nfrom os import fsync\nos.replace(a, b)\ntempfile.mkstemp()\n"
               "p.rename(q)\nos.path.join(a)\ns.replace('a', 'b')\n")
-    assert sorted(w for _, w in file_commit_calls(source)) == [".rename", "from os import fsync", "os.replace",
-                                                               "tempfile.mkstemp"]
+    found = sorted(w for _, w in file_commit_calls(source))
+    assert found == [".rename", "from os import fsync", "os.replace", "tempfile.mkstemp"]
 
 
 def test_only_safe_files_renames_or_fsyncs():
