@@ -261,7 +261,34 @@ def choose_muon_params(model: torch.nn.Module, *, per_head: bool = False,
     if both:
         raise MuonParamsError(f"parameter {both[0]!r} is matched by muon={forced_muon[both[0]]!r} and by "
                               f"adam={forced_adam[both[0]]!r}; make the patterns exclusive")
+    owners, embeddings, heads = _roles(model)
+    splits = head_splits(model) if per_head else {}
+    out: dict[str, MuonChoice] = {}
+    for pname, p in named:
+        owner_name, owner = owners[id(p)]
+        if pname in forced_adam:
+            choice = MuonChoice(False, None, f"forced to Adam by adam={forced_adam[pname]!r}")
+        elif pname in forced_muon:
+            choice = _forced_muon(pname, p, forced_muon[pname])
+        else:
+            choice = _default_choice(pname, p, owner, owner_name, embeddings, heads)
+        if choice.muon and pname in splits:
+            dim, n = splits[pname]
+            choice = MuonChoice(True, (dim, n), f"{choice.reason}, per head ({n} blocks along dim {dim})")
+        out[pname] = choice
+    return out
 
+
+def _forced_muon(pname: str, p: torch.Tensor, pattern: str) -> MuonChoice:
+    if p.dim() != 2:
+        raise MuonParamsError(f"muon={pattern!r} forces parameter {pname!r} of shape "
+                              f"{tuple(p.shape)} into Muon, which steps 2-D matrices only; narrow the pattern")
+    return MuonChoice(True, None, f"forced to Muon by muon={pattern!r}")
+
+
+def _roles(model: nn.Module) -> tuple[dict[int, tuple[str, nn.Module]], set[int], set[int]]:
+    """(parameter id -> (name, module) of the module owning it, ids of embedding parameters, ids of output heads'
+    weights)."""
     owners: dict[int, tuple[str, nn.Module]] = {}
     for mname, module in model.named_modules():
         for _, p in module.named_parameters(recurse=False):
@@ -272,25 +299,7 @@ def choose_muon_params(model: torch.nn.Module, *, per_head: bool = False,
         getattr(m, "weight", None), torch.Tensor)}
     heads |= {id(m.weight) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "lm_head" and isinstance(
         getattr(m, "weight", None), torch.Tensor)}
-    splits = head_splits(model) if per_head else {}
-
-    out: dict[str, MuonChoice] = {}
-    for pname, p in named:
-        owner_name, owner = owners[id(p)]
-        if pname in forced_adam:
-            choice = MuonChoice(False, None, f"forced to Adam by adam={forced_adam[pname]!r}")
-        elif pname in forced_muon:
-            if p.dim() != 2:
-                raise MuonParamsError(f"muon={forced_muon[pname]!r} forces parameter {pname!r} of shape "
-                                      f"{tuple(p.shape)} into Muon, which steps 2-D matrices only; narrow the pattern")
-            choice = MuonChoice(True, None, f"forced to Muon by muon={forced_muon[pname]!r}")
-        else:
-            choice = _default_choice(pname, p, owner, owner_name, embeddings, heads)
-        if choice.muon and pname in splits:
-            dim, n = splits[pname]
-            choice = MuonChoice(True, (dim, n), f"{choice.reason}, per head ({n} blocks along dim {dim})")
-        out[pname] = choice
-    return out
+    return owners, embeddings, heads
 
 
 def muon_report(choices: dict[str, MuonChoice]) -> str:
