@@ -69,14 +69,24 @@ def vocab_shards(op: str, group, v_local: int, vocab_start, device: torch.device
         raise OpArgumentError(f"{op}: the ranks of the group pass different numbers of rows "
                               f"({[n for _, _, n in triples]}); a vocab-parallel call takes the same tokens on "
                               "every rank (only the vocabulary is split)")
-    pairs = [(s, v) for s, v, _ in triples]
+    pairs = _shard_starts(op, [(s, v) for s, v, _ in triples])
+    return pairs[dist.get_rank(group)][0], _tiled_vocabulary(op, pairs)
+
+
+def _shard_starts(op: str, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Every rank's (vocab_start, V_local): as given by all ranks, or (given by none) in rank order."""
     given = [s >= 0 for s, _ in pairs]
     if any(given) and not all(given):
         raise OpArgumentError(f"{op}: some ranks of the group pass vocab_start and others None "
                               f"(shards (vocab_start, V_local) per rank: {pairs}); pass it on all or on none")
-    if not all(given):
-        starts = [sum(v for _, v in pairs[:r]) for r in range(world)]
-        pairs = [(s, v) for s, (_, v) in zip(starts, pairs, strict=True)]
+    if all(given):
+        return pairs
+    starts = [sum(v for _, v in pairs[:r]) for r in range(len(pairs))]
+    return [(s, v) for s, (_, v) in zip(starts, pairs, strict=True)]
+
+
+def _tiled_vocabulary(op: str, pairs: list[tuple[int, int]]) -> int:
+    """The whole vocabulary V the shards tile without gap or overlap (else an error naming where)."""
     end = 0
     for s, v in sorted(pairs):
         if s != end:
@@ -84,7 +94,7 @@ def vocab_shards(op: str, group, v_local: int, vocab_start, device: torch.device
                                   f"[0, V): a {'gap' if s > end else 'overlap'} at {min(s, end)}; each rank's "
                                   "vocab_start is the sum of the V_local of the shards before it")
         end = s + v
-    return pairs[dist.get_rank(group)][0], end
+    return end
 
 
 # ----------------------------------------------------------------------------- pieces
