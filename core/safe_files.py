@@ -3,8 +3,8 @@
 Writing: :func:`write_atomic` has a function fill a temporary file in the target's folder, fsyncs it, renames
 it over the target (``os.replace``) and fsyncs the folder where the OS allows it: a crash or an exception
 leaves the old file or the new one, never a mix, and no temporary file. :func:`write_bytes`,
-:func:`write_text`, :func:`write_json` and :func:`write_checked_json` are the usual cases; a writer that takes
-a path (safetensors' ``save_file``, ``torch.save``, a compiler's ``-o``) is handed the temporary path.
+:func:`write_text`, :func:`write_json`, :func:`write_checked_json` and :func:`write_safetensors_file` are the
+usual cases; a writer that takes a path (``torch.save``, a compiler's ``-o``) is handed the temporary path.
 :func:`replace_folder` moves a finished folder into place. No other module renames or fsyncs files
 (``tests/core/test_safe_files.py`` checks it).
 
@@ -112,6 +112,16 @@ def write_text(path, text: str) -> Path:
 def write_json(path, obj, *, indent: int | None = 1, sort_keys: bool = False, newline: bool = False) -> Path:
     """``obj`` as JSON into ``path`` atomically (``newline``: end the file with one)."""
     return write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + ("\n" if newline else ""))
+
+
+def write_safetensors_file(path, tensors: dict, metadata: dict[str, str] | None = None) -> Path:
+    """``tensors`` (name -> torch tensor) in the safetensors format into ``path`` atomically, written by the
+    safetensors library (a writer that hashes while it writes is ZeRO's ``integrity.write_safetensors``)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    return Path(path)
 
 
 def replace_folder(staging, final, aside) -> None:
@@ -304,4 +314,4 @@ def check_files(folder, files: dict[str, dict], fix: str, listed_by: str) -> Non
 __all__ = ["ALGORITHM", "CHUNK_BYTES", "ChunkHasher", "check_files", "dumps_checked", "file_digest",
            "file_sha256", "fsync_folder", "loads_checked", "pool", "read_checked_json", "read_record",
            "record_files", "replace_folder", "sync_file", "write_atomic", "write_bytes", "write_checked_json",
-           "write_json", "write_text"]
+           "write_json", "write_safetensors_file", "write_text"]

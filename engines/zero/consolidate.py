@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from polyaccel.errors import CheckpointError, InvalidArgument, PolyaccelError
-from polyaccel.safe_files import ALGORITHM, file_digest, read_checked_json, write_atomic
+from polyaccel.safe_files import ALGORITHM, file_digest, read_checked_json, write_safetensors_file
 from safetensors import safe_open
 
 from .partition import FlatLayout, ShardLayout
@@ -478,10 +478,6 @@ def save_state_dict(state: dict[str, torch.Tensor], out_path, checkpoint_dir=Non
     """Write ``state`` as one safetensors file, atomically (temporary name, fsync, rename). With
     ``checkpoint_dir`` (the checkpoint ``state`` was read from), an output that would land in it is refused
     (:func:`check_output_outside`) before anything is written."""
-    from safetensors.torch import save_file
-
     out = output_file(out_path) if checkpoint_dir is None else check_output_outside(out_path, checkpoint_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in state.items()}
-    write_atomic(out, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
-    return out
+    return write_safetensors_file(out, state, {"format": "pt"})

@@ -94,6 +94,22 @@ def test_write_atomic_returns_the_writers_result_and_keeps_the_umask_mode(tmp_pa
     assert target.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() would have made it, not mkstemp's 0600
 
 
+def test_safetensors_file_round_trips_and_a_failed_write_keeps_the_old_one(tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import load_file
+
+    path = tmp_path / "model.safetensors"
+    old = {"w": torch.randn(3, 5, dtype=torch.float64), "b": torch.randn(7).to(torch.bfloat16)}
+    safe_files.write_safetensors_file(path, {"w": old["w"].t(), "b": old["b"]}, {"format": "pt"})  # w strided
+    back = load_file(path)
+    assert torch.equal(back["w"], old["w"].t()) and torch.equal(back["b"], old["b"])
+    monkeypatch.setattr(safe_files.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    with pytest.raises(OSError) as info:
+        safe_files.write_safetensors_file(path, {"w": torch.zeros(2)})
+    assert info.value.filename == str(path)
+    assert torch.equal(load_file(path)["w"], old["w"].t()) and _files(tmp_path) == ["model.safetensors"]
+
+
 def test_replace_folder_moves_the_old_folder_aside_and_back_when_the_move_fails(tmp_path, monkeypatch):
     final, aside, staging = tmp_path / "tag", tmp_path / ".tag.old", tmp_path / ".tag.partial"
     final.mkdir()
