@@ -1,4 +1,4 @@
-"""Kernel launches of one forward + backward of AutoEP's MoE layer and of the HF grouped_mm block (bf16, ep 1).
+"""Kernel launches and host syncs of one forward + backward of AutoEP's MoE layer and of the HF blocks (bf16, ep 1).
 
     python benchmarks/autoep_launches.py [--experts 8] [--tokens 64] [--topk 2] [--hidden 64] [--ffn 32]
 
@@ -8,11 +8,14 @@ on the host, the Python ``autograd.Function`` ones through the interpreter). The
 expert builders stand in for the cpu plugin's (their Triton kernels under ``TRITON_INTERPRET=1``,
 hence the small default sizes). Rows: AutoEP as it runs on a GPU by default (the ``torch_moe_*``
 builders of ``moe_gate_up`` / ``moe_down_combine``), AutoEP on the unfused ops
-(``fused_experts=False``: ``grouped_mm`` -> ``swiglu`` -> ``grouped_mm`` -> ``gather_sum``) and
-transformers' grouped_mm experts. Where the host bounds a step (few tokens a layer: the 4k-token,
-top-2 rows of ``autoep_gpu.py``), its time follows these counts. The offsets' check reads them to
-the host once a step; on a GPU its scalar reads and comparison run on that host copy, here they are
-counted with the rest.
+(``fused_experts=False``: ``grouped_mm`` -> ``swiglu`` -> ``grouped_mm`` -> ``gather_sum``),
+transformers' grouped_mm experts and its eager expert loop. Where the host bounds a step (few tokens
+a layer: the 4k-token, top-2 rows of ``autoep_gpu.py``), its time follows these counts.
+
+``syncs`` counts the ops that read device values back to the host (``polyaccel.testing.launches``:
+``.item()``, ``nonzero``, data-dependent sizes ...): on a GPU each waits for everything queued, so
+the host loses its lead over the device there. AutoEP's default path has none at fixed shapes; the
+eager HF loop reads which experts were hit.
 """
 
 from __future__ import annotations
@@ -90,7 +93,8 @@ def main(argv=None) -> int:
     eager = hf_block(E, k, H, F, "eager", device)
     blocks = {"AutoEP (default: torch_moe_*)": autoep_block(eager),
               "AutoEP (unfused ops)": autoep_block(eager, fused=False),
-              "HF grouped_mm": hf_block(E, k, H, F, "grouped_mm", device)}
+              "HF grouped_mm": hf_block(E, k, H, F, "grouped_mm", device),
+              "HF eager": eager}
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, T, H, generator=g).to(torch.bfloat16)
     grad = torch.randn(1, T, H, generator=g)
@@ -98,9 +102,10 @@ def main(argv=None) -> int:
     for name, block in blocks.items():
         c = count_step(block, x, grad)
         nodes, python = backward_nodes(block, x, grad)
-        print(f"{name:30s} aten {c.total:3d}  triton {sum(c.triton.values()):2d}  backward nodes {nodes:2d} "
-              f"({python} Python)  "
-              f"({', '.join(f'{op} {n}' for op, n in c.ops.most_common())})")
+        syncs = sum(c.syncs.values())
+        print(f"{name:30s} aten {c.total:3d}  triton {sum(c.triton.values()):2d}  syncs {syncs:2d}  backward nodes "
+              f"{nodes:3d} ({python} Python)  ({', '.join(f'{op} {n}' for op, n in c.ops.most_common())})"
+              + (f"  [syncs: {', '.join(f'{op} {n}' for op, n in c.syncs.most_common())}]" if syncs else ""))
     return 0
 
 

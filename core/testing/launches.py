@@ -31,7 +31,7 @@ NO_KERNEL = frozenset({
 #: ``bool()`` / ``int()`` of a tensor (``_local_scalar_dense``), data-dependent output sizes, value comparisons
 HOST_READS = frozenset({
     "_local_scalar_dense", "item", "nonzero", "nonzero_static_fallback", "masked_select", "unique", "_unique",
-    "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive", "equal", "bincount", "histc",
+    "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive", "equal", "bincount",
     "_assert_async",
 })
 
@@ -43,6 +43,10 @@ def reads_to_host(func, args, kwargs) -> bool:
         return True
     if name == "repeat_interleave":  # repeats given as a tensor: summed on the device unless output_size says
         return func._overloadname != "self_int" and kwargs.get("output_size") is None
+    if name == "histc":  # a range not given (min == max) is read from the values
+        lo = args[2] if len(args) > 2 else kwargs.get("min", 0)
+        hi = args[3] if len(args) > 3 else kwargs.get("max", 0)
+        return lo == hi
     if name == "_to_copy" and args:  # a copy down to the host (.cpu(), .to("cpu"), .tolist() of device values)
         return kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu" \
             and args[0].device.type != "cpu"

@@ -41,5 +41,7 @@ def test_counts_reads_back_to_the_host_apart():
         torch.repeat_interleave(a, torch.tensor([1, 2, 0, 1, 1, 1]), output_size=6)  # size given: no read
         torch.repeat_interleave(a, 2)  # int repeats: no read
         torch.sort(a)
-    assert dict(count.syncs) == {"_local_scalar_dense": 2, "nonzero": 1, "repeat_interleave": 1}, count.syncs
+        torch.histc(a, bins=4, min=-1, max=1)  # a range given: no read
+        torch.histc(a, bins=4)  # the range read from the values
+    assert dict(count.syncs) == {"_local_scalar_dense": 2, "nonzero": 1, "repeat_interleave": 1, "histc": 1}
     assert count.ops["sort"] == 1 and count.ops["repeat_interleave"] == 2  # (int repeats: an expand and a copy)
