@@ -25,7 +25,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl >>"$OUT/install.log" 2>&1 || echo "wheel install failed"
 fi
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+  'transformers', transformers.__version__, torch.cuda.get_device_name())"
 run() {  # name, limit, command...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS

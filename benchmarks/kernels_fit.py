@@ -62,6 +62,11 @@ def make_step(system: str, model, device):
         if system.endswith("+kernels"):
             config["kernels"] = dict(KERNELS)
         engine = polyaccel.initialize(model, config)
+        if "kernels" in config and not getattr(make_step, "plan_shown", False):
+            from polyaccel.parallel import get_plan
+
+            print(str(get_plan(model, "kernels")).split("\nswapped:")[0], flush=True)  # the per-kernel counts
+            make_step.plan_shown = True
 
         def zero_step(ids):
             loss = engine(input_ids=ids, labels=ids).loss

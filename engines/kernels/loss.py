@@ -43,6 +43,8 @@ KNOWN_NAMES = frozenset({
     "final_logit_softcapping", "hidden_states", "last_hidden_state", "lm_head", "load_balancing_loss_func",
     "loss_function", "model", "num_experts", "num_experts_per_tok", "output_router_logits",
     "router_aux_loss_coef", "router_logits", "slice_logits_to_keep", "tanh", "to", "torch", "vocab_size",
+    # transformers 4.x: ``hidden_states[:, slice(-logits_to_keep, None), :]`` and the cache's old name
+    "int", "isinstance", "past_key_values", "slice",
 })
 #: keyword arguments the loss consumes (Hugging Face's loss_function takes them through the forward's kwargs)
 LOSS_KWARGS = ("shift_labels", "num_items_in_batch", "ignore_index")

@@ -5,7 +5,7 @@ computes the logits ``[rows, V_local]`` in the input dtype, these kernels do the
 chunk's math, and cuBLAS spends the gradient (``dz @ W``, ``dz.T @ h``). Two kernels:
 
 * :func:`stats`: one program per row, an online logsumexp over the row in blocks of columns (fp32
-  math, fp64 for fp64 input) and the target column's logit: one read of the chunk;
+  math, fp64 for fp64 input; one exp an element) and the target column's logit: one read of the chunk;
 * :func:`grad_`: ``dz = coef * exp(z - lse) - scale * onehot(target)`` written over the logits
   chunk (same dtype, same memory): one read and one write, a 2-D grid over rows and column blocks.
 
@@ -39,22 +39,28 @@ SCALE_BLOCK = 8192
 
 
 @triton.jit
-def _stats_kernel(z_ptr, target_ptr, lse_ptr, picked_ptr, V, stride, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = z_ptr + row * stride
-    cols = tl.arange(0, BLOCK)
-    m = tl.full((BLOCK,), float("-inf"), ACC)
-    s = tl.zeros((BLOCK,), ACC)
+def _row_logsumexp(base, V, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    """Online logsumexp of one row, a block of columns a step: one exp an element (the running max and sum are
+    scalars, rescaled once a block)."""
+    cols = tl.arange(0, BLOCK).to(tl.int64)
+    m = tl.full((), float("-inf"), ACC)
+    total = tl.zeros((), ACC)
     for start in range(0, V, BLOCK):
         offs = start + cols
         z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(ACC)
-        m_new = tl.maximum(m, z)
-        # lanes still at -inf (no column yet) contribute nothing: exp(-inf - -inf) would be NaN
-        s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(z - m_new))
+        m_new = tl.maximum(m, tl.max(z, 0))
+        # a row still all -inf so far contributes nothing: exp(-inf - -inf) would be NaN
+        total = tl.where(m_new == float("-inf"), 0.0, total * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0))
         m = m_new
-    row_max = tl.max(m, 0)
-    total = tl.sum(s * tl.exp(m - row_max), 0)
-    tl.store(lse_ptr + row, row_max + tl.log(total))
+    return m + tl.log(total)
+
+
+@triton.jit
+def _stats_kernel(z_ptr, target_ptr, lse_ptr, picked_ptr, V, stride, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = z_ptr + row * stride
+    lse = _row_logsumexp(base, V, ACC, BLOCK)
+    tl.store(lse_ptr + row, lse)
     t = tl.load(target_ptr + row)
     picked = tl.load(base + tl.maximum(t, 0)).to(ACC)
     tl.store(picked_ptr + row, tl.where(t >= 0, picked, 0.0))
@@ -79,16 +85,7 @@ def _stats_grad_kernel(z_ptr, target_ptr, scale_ptr, lse_ptr, picked_ptr, V, str
     row = tl.program_id(0).to(tl.int64)
     base = z_ptr + row * stride
     cols = tl.arange(0, BLOCK).to(tl.int64)
-    m = tl.full((BLOCK,), float("-inf"), ACC)
-    s = tl.zeros((BLOCK,), ACC)
-    for start in range(0, V, BLOCK):
-        offs = start + cols
-        z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(ACC)
-        m_new = tl.maximum(m, z)
-        s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(z - m_new))
-        m = m_new
-    row_max = tl.max(m, 0)
-    lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), 0))
+    lse = _row_logsumexp(base, V, ACC, BLOCK)
     t = tl.load(target_ptr + row)
     picked = tl.load(base + tl.maximum(t, 0)).to(ACC)
     tl.store(lse_ptr + row, lse)

@@ -19,9 +19,10 @@ import triton
 import triton.language as tl
 from polyaccel.ops.reference.rope import make_rope
 
-#: pairs of one head are BLOCK_D wide; heads per step keep a tile at most this many pairs: 16 a thread at 4 warps
-#: (112-122 registers, no spills on sm_90); more heads take more steps
-MAX_TILE = 2048
+#: pairs of one head are BLOCK_D wide; heads per step keep a tile at most this many pairs: 8 a thread at 4 warps.
+#: At Llama-3-8B's shapes (32 + 8 heads of 64 pairs) 16 heads a step ran 1.5% faster than 32 on an H100
+#: (model_kernels_gpu.py --tune, RESULTS.md); more heads take more steps
+MAX_TILE = 1024
 
 
 @triton.jit

@@ -222,3 +222,34 @@ def test_only_a_layer_that_expands_shorthands_takes_one():
     assert layer_mesh_sizes({"kernels": True}) == {} and layer_mesh_sizes({"kernels": False}) == {}
     with pytest.raises(polyaccel.ConfigError, match="a plan is recorded under one of"):
         polyaccel.parallel.set_plan(nn.Linear(1, 1), "kernel", object())
+
+
+def test_a_transformers_4_style_forward_gets_the_fused_loss():
+    """transformers 4.x wrote the same forward with ``slice(-logits_to_keep, None)`` and ``past_key_values``."""
+    from transformers import LlamaForCausalLM
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class OldStyleLlama(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                    inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+            hidden_states = outputs.last_hidden_state
+            slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(hidden_states[:, slice_indices, :])
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                          attentions=outputs.attentions)
+
+    ref = build("llama")
+    old = OldStyleLlama(ref.config).to(next(ref.parameters()).dtype)
+    old.load_state_dict(ref.state_dict())
+    fast = apply_kernels(copy.deepcopy(old), ALL_ON)
+    assert get_plan(fast).swapped[""] == "cross_entropy"
+    x = ids()
+    fast.train()
+    loss = fast(input_ids=x, labels=x).loss
+    want = ce(exact_norms(ref)(input_ids=x).logits, x)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
