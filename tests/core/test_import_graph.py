@@ -217,7 +217,8 @@ def test_every_core_module_imports_first_in_a_fresh_interpreter():
     names = [n for n in modules if not n.endswith("__main__")]
     result = fresh_import_failures("polyaccel", names)
     assert result["failures"] == {}
-    assert set(result["skipped"]) <= {"polyaccel.integrations.deepspeed"}, result["skipped"]
+    # DeepSpeed is an optional extra: only the module subclassing its classes needs it at import
+    assert set(result["skipped"]) <= {"polyaccel.integrations._deepspeed_classes"}, result["skipped"]
 
 
 # ------------------------------------------------------------------- and so do the plugins
