@@ -503,46 +503,11 @@ def muon_optimizer_config(muon: torch.optim.Optimizer, adam: torch.optim.Optimiz
     if not isinstance(muon, torch.optim.Muon):
         raise ConfigError(f"expected torch.optim.Muon, got {type(muon).__name__}")
     names = {id(p): n for n, p in module.named_parameters()}
-    _groups_agree(muon)
-    g = muon.param_groups[0]
-    _refuse_dropped_settings(muon, g)
-    muon_names = _names_of(muon, names)
-    by_name = dict(module.named_parameters())
-    flat = [n for n in muon_names if by_name[n].dim() != 2]
-    if flat:
-        raise ConfigError(f"Muon holds the parameter {flat[0]!r} of shape {tuple(by_name[flat[0]].shape)}; Muon steps "
-                          "2-D matrices only: give it to the AdamW")
-    adjust = g.get("adjust_lr_fn")
-    if adjust not in _LR_ADJUSTMENTS:
-        raise ConfigError(f"Muon(adjust_lr_fn={adjust!r}) has no engine equivalent (None, 'original', "
-                          "'match_rms_adamw' do)")
-    params: dict = {"lr": float(g["lr"]), "weight_decay": float(g["weight_decay"]),
-                    "momentum": float(g["momentum"]), "nesterov": bool(g["nesterov"]),
-                    "ns_steps": int(g["ns_steps"]), "ns_coefficients": [float(c) for c in g["ns_coefficients"]],
-                    "eps": float(g["eps"]), "lr_adjustment": _LR_ADJUSTMENTS[adjust],
-                    "ns_dtype": "bf16",  # torch.optim.Muon's Newton-Schulz iteration runs in bf16
-                    "muon_params": [_name_pattern(n) for n in muon_names]}
+    params, muon_names = _muon_settings(muon, names, dict(module.named_parameters()))
     groups = [(muon, muon_names)]
     if adam is not None:
-        if not isinstance(adam, torch.optim.Adam):  # AdamW is an Adam
-            raise ConfigError(f"PolyaccelStrategy pairs torch.optim.Muon with torch.optim.AdamW or Adam (the engine's "
-                              f"auxiliary optimizer is an AdamW), not {type(adam).__name__}")
-        _groups_agree(adam)
-        a = adam.param_groups[0]
-        _refuse_dropped_settings(adam, a)
-        decoupled = isinstance(adam, torch.optim.AdamW) or a.get("decoupled_weight_decay", False)
-        l2 = [float(x.get("weight_decay", 0.0)) for x in adam.param_groups if x.get("weight_decay", 0.0)]
-        if not decoupled and l2:
-            raise ConfigError(f"Adam(weight_decay={l2[0]}) paired with Muon adds L2 decay to the gradient, but the "
-                              "engine's auxiliary optimizer is an AdamW (decoupled decay): use torch.optim.AdamW")
-        adam_names = _names_of(adam, names)
-        both = sorted(set(adam_names) & set(muon_names))
-        if both:
-            raise ConfigError(f"the parameter {both[0]!r} is in both Muon and {type(adam).__name__}; give each "
-                              "parameter to one optimizer")
-        params.update(adam_params=[_name_pattern(n) for n in adam_names], adam_lr=float(a["lr"]),
-                      adam_betas=[float(b) for b in a["betas"]], adam_eps=float(a["eps"]),
-                      adam_weight_decay=float(a.get("weight_decay", 0.0)))
+        adam_params, adam_names = _adam_settings(adam, names, muon_names)
+        params.update(adam_params)
         groups.append((adam, adam_names))
     held = {n for _, ns in groups for n in ns}
     left = [n for n, p in module.named_parameters() if p.requires_grad and n not in held]
@@ -558,6 +523,53 @@ def muon_optimizer_config(muon: torch.optim.Optimizer, adam: torch.optim.Optimiz
                 param_groups.append({"params": [names[id(p)] for p in grp["params"]],
                                      "weight_decay": float(grp.get("weight_decay", 0.0))})
     return {"type": "muon", "params": params}, param_groups
+
+
+def _muon_settings(muon: torch.optim.Optimizer, names: dict[int, str], by_name: dict) -> tuple[dict, list[str]]:
+    """torch.optim.Muon's settings under the engine's names, with its parameters by exact name; and those names."""
+    _groups_agree(muon)
+    g = muon.param_groups[0]
+    _refuse_dropped_settings(muon, g)
+    muon_names = _names_of(muon, names)
+    flat = [n for n in muon_names if by_name[n].dim() != 2]
+    if flat:
+        raise ConfigError(f"Muon holds the parameter {flat[0]!r} of shape {tuple(by_name[flat[0]].shape)}; Muon steps "
+                          "2-D matrices only: give it to the AdamW")
+    adjust = g.get("adjust_lr_fn")
+    if adjust not in _LR_ADJUSTMENTS:
+        raise ConfigError(f"Muon(adjust_lr_fn={adjust!r}) has no engine equivalent (None, 'original', "
+                          "'match_rms_adamw' do)")
+    return {"lr": float(g["lr"]), "weight_decay": float(g["weight_decay"]),
+            "momentum": float(g["momentum"]), "nesterov": bool(g["nesterov"]),
+            "ns_steps": int(g["ns_steps"]), "ns_coefficients": [float(c) for c in g["ns_coefficients"]],
+            "eps": float(g["eps"]), "lr_adjustment": _LR_ADJUSTMENTS[adjust],
+            "ns_dtype": "bf16",  # torch.optim.Muon's Newton-Schulz iteration runs in bf16
+            "muon_params": [_name_pattern(n) for n in muon_names]}, muon_names
+
+
+def _adam_settings(adam: torch.optim.Optimizer, names: dict[int, str],
+                   muon_names: list[str]) -> tuple[dict, list[str]]:
+    """The auxiliary AdamW's settings as the engine's ``adam_*`` keys, refused where the engine would differ; and
+    the names of its parameters."""
+    if not isinstance(adam, torch.optim.Adam):  # AdamW is an Adam
+        raise ConfigError(f"PolyaccelStrategy pairs torch.optim.Muon with torch.optim.AdamW or Adam (the engine's "
+                          f"auxiliary optimizer is an AdamW), not {type(adam).__name__}")
+    _groups_agree(adam)
+    a = adam.param_groups[0]
+    _refuse_dropped_settings(adam, a)
+    decoupled = isinstance(adam, torch.optim.AdamW) or a.get("decoupled_weight_decay", False)
+    l2 = [float(x.get("weight_decay", 0.0)) for x in adam.param_groups if x.get("weight_decay", 0.0)]
+    if not decoupled and l2:
+        raise ConfigError(f"Adam(weight_decay={l2[0]}) paired with Muon adds L2 decay to the gradient, but the "
+                          "engine's auxiliary optimizer is an AdamW (decoupled decay): use torch.optim.AdamW")
+    adam_names = _names_of(adam, names)
+    both = sorted(set(adam_names) & set(muon_names))
+    if both:
+        raise ConfigError(f"the parameter {both[0]!r} is in both Muon and {type(adam).__name__}; give each "
+                          "parameter to one optimizer")
+    return {"adam_params": [_name_pattern(n) for n in adam_names], "adam_lr": float(a["lr"]),
+            "adam_betas": [float(b) for b in a["betas"]], "adam_eps": float(a["eps"]),
+            "adam_weight_decay": float(a.get("weight_decay", 0.0))}, adam_names
 
 
 def weight_decay_groups(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> list[dict]:
@@ -695,46 +707,15 @@ class PolyaccelStrategy(DDPStrategy):
         self.barrier()
 
     def _init_engine(self, trainer: pl.Trainer) -> None:
-        from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-
         module = self.lightning_module
         cfg = copy.deepcopy(self.config)
         source, schedulers, extra, optimizers = None, [], {}, []
         if "optimizer" not in cfg:
-            optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
-            muon = [o for o in optimizers if isinstance(o, torch.optim.Muon)]
-            if muon and len(optimizers) <= 2:
-                # Muon over the hidden matrices (with an AdamW for the rest): the engine's one Muon optimizer
-                other = next((o for o in optimizers if o is not muon[0]), None)
-                cfg["optimizer"], groups = muon_optimizer_config(muon[0], other, module)
-                source = muon[0]
-            elif len(optimizers) != 1:
-                raise ConfigError(f"PolyaccelStrategy trains with one optimizer, or torch.optim.Muon with an AdamW; "
-                                  f"configure_optimizers gave {len(optimizers)} "
-                                  f"({', '.join(type(o).__name__ for o in optimizers)})")
-            else:
-                source = optimizer_covers_module(optimizers[0], module)
-                cfg["optimizer"] = optimizer_config(source)
-                groups = weight_decay_groups(source, module)
+            source, optimizers, schedulers, groups = self._module_optimizers(cfg)
             if groups:
                 extra["param_groups"] = groups
         # else: the config's optimizer wins over configure_optimizers, as with Lightning's DeepSpeedStrategy
-        if trainer.gradient_clip_val:
-            from lightning.pytorch.utilities import GradClipAlgorithmType
-
-            if trainer.gradient_clip_algorithm not in (None, GradClipAlgorithmType.NORM):
-                raise ConfigError("PolyaccelStrategy clips by norm only (gradient_clip_algorithm='norm')")
-            cfg.setdefault("gradient_clipping", float(trainer.gradient_clip_val))
-        kind = self.precision_plugin.kind
-        if kind == "bf16":
-            cfg.setdefault("bf16", {"enabled": True})
-        elif kind == "fp16":
-            cfg.setdefault("fp16", {"enabled": True})
-        if cfg.get("gradient_accumulation_steps", 1) != 1:
-            raise ConfigError("set gradient accumulation with Trainer(accumulate_grad_batches=...), not in the "
-                              "engine config: Lightning decides where the optimizer steps")
-        cfg["gradient_accumulation_steps"] = 1
-        cfg.pop("train_batch_size", None)
+        self._apply_trainer_settings(cfg, trainer)
         self.polyaccel_config = cfg
         engine = polyaccel.initialize(module, config=cfg, engine=self.engine_name, **extra)
         check_data_axis(engine, *data_axis(cfg, self.global_rank, self.world_size))
@@ -751,6 +732,47 @@ class PolyaccelStrategy(DDPStrategy):
         else:
             self.optimizers = [_EngineOptimizer(adapter, source, lr)]
         self.lr_scheduler_configs = schedulers
+
+    def _module_optimizers(self, cfg: dict) -> tuple[torch.optim.Optimizer, list, list, list[dict]]:
+        """Fill ``cfg["optimizer"]`` from configure_optimizers: (the optimizer the engine stands for, all of them,
+        their schedulers, the engine's ``param_groups``)."""
+        from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+        module = self.lightning_module
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+        muon = [o for o in optimizers if isinstance(o, torch.optim.Muon)]
+        if muon and len(optimizers) <= 2:
+            # Muon over the hidden matrices (with an AdamW for the rest): the engine's one Muon optimizer
+            other = next((o for o in optimizers if o is not muon[0]), None)
+            cfg["optimizer"], groups = muon_optimizer_config(muon[0], other, module)
+            return muon[0], optimizers, schedulers, groups
+        if len(optimizers) != 1:
+            raise ConfigError(f"PolyaccelStrategy trains with one optimizer, or torch.optim.Muon with an AdamW; "
+                              f"configure_optimizers gave {len(optimizers)} "
+                              f"({', '.join(type(o).__name__ for o in optimizers)})")
+        source = optimizer_covers_module(optimizers[0], module)
+        cfg["optimizer"] = optimizer_config(source)
+        return source, optimizers, schedulers, weight_decay_groups(source, module)
+
+    def _apply_trainer_settings(self, cfg: dict, trainer: pl.Trainer) -> None:
+        """Gradient clipping and precision from the Trainer where the config says nothing; accumulation is
+        Lightning's."""
+        if trainer.gradient_clip_val:
+            from lightning.pytorch.utilities import GradClipAlgorithmType
+
+            if trainer.gradient_clip_algorithm not in (None, GradClipAlgorithmType.NORM):
+                raise ConfigError("PolyaccelStrategy clips by norm only (gradient_clip_algorithm='norm')")
+            cfg.setdefault("gradient_clipping", float(trainer.gradient_clip_val))
+        kind = self.precision_plugin.kind
+        if kind == "bf16":
+            cfg.setdefault("bf16", {"enabled": True})
+        elif kind == "fp16":
+            cfg.setdefault("fp16", {"enabled": True})
+        if cfg.get("gradient_accumulation_steps", 1) != 1:
+            raise ConfigError("set gradient accumulation with Trainer(accumulate_grad_batches=...), not in the "
+                              "engine config: Lightning decides where the optimizer steps")
+        cfg["gradient_accumulation_steps"] = 1
+        cfg.pop("train_batch_size", None)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         pass  # made by _init_engine from configure_optimizers
