@@ -446,48 +446,74 @@ def resolve_init_from(path: str, spec: ModelSpec) -> Path:
     """The safetensors file ``--init-from`` names (a file, or a directory holding ``model.safetensors``), checked
     against the model ``spec`` builds: the same names and shapes (tied weights may be left out, as Hugging Face
     saves them), without reading the tensors."""
-    import torch
-    from safetensors import safe_open
-
-    from .model import build_model
-
     p = Path(path)
     if p.is_dir():
         p = p / "model.safetensors"
     if not p.is_file():
-        raise ConfigError(f"--init-from {path}: no such file; pass a safetensors state dict (a file, or a directory "
-                          "with model.safetensors), e.g. what `polyaccel zero-to-fp32` writes")
+        raise ConfigError(f"--init-from {path}: no such file; pass a safetensors state dict (a file, or a "
+                          "directory with model.safetensors), e.g. what `polyaccel zero-to-fp32` writes")
+    problems = _init_from_problems(*_safetensors_header(path, p), spec)
+    if problems:
+        raise ConfigError(f"--init-from {path}: does not fit the {spec.name} model of --hidden-size "
+                          f"{spec.hidden_size} --layers {spec.num_layers} --heads {spec.num_heads} "
+                          f"({'; '.join(problems)}); pass the flags the state dict was made with")
+    return p
+
+
+def _safetensors_header(path: str, p: Path) -> tuple[dict, dict]:
+    """(name -> shape, name -> dtype code) of the safetensors file ``p``, read from its header only."""
+    from safetensors import safe_open
+
     try:
         with safe_open(str(p), framework="pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
             codes = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's to fix
         raise ConfigError(f"--init-from {path}: not a readable safetensors file ({exc})") from None
+    return shapes, codes
+
+
+def _init_from_problems(shapes: dict, codes: dict, spec: ModelSpec) -> list[str]:
+    """What keeps a state dict of these ``shapes`` and dtype ``codes`` from loading into ``spec``'s model."""
+    import torch
+
+    from .model import build_model
+
     with torch.device("meta"):
         model = build_model(spec)
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    want = {k: tuple(v.shape) for k, v in state.items()}
+    tied = _tied_names(model)
+    found = (
+        ("missing", [k for k in want if k not in shapes and k not in tied]),
+        ("not in the model", list(set(shapes) - set(want))),
+        ("shape", [f"{k} {list(shapes[k])} (the model has {list(want[k])})" for k in want
+                   if k in shapes and shapes[k] != want[k]]),
+        ("dtype", _dtype_mismatches(state, codes)),
+    )
+    return [f"{what}: {', '.join(sorted(names)[:4])}{' ...' if len(names) > 4 else ''}"
+            for what, names in found if names]
+
+
+def _dtype_mismatches(state: dict, codes: dict) -> list[str]:
+    """The tensors whose saved dtype code is floating where the model's is not, or the other way round."""
+    out = []
+    for k, v in state.items():
+        floating = v.is_floating_point()
+        if k in codes and codes[k].startswith(("F", "BF")) != floating:
+            out.append(f"{k} {codes[k]} (the model's is {'floating' if floating else 'not floating'})")
+    return out
+
+
+def _tied_names(model) -> set[str]:
+    """The parameter names that repeat an earlier parameter (tied weights, which Hugging Face leaves out)."""
     first: dict[int, str] = {}
     tied = set()
     for name, prm in model.named_parameters(remove_duplicate=False):
         if id(prm) in first:
             tied.add(name)
         first.setdefault(id(prm), name)
-    missing = sorted(k for k in want if k not in shapes and k not in tied)
-    unexpected = sorted(set(shapes) - set(want))
-    wrong = sorted(f"{k} {list(shapes[k])} (the model has {list(want[k])})" for k in want
-                   if k in shapes and shapes[k] != want[k])
-    floating = {k: v.is_floating_point() for k, v in model.state_dict().items()}
-    numbers = sorted(f"{k} {codes[k]} (the model's is {'floating' if floating[k] else 'not floating'})"
-                     for k in want if k in codes and codes[k].startswith(("F", "BF")) != floating[k])
-    problems = [f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
-                for what, names in (("missing", missing), ("not in the model", unexpected), ("shape", wrong),
-                                    ("dtype", numbers))
-                if names]
-    if problems:
-        raise ConfigError(f"--init-from {path}: does not fit the {spec.name} model of --hidden-size "
-                          f"{spec.hidden_size} --layers {spec.num_layers} --heads {spec.num_heads} "
-                          f"({'; '.join(problems)}); pass the flags the state dict was made with")
-    return p
+    return tied
 
 
 def _cpu_count() -> int:
