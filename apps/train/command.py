@@ -36,8 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .options import DEFAULT_LR, DTYPES, OPTIMIZERS, STAGES, TrainOptions
 
     d = TrainOptions()
-    m = ModelSpec()
-    g = parser.add_argument_group("run")
+    _run_arguments(parser.add_argument_group("run"), d)
+    _model_arguments(parser.add_argument_group("model and data"), d, ModelSpec(), MODELS)
+    g = parser.add_argument_group("optimisation")
+    _layout_arguments(g, d, STAGES)
+    _optimizer_arguments(g, d, DTYPES, OPTIMIZERS, KERNEL_CHOICES, DEFAULT_LR)
+    _checkpoint_arguments(parser.add_argument_group("checkpoints"))
+
+
+def _run_arguments(g, d) -> None:
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to start (default: 2 on the cpu plugin, else one per device)")
     g.add_argument("--accelerator", default=None, metavar="NAME",
@@ -51,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-out", default=None, metavar="FILE",
                    help="write the run's result (per-step losses, times, summary fields) as JSON")
 
-    g = parser.add_argument_group("model and data")
-    g.add_argument("--model", choices=MODELS, default=m.name, help=f"architecture (default {m.name})")
+
+def _model_arguments(g, d, m, models) -> None:
+    g.add_argument("--model", choices=models, default=m.name, help=f"architecture (default {m.name})")
     g.add_argument("--hidden-size", type=int, default=m.hidden_size, help=f"default {m.hidden_size}")
     g.add_argument("--layers", type=int, default=m.num_layers, help=f"default {m.num_layers}")
     g.add_argument("--heads", type=int, default=m.num_heads, help=f"attention heads (default {m.num_heads})")
@@ -61,8 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"sequences per rank per micro-step (default {d.batch_size})")
     g.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
 
-    g = parser.add_argument_group("optimisation")
-    g.add_argument("--stage", type=int, choices=STAGES, default=d.stage, help=f"ZeRO stage (default {d.stage})")
+
+def _layout_arguments(g, d, stages) -> None:
+    """Where the model and its optimizer state go: ZeRO stage, parallel degrees, graphs, offload."""
+    g.add_argument("--stage", type=int, choices=stages, default=d.stage, help=f"ZeRO stage (default {d.stage})")
     g.add_argument("--tp", type=int, default=d.tp, metavar="N",
                    help="tensor-parallel degree (AutoTP): ranks = data x tensor, N must divide them (default 1)")
     g.add_argument("--ep", type=int, default=d.ep, metavar="N",
@@ -81,20 +91,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --offload at --stage 1 or 2: the share of the optimizer (master, moments, step) kept on "
                         "the host; the rest, the layers whose gradients arrive last in backward, stays on the device "
                         "(faster steps for more device memory; default 1: all on the host)")
-    g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")
-    g.add_argument("--kernels", nargs="?", const="auto", default=None, choices=KERNEL_CHOICES,
+
+
+def _optimizer_arguments(g, d, dtypes, optimizers, kernel_choices, default_lr) -> None:
+    """Precision, kernels, the optimizer and its settings."""
+    g.add_argument("--dtype", choices=dtypes, default=d.dtype, help=f"training precision (default {d.dtype})")
+    g.add_argument("--kernels", nargs="?", const="auto", default=None, choices=kernel_choices,
                    help="the plugins' model kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) in place of "
                         "Hugging Face's modules: auto (the flag alone) each kernel a plugin serves on the device, "
                         "all, or off (default: auto on a device accelerator such as a GPU, off on the cpu plugin; "
                         "docs/model-kernels.md)")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
+    g.add_argument("--optimizer", choices=optimizers, default=d.optimizer,
                    help="adamw: AdamW for every parameter; muon: Muon (momentum, then Newton-Schulz "
                         "orthogonalization of each hidden matrix, whole, once per step, under every ZeRO stage, "
                         "offload and --tp) with AdamW for the embeddings, head, norms and biases "
                         f"(default {d.optimizer})")
     g.add_argument("--lr", type=float, default=None,
                    help="learning rate: AdamW's, or with --optimizer muon the hidden matrices' "
-                        f"(default {DEFAULT_LR['adamw']} for adamw, {DEFAULT_LR['muon']} for muon)")
+                        f"(default {default_lr['adamw']} for adamw, {default_lr['muon']} for muon)")
     g.add_argument("--adam-lr", type=float, default=None,
                    help=f"--optimizer muon: AdamW's lr for the parameters Muon leaves to it (default {d.adam_lr})")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"default {d.weight_decay}")
@@ -103,7 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-accum", type=int, default=d.grad_accum,
                    help=f"micro-steps per optimizer step (default {d.grad_accum})")
 
-    g = parser.add_argument_group("checkpoints")
+
+def _checkpoint_arguments(g) -> None:
     g.add_argument("--save", default=None, metavar="DIR", help="save a checkpoint in DIR at the end of the run")
     g.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps (needs --save)")
     g.add_argument("--resume", default=None, metavar="DIR", help="continue from the latest checkpoint in DIR")
