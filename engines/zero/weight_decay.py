@@ -19,10 +19,10 @@ step is exactly the single call it always was.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 
 import torch
+from polyaccel.config_check import number_value
 from polyaccel.errors import ConfigError
 
 GROUP_KEYS = ("params", "weight_decay", "name")
@@ -37,10 +37,10 @@ def _decay(where: str, group: Mapping, default: float) -> float:
     if "weight_decay" not in group:
         return default
     wd = group["weight_decay"]
-    ok = isinstance(wd, (int, float)) and not isinstance(wd, bool) and math.isfinite(wd) and wd >= 0
-    if not ok:
+    value = number_value(wd)  # polyaccel.config_check's number rule: finite, not a bool
+    if value is None or value < 0:
         raise ConfigError(f"{where}: 'weight_decay' must be a finite number >= 0, got {wd!r}")
-    return float(wd)
+    return value
 
 
 def _members(where: str, params) -> list:
