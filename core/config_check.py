@@ -236,20 +236,29 @@ class Regex(Rule):
     def _what(self) -> str:
         return "a regular expression"
 
+    def _parse(self, value: Any) -> Any:
+        try:
+            return value if isinstance(value, str) and value and re.compile(value) else _BAD
+        except re.error:
+            return _BAD
+
 
 @dataclass(frozen=True)
 class Strings(Rule):
     """A list of non-empty strings, as a tuple; one string is taken as a list of one."""
 
     what: str = "strings"
+    nonempty: bool = False
 
     def _what(self) -> str:
-        return f"a list of {self.what}"
+        return f"a {'non-empty ' if self.nonempty else ''}list of {self.what}"
 
     def _parse(self, value: Any) -> Any:
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) and x for x in value):
+            return _BAD
+        if self.nonempty and not value:
             return _BAD
         return tuple(value)
 
@@ -305,13 +314,13 @@ class Section:
     (tuples for lists), so a config object built from them shares nothing mutable with the caller's dict.
     """
 
-    def __init__(self, value: Any, path: str, keys: Iterable[str], what: str = "a dict"):
+    def __init__(self, value: Any, path: str, keys: Iterable[str]):
         self.path = path
         self.keys = tuple(keys)
         if value is None:
             value = {}
         if not isinstance(value, Mapping):
-            raise config_error(path, f"must be {what}, got {type(value).__name__}")
+            raise config_error(path, f"must be a dict, got {type(value).__name__}")
         unknown = sorted(str(k) for k in value if k not in self.keys)
         if unknown:
             raise _unknown_keys_error(path, unknown, self.keys)
