@@ -366,11 +366,12 @@ class Section:
             raise self.error(key, f"must be a list, got {type(value).__name__}")
         return [(key_path(self.key(key), i), item) for i, item in enumerate(value)]
 
-    def require(self, key: str, why: str) -> Any:
-        """The raw value of a key that must be given; ``why`` says what it is for."""
+    def require(self, key: str, why: str, rule: Rule | None = None) -> Any:
+        """The value of a key that must be given (parsed by ``rule`` if one is given); ``why`` says what it is
+        for, in the error when it is missing."""
         if key not in self._value:
             raise self.error(key, f"is required: {why}")
-        return self._value[key]
+        return self._value[key] if rule is None else rule.check(self._value[key], self.key(key))
 
     def error(self, key: str, text: str) -> ConfigError:
         """A :class:`ConfigError` about ``key`` of this section."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from polyaccel.config_check import Int, Section, config_error
+from polyaccel.config_check import Int, Section
 
 SECTION = "sequence_parallel"
 KEYS = ("autosp_size", "seq_dim")
@@ -22,11 +22,9 @@ def parse(section, where: str = SECTION) -> SPConfig:
     """Validate a section (not modified) into an :class:`SPConfig`."""
     if isinstance(section, SPConfig):
         return section
-    if section is None:
-        raise config_error(where, "must be a dict, got null")
     sec = Section(section, where, KEYS)
-    why = "the number of ranks that share each sequence (1 turns sequence parallelism off)"
-    size = Int(1).check(sec.require("autosp_size", why), sec.key("autosp_size"))
+    size = sec.require("autosp_size", "the number of ranks that share each sequence (1 turns sequence "
+                       "parallelism off)", Int(1))
     seq_dim = sec.get("seq_dim", Int(0), 1)
     if seq_dim != 1:
         raise sec.error("seq_dim", f"is {seq_dim}: Hugging Face decoders keep the sequence at dim 1 of "

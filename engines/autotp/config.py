@@ -126,11 +126,9 @@ def parse(section, where: str = SECTION) -> TPConfig:
     """Validate a ``tensor_parallel`` section (not modified) into a :class:`TPConfig`."""
     if isinstance(section, TPConfig):
         return section
-    if section is None:
-        raise config_error(where, "must be a dict, got null")
     sec = Section(section, where, KEYS)
-    why = "the number of ranks that share each layer (1 turns tensor parallelism off)"
-    size = Int(1).check(sec.require("autotp_size", why), sec.key("autotp_size"))
+    size = sec.require("autotp_size", "the number of ranks that share each layer (1 turns tensor parallelism "
+                       "off)", Int(1))
     preset = sec.get("preset_model", OneOf(PRESETS, optional=True))
     pc = sec.section("partition_config", PARTITION_KEYS)
     specs = tuple(_spec(path, raw) for path, raw in pc.items("layer_specs"))
