@@ -281,14 +281,14 @@ def choose_muon_params(model: torch.nn.Module, *, per_head: bool = False,
 
 def _forced_muon(pname: str, p: torch.Tensor, pattern: str) -> MuonChoice:
     if p.dim() != 2:
-        raise MuonParamsError(f"muon={pattern!r} forces parameter {pname!r} of shape "
-                              f"{tuple(p.shape)} into Muon, which steps 2-D matrices only; narrow the pattern")
+        raise MuonParamsError(f"muon={pattern!r} forces parameter {pname!r} of shape {tuple(p.shape)} into "
+                              "Muon, which steps 2-D matrices only; narrow the pattern")
     return MuonChoice(True, None, f"forced to Muon by muon={pattern!r}")
 
 
 def _roles(model: nn.Module) -> tuple[dict[int, tuple[str, nn.Module]], set[int], set[int]]:
-    """(parameter id -> (name, module) of the module owning it, ids of embedding parameters, ids of output heads'
-    weights)."""
+    """(parameter id -> (name, module) of the module owning it, ids of embedding parameters, ids of output
+    heads' weights)."""
     owners: dict[int, tuple[str, nn.Module]] = {}
     for mname, module in model.named_modules():
         for _, p in module.named_parameters(recurse=False):
@@ -297,8 +297,8 @@ def _roles(model: nn.Module) -> tuple[dict[int, tuple[str, nn.Module]], set[int]
     embeddings |= {id(p) for m in _modules_of(model, "get_input_embeddings") for p in m.parameters()}
     heads = {id(m.weight) for m in _modules_of(model, "get_output_embeddings") if isinstance(
         getattr(m, "weight", None), torch.Tensor)}
-    heads |= {id(m.weight) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "lm_head" and isinstance(
-        getattr(m, "weight", None), torch.Tensor)}
+    heads |= {id(m.weight) for n, m in model.named_modules()
+              if n.rsplit(".", 1)[-1] == "lm_head" and isinstance(getattr(m, "weight", None), torch.Tensor)}
     return owners, embeddings, heads
 
 

@@ -67,8 +67,8 @@ def split_batch(batch: Mapping, *, rank: int, size: int, seq_dim: int = 1, ignor
     if mask is not None:
         if mask.dim() != 2 or seq_dim != 1 or tuple(mask.shape) != tok_shape:
             raise InvalidArgument(
-                f"split_batch keeps a 2-D [batch, seq] attention_mask whole; got shape {tuple(mask.shape)} for "
-                f"tokens of shape {tok_shape} (seq_dim {seq_dim}). Pass the 2-D padding mask; the "
+                f"split_batch keeps a 2-D [batch, seq] attention_mask whole; got shape {tuple(mask.shape)} "
+                f"for tokens of shape {tok_shape} (seq_dim {seq_dim}). Pass the 2-D padding mask; the "
                 f"sequence-parallel attention builds the full mask (causal, window, packing) itself")
         out["attention_mask"] = mask
     return out

@@ -1,5 +1,6 @@
 """The parts of :mod:`polyaccel.integrations.deepspeed` that need no DeepSpeed: the quiet ``import deepspeed``
-:func:`~polyaccel.integrations.deepspeed.install` runs, and the op objects polyaccel's builders hand DeepSpeed."""
+:func:`~polyaccel.integrations.deepspeed.install` runs, and the op objects polyaccel's builders hand
+DeepSpeed."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ class _DropFallbackLine(logging.Filter):
 
 
 def import_deepspeed_quietly():
-    """``import deepspeed`` without its "Setting accelerator to CPU ..." warning: DeepSpeed picks an accelerator
-    while it imports (and binds its op builders to it), and this module exists to replace that choice with
-    polyaccel's in :func:`install`, so the line would only mislead. Every other record of DeepSpeed's logger passes,
-    and a ``deepspeed`` imported earlier by the application is left as it is."""
+    """``import deepspeed`` without its "Setting accelerator to CPU ..." warning: DeepSpeed picks an
+    accelerator while it imports (and binds its op builders to it), and the integration exists to replace that
+    choice with polyaccel's in ``install()``, so the line would only mislead. Every other record of
+    DeepSpeed's logger passes, and a ``deepspeed`` imported earlier by the application is left as it is."""
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
     ds_logger = logging.getLogger("DeepSpeed")  # the logger DeepSpeed's LoggerFactory configures on import
@@ -41,7 +42,8 @@ MAPPED_BUILDERS = ("FusedAdamBuilder", "FusedLionBuilder", "CPUAdamBuilder")
 
 # ------------------------------------------------------------------------------------------- op modules
 class FusedAdamOp:
-    """What ``FusedAdamBuilder().load()`` returns: DeepSpeed's ``multi_tensor_adam`` over polyaccel's ``fused_adam``."""
+    """What ``FusedAdamBuilder().load()`` returns: DeepSpeed's ``multi_tensor_adam`` over polyaccel's
+    ``fused_adam``."""
 
     calls = 0  # optimizer steps run through polyaccel (all instances)
 
@@ -68,7 +70,8 @@ class FusedLionOp:
 
 
 class CPUAdamOp:
-    """What ``CPUAdamBuilder().load()`` returns: DeepSpeed's per-optimizer CPU Adam API over ``fused_adam``."""
+    """What ``CPUAdamBuilder().load()`` returns: DeepSpeed's per-optimizer CPU Adam API over
+    ``fused_adam``."""
 
     calls = 0
 
@@ -80,8 +83,8 @@ class CPUAdamOp:
         self._optimizers[optimizer_id] = {"adam_w_mode": bool(adamw_mode)}
         return 0
 
-    def adam_update(self, optimizer_id, step, lr, beta1, beta2, eps, weight_decay, bias_correction, params, grads,
-                    exp_avg, exp_avg_sq):
+    def adam_update(self, optimizer_id, step, lr, beta1, beta2, eps, weight_decay, bias_correction, params,
+                    grads, exp_avg, exp_avg_sq):
         opt = self._optimizers.get(optimizer_id)
         if opt is None:
             raise polyaccel.PolyaccelError(

@@ -1,6 +1,6 @@
-"""The parts of :mod:`polyaccel.integrations.deepspeed` that subclass DeepSpeed's classes, so they exist only once
-DeepSpeed is imported: :func:`~polyaccel.integrations.deepspeed.install` (or the first use of one of these names
-through that module) imports this module, importing the integration alone imports neither."""
+"""The parts of :mod:`polyaccel.integrations.deepspeed` that subclass DeepSpeed's classes, so they exist only
+once DeepSpeed is imported: :func:`~polyaccel.integrations.deepspeed.install` (or the first use of one of
+these names through that module) imports this module; importing the integration alone imports neither."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import_deepspeed_quietly()  # binds DeepSpeed's own accelerator and builders fir
 
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator  # noqa: E402
 from deepspeed.ops.op_builder.builder import OpBuilder  # noqa: E402
-from deepspeed.ops.op_builder.cpu.no_impl import NotImplementedBuilder as _DSNotImplementedBuilder  # noqa: E402
+from deepspeed.ops.op_builder.cpu.no_impl import (  # noqa: E402
+    NotImplementedBuilder as _DSNotImplementedBuilder,
+)
 
 #: the public home of these classes (their reprs, DeepSpeed's logs and pickles name it)
 PUBLIC_MODULE = "polyaccel.integrations.deepspeed"
@@ -66,7 +68,8 @@ class CPUAdamBuilder(_PolyaccelBuilder):
 
 
 class NotImplementedBuilder(_DSNotImplementedBuilder):
-    """A DeepSpeed op polyaccel does not provide: incompatible, and ``load`` says so with the plugin's name."""
+    """A DeepSpeed op polyaccel does not provide: incompatible, and ``load`` says so with the plugin's
+    name."""
 
     op_name = "op"
 
@@ -76,9 +79,10 @@ class NotImplementedBuilder(_DSNotImplementedBuilder):
     def load(self, verbose=True):
         acc = polyaccel.get_accelerator()
         raise ValueError(
-            f"DeepSpeed's {self.op_name} is not provided by polyaccel (accelerator plugin {acc.name!r}): the "
-            f"polyaccel DeepSpeed integration maps {', '.join(MAPPED_BUILDERS)} onto polyaccel ops; choose an "
-            "optimizer or feature that uses those, or run DeepSpeed without polyaccel.integrations.deepspeed")
+            f"DeepSpeed's {self.op_name} is not provided by polyaccel (accelerator plugin {acc.name!r}): "
+            f"the polyaccel DeepSpeed integration maps {', '.join(MAPPED_BUILDERS)} onto polyaccel ops; "
+            "choose an optimizer or feature that uses those, or run DeepSpeed without "
+            "polyaccel.integrations.deepspeed")
 
 
 @functools.cache
@@ -338,10 +342,11 @@ class PolyaccelDeepSpeedAccelerator(DeepSpeedAccelerator):
 
     # pinned host memory through the plugin
     def _nothing_to_pin(self) -> bool:
-        """A host device (cpu, example, an emulated runtime) computes on host memory: there is no DMA for page-locked
-        memory to speed up. Where such a plugin does not claim ``pinned``, DeepSpeed's offload buffers (ZeRO-3's
-        gradient buffers, ``offload_optimizer``) stay ordinary host tensors, as DeepSpeed's own CPU accelerator keeps
-        them, instead of failing on the plugin's ``Unsupported``. A device plugin's pinning is always its own."""
+        """A host device (cpu, example, an emulated runtime) computes on host memory: there is no DMA for
+        page-locked memory to speed up. Where such a plugin does not claim ``pinned``, DeepSpeed's offload
+        buffers (ZeRO-3's gradient buffers, ``offload_optimizer``) stay ordinary host tensors, as DeepSpeed's
+        own CPU accelerator keeps them, instead of failing on the plugin's ``Unsupported``. A device plugin's
+        pinning is always its own."""
         return self._host and not self.polyaccel.has("pinned")
 
     def _torch_pin_memory(self, tensor):
@@ -367,7 +372,7 @@ class PolyaccelDeepSpeedAccelerator(DeepSpeedAccelerator):
 
     # op builders
     def op_builder_dir(self):
-        # DeepSpeed lists builder names from this package (ops.op_builder.all_ops) and asks get_op_builder for each
+        # DeepSpeed lists builder names from this package (op_builder.all_ops), asks get_op_builder for each
         return "deepspeed.ops.op_builder"
 
     def create_op_builder(self, class_name):
@@ -399,5 +404,6 @@ class PolyaccelDeepSpeedAccelerator(DeepSpeedAccelerator):
         self._compile_backend = backend
 
 
-for _cls in (FusedAdamBuilder, FusedLionBuilder, CPUAdamBuilder, NotImplementedBuilder, PolyaccelDeepSpeedAccelerator):
+for _cls in (FusedAdamBuilder, FusedLionBuilder, CPUAdamBuilder, NotImplementedBuilder,
+             PolyaccelDeepSpeedAccelerator):
     _cls.__module__ = PUBLIC_MODULE

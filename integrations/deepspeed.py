@@ -1,4 +1,5 @@
-"""DeepSpeed on any polyaccel plugin: the selected accelerator as DeepSpeed's, polyaccel's optimizer ops as builders.
+"""DeepSpeed on any polyaccel plugin: the selected accelerator as DeepSpeed's, polyaccel's optimizer ops as
+builders.
 
 ::
 
@@ -12,7 +13,8 @@ Importing this module neither imports DeepSpeed nor changes it: :func:`install` 
 op builders while ``import deepspeed`` runs, so an accelerator set afterwards is too late for them; install()
 therefore sets the accelerator and then rebinds every builder name DeepSpeed's loaded modules hold. The names
 that subclass DeepSpeed's classes (:class:`PolyaccelDeepSpeedAccelerator`, the builders) live in
-``._deepspeed_classes`` and import DeepSpeed at first use. What DeepSpeed gets: docs/integrations-deepspeed.md.
+``._deepspeed_classes`` and import DeepSpeed at first use. What DeepSpeed gets:
+docs/integrations-deepspeed.md.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from ._deepspeed_base import (
 if TYPE_CHECKING:
     from ._deepspeed_classes import PolyaccelDeepSpeedAccelerator
 
-#: names defined in :mod:`._deepspeed_classes` (they subclass DeepSpeed's), imported with DeepSpeed at first use
+#: names defined in :mod:`._deepspeed_classes` (they subclass DeepSpeed's): imported with DeepSpeed at first
+#: use
 _DEEPSPEED_CLASSES = ("CPUAdamBuilder", "FusedAdamBuilder", "FusedLionBuilder", "NotImplementedBuilder",
                       "PolyaccelDeepSpeedAccelerator")
 
@@ -61,7 +64,7 @@ def install(accelerator=None) -> PolyaccelDeepSpeedAccelerator:
     ``accelerator``: a polyaccel accelerator or plugin name (default: the selected one; a name is selected
     with :func:`polyaccel.set_accelerator`). Returns the DeepSpeed accelerator now in force. Idempotent.
     """
-    import_deepspeed_quietly()  # before any ``deepspeed.*`` import: that would run ``import deepspeed`` loudly
+    import_deepspeed_quietly()  # before any ``deepspeed.*`` import, which would import deepspeed loudly
     from deepspeed.accelerator import real_accelerator
 
     from ._deepspeed_classes import PolyaccelDeepSpeedAccelerator
@@ -77,8 +80,8 @@ def install(accelerator=None) -> PolyaccelDeepSpeedAccelerator:
 
     import deepspeed.ops.op_builder as op_builder
 
-    # DeepSpeed binds one class to many names (its NotImplementedBuilder): rebind by name, and by identity only
-    # where an old class stood for one name (an alias such as ``import FusedAdamBuilder as FAB``)
+    # DeepSpeed binds one class to many names (its NotImplementedBuilder): rebind by name, and by identity
+    # only where an old class stood for one name (an alias such as ``import FusedAdamBuilder as FAB``)
     names_of: dict[int, set[str]] = {}
     old_classes: dict[int, object] = {}
     for name in _builder_names(op_builder):
@@ -122,6 +125,6 @@ def installed() -> PolyaccelDeepSpeedAccelerator | None:
     return acc if isinstance(acc, PolyaccelDeepSpeedAccelerator) else None
 
 
-__all__ = ["CPUAdamOp", "FALLBACK_LINE", "FusedAdamOp", "FusedLionOp", "MAPPED_BUILDERS", "import_deepspeed_quietly",
-           "install", "installed",
+__all__ = ["CPUAdamOp", "FALLBACK_LINE", "FusedAdamOp", "FusedLionOp", "MAPPED_BUILDERS",
+           "import_deepspeed_quietly", "install", "installed",
            *_DEEPSPEED_CLASSES]

@@ -525,16 +525,18 @@ def muon_optimizer_config(muon: torch.optim.Optimizer, adam: torch.optim.Optimiz
     return {"type": "muon", "params": params}, param_groups
 
 
-def _muon_settings(muon: torch.optim.Optimizer, names: dict[int, str], by_name: dict) -> tuple[dict, list[str]]:
-    """torch.optim.Muon's settings under the engine's names, with its parameters by exact name; and those names."""
+def _muon_settings(muon: torch.optim.Optimizer, names: dict[int, str],
+                   by_name: dict) -> tuple[dict, list[str]]:
+    """torch.optim.Muon's settings under the engine's names, with its parameters by exact name; and those
+    names."""
     _groups_agree(muon)
     g = muon.param_groups[0]
     _refuse_dropped_settings(muon, g)
     muon_names = _names_of(muon, names)
     flat = [n for n in muon_names if by_name[n].dim() != 2]
     if flat:
-        raise ConfigError(f"Muon holds the parameter {flat[0]!r} of shape {tuple(by_name[flat[0]].shape)}; Muon steps "
-                          "2-D matrices only: give it to the AdamW")
+        raise ConfigError(f"Muon holds the parameter {flat[0]!r} of shape {tuple(by_name[flat[0]].shape)}; "
+                          "Muon steps 2-D matrices only: give it to the AdamW")
     adjust = g.get("adjust_lr_fn")
     if adjust not in _LR_ADJUSTMENTS:
         raise ConfigError(f"Muon(adjust_lr_fn={adjust!r}) has no engine equivalent (None, 'original', "
@@ -549,19 +551,20 @@ def _muon_settings(muon: torch.optim.Optimizer, names: dict[int, str], by_name: 
 
 def _adam_settings(adam: torch.optim.Optimizer, names: dict[int, str],
                    muon_names: list[str]) -> tuple[dict, list[str]]:
-    """The auxiliary AdamW's settings as the engine's ``adam_*`` keys, refused where the engine would differ; and
-    the names of its parameters."""
+    """The auxiliary AdamW's settings as the engine's ``adam_*`` keys, refused where the engine would differ;
+    and the names of its parameters."""
     if not isinstance(adam, torch.optim.Adam):  # AdamW is an Adam
-        raise ConfigError(f"PolyaccelStrategy pairs torch.optim.Muon with torch.optim.AdamW or Adam (the engine's "
-                          f"auxiliary optimizer is an AdamW), not {type(adam).__name__}")
+        raise ConfigError(f"PolyaccelStrategy pairs torch.optim.Muon with torch.optim.AdamW or Adam (the "
+                          f"engine's auxiliary optimizer is an AdamW), not {type(adam).__name__}")
     _groups_agree(adam)
     a = adam.param_groups[0]
     _refuse_dropped_settings(adam, a)
     decoupled = isinstance(adam, torch.optim.AdamW) or a.get("decoupled_weight_decay", False)
     l2 = [float(x.get("weight_decay", 0.0)) for x in adam.param_groups if x.get("weight_decay", 0.0)]
     if not decoupled and l2:
-        raise ConfigError(f"Adam(weight_decay={l2[0]}) paired with Muon adds L2 decay to the gradient, but the "
-                          "engine's auxiliary optimizer is an AdamW (decoupled decay): use torch.optim.AdamW")
+        raise ConfigError(f"Adam(weight_decay={l2[0]}) paired with Muon adds L2 decay to the gradient, but "
+                          "the engine's auxiliary optimizer is an AdamW (decoupled decay): use "
+                          "torch.optim.AdamW")
     adam_names = _names_of(adam, names)
     both = sorted(set(adam_names) & set(muon_names))
     if both:
@@ -612,7 +615,7 @@ class PolyaccelStrategy(DDPStrategy):
 
     def __init__(self, stage: int | None = None, config: dict | None = None, *, engine: str = "zero",
                  **kwargs: Any) -> None:
-        register()  # a Trainer built with this strategy finds accelerator="polyaccel" (and the plugins' names)
+        register()  # a Trainer built with this strategy finds accelerator="polyaccel" (and plugins' names)
         super().__init__(**kwargs)
         cfg = copy.deepcopy(config) if config else {}
         if stage is not None:
@@ -734,8 +737,8 @@ class PolyaccelStrategy(DDPStrategy):
         self.lr_scheduler_configs = schedulers
 
     def _module_optimizers(self, cfg: dict) -> tuple[torch.optim.Optimizer, list, list, list[dict]]:
-        """Fill ``cfg["optimizer"]`` from configure_optimizers: (the optimizer the engine stands for, all of them,
-        their schedulers, the engine's ``param_groups``)."""
+        """Fill ``cfg["optimizer"]`` from configure_optimizers: (the optimizer the engine stands for, all of
+        them, their schedulers, the engine's ``param_groups``)."""
         from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 
         module = self.lightning_module
@@ -747,8 +750,8 @@ class PolyaccelStrategy(DDPStrategy):
             cfg["optimizer"], groups = muon_optimizer_config(muon[0], other, module)
             return muon[0], optimizers, schedulers, groups
         if len(optimizers) != 1:
-            raise ConfigError(f"PolyaccelStrategy trains with one optimizer, or torch.optim.Muon with an AdamW; "
-                              f"configure_optimizers gave {len(optimizers)} "
+            raise ConfigError("PolyaccelStrategy trains with one optimizer, or torch.optim.Muon with an "
+                              f"AdamW; configure_optimizers gave {len(optimizers)} "
                               f"({', '.join(type(o).__name__ for o in optimizers)})")
         source = optimizer_covers_module(optimizers[0], module)
         cfg["optimizer"] = optimizer_config(source)
@@ -769,8 +772,8 @@ class PolyaccelStrategy(DDPStrategy):
         elif kind == "fp16":
             cfg.setdefault("fp16", {"enabled": True})
         if cfg.get("gradient_accumulation_steps", 1) != 1:
-            raise ConfigError("set gradient accumulation with Trainer(accumulate_grad_batches=...), not in the "
-                              "engine config: Lightning decides where the optimizer steps")
+            raise ConfigError("set gradient accumulation with Trainer(accumulate_grad_batches=...), not in "
+                              "the engine config: Lightning decides where the optimizer steps")
         cfg["gradient_accumulation_steps"] = 1
         cfg.pop("train_batch_size", None)
 
@@ -867,13 +870,13 @@ class PolyaccelStrategy(DDPStrategy):
 
 def register() -> list[str]:
     """Make ``"polyaccel"`` (accelerator and strategy) and every available plugin's name known to Lightning.
-    Idempotent; constructing a :class:`PolyaccelStrategy` calls it, importing this module does not. Returns the
-    accelerator names registered by this call."""
+    Idempotent; constructing a :class:`PolyaccelStrategy` calls it, importing this module does not. Returns
+    the accelerator names registered by this call."""
     names = register_accelerators(AcceleratorRegistry)
     PolyaccelStrategy.register_strategies(StrategyRegistry)
     return names
 
 
 __all__ = ["ENGINE_TAG", "LIGHTNING_STATE", "PolyaccelAccelerator", "PolyaccelPrecision", "PolyaccelStrategy",
-           "accelerator_class", "muon_optimizer_config", "optimizer_config", "register", "register_accelerators",
-           "weight_decay_groups"]
+           "accelerator_class", "muon_optimizer_config", "optimizer_config", "register",
+           "register_accelerators", "weight_decay_groups"]

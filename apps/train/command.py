@@ -72,7 +72,8 @@ def _model_arguments(g, d, m, models) -> None:
 
 def _layout_arguments(g, d, stages) -> None:
     """Where the model and its optimizer state go: ZeRO stage, parallel degrees, graphs, offload."""
-    g.add_argument("--stage", type=int, choices=stages, default=d.stage, help=f"ZeRO stage (default {d.stage})")
+    g.add_argument("--stage", type=int, choices=stages, default=d.stage,
+                   help=f"ZeRO stage (default {d.stage})")
     g.add_argument("--tp", type=int, default=d.tp, metavar="N",
                    help="tensor-parallel degree (AutoTP): ranks = data x tensor, N must divide them (default 1)")
     g.add_argument("--ep", type=int, default=d.ep, metavar="N",

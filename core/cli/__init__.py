@@ -22,7 +22,8 @@ TRACEBACK_ENV = "POLYACCEL_TRACEBACK"
 
 #: core subcommand -> (module under polyaccel.cli, one-line help)
 SUBCOMMANDS = {
-    "report": ("report_cmd", "show versions, plugins and why each is (un)usable, capabilities and op choices"),
+    "report": ("report_cmd",
+               "show versions, plugins and why each is (un)usable, capabilities and op choices"),
     "conformance": ("conformance_cmd", "run the conformance suite against an accelerator plugin"),
 }
 
@@ -122,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         from polyaccel.errors import PolyaccelError
 
         what = str(exc) if isinstance(exc, PolyaccelError) else f"{type(exc).__name__}: {exc}"
-        print(f"polyaccel {args.command}: {what.strip().splitlines()[0] if what.strip() else type(exc).__name__} "
-              f"(set {TRACEBACK_ENV}=1 to see where it was raised)", file=sys.stderr)
+        first = what.strip().splitlines()[0] if what.strip() else type(exc).__name__
+        print(f"polyaccel {args.command}: {first} (set {TRACEBACK_ENV}=1 to see where it was raised)",
+              file=sys.stderr)
         return 1
 
 

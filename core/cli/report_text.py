@@ -1,6 +1,7 @@
-"""The human layout of ``polyaccel report``: one line per plugin and per op, within the terminal's width (at most
-100 columns). Text wraps on word boundaries only; a word longer than its column (a URL in an install fix) starts
-a line of its own instead of being cut. Works on the JSON-ready report of :func:`polyaccel.report.build_report`."""
+"""The human layout of ``polyaccel report``: one line per plugin and per op, within the terminal's width (at
+most 100 columns). Text wraps on word boundaries only; a word longer than its column (a URL in an install fix)
+starts a line of its own instead of being cut. Works on the JSON-ready report of
+:func:`polyaccel.report.build_report`."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def width() -> int:
 
 
 def wrap(prefix: str, text: str, cols: int) -> list[str]:
-    """``prefix`` + ``text`` over lines of at most ``cols`` characters, continuation lines aligned under the text;
-    words are never cut: if one does not fit there, the text continues under a short hanging indent."""
+    """``prefix`` + ``text`` over lines of at most ``cols`` characters, continuation lines aligned under the
+    text; words are never cut: if one does not fit there, the text continues under a short hanging indent."""
     lines = textwrap.wrap(text, width=cols, initial_indent=prefix, subsequent_indent=" " * len(prefix),
                           break_long_words=False, break_on_hyphens=False) or [prefix.rstrip()]
     if all(len(line) <= cols for line in lines):
@@ -54,14 +55,16 @@ def header(rep: dict, cols: int) -> list[Line]:
 
 
 def plugins(rep: dict, cols: int) -> list[Line]:
-    """One line per plugin (name, status, priority, device type, contract version), then its reason or source."""
+    """One line per plugin (name, status, priority, device type, contract version), then its reason or
+    source."""
     rows = [["name", "status", "prio", "device", "api", ""]]
     for p in rep["plugins"]:
         rows.append([p["name"], p["status"] + (" (emulated)" if p["emulated"] else ""),
                      str(p["priority"] if p["priority"] is not None else "-"), str(p["device_type"] or "-"),
                      str(p["api_version"] or "-"), p["reason"] or p["source"]])
     prefixes = _columns([r[:5] + [""] for r in rows])
-    out = [Line("plugins"), Line("  " + prefixes[0] + "reason / source", [(0, 2 + len(prefixes[0]) + 15, "dim")])]
+    titles = "  " + prefixes[0] + "reason / source"
+    out = [Line("plugins"), Line(titles, [(0, len(titles), "dim")])]
     status_at = max(len(r[0]) for r in rows) + 2  # where the status column starts, after the names
     for p, row, prefix in zip(rep["plugins"], rows[1:], prefixes[1:], strict=True):
         lines = wrap("  " + prefix, row[5], cols)
@@ -90,8 +93,8 @@ def selected(rep: dict, cols: int) -> list[Line]:
     elif comm:
         emulated = "; ".join(f"{k} ({v})" for k, v in comm["emulated_collectives"].items()) or "none"
         tensors = "device tensors" if comm["supports_device_tensors"] else "staged through host buffers"
-        out += [Line(t) for t in wrap("comm: ", f"backend {comm['backend']}, {tensors}, emulated collectives: "
-                                              f"{emulated}", cols)]
+        text = f"backend {comm['backend']}, {tensors}, emulated collectives: {emulated}"
+        out += [Line(t) for t in wrap("comm: ", text, cols)]
     return out
 
 
@@ -110,8 +113,8 @@ def _others(info: dict, device_type: str) -> str:
 
 
 def ops(rep: dict, cols: int, verbose: bool) -> list[Line]:
-    """One line per op: the builder chosen for the selected device type, its plugin and kind, and how many other
-    builders there are; ``verbose`` adds why it was chosen and why each other one was not."""
+    """One line per op: the builder chosen for the selected device type, its plugin and kind, and how many
+    other builders there are; ``verbose`` adds why it was chosen and why each other one was not."""
     device_type = rep["selected"]["device_type"]
     rows, notes = [["op", "builder", "plugin", "kind", "other builders"]], [[]]
     for op, info in sorted(rep["ops"].items()):
@@ -122,10 +125,14 @@ def ops(rep: dict, cols: int, verbose: bool) -> list[Line]:
             continue
         rows.append([op, chosen["builder"], chosen["plugin"], chosen["kind"], _others(info, device_type)])
         notes.append(_why(info, chosen, device_type) if verbose else [])
-    out = [Line(f"ops on {device_type}" + ("" if verbose else " (--verbose: why each builder was chosen or not)"))]
+    hint = "" if verbose else " (--verbose: why each builder was chosen or not)"
+    out = [Line(f"ops on {device_type}{hint}")]
     for i, (row, prefix, why) in enumerate(zip(rows, _columns(rows), notes, strict=True)):
         lines = wrap("  " + prefix, row[4], cols)
-        out += _styled(lines, "dim" if i == 0 else "red") if i == 0 or row[1] == "-" else [Line(t) for t in lines]
+        if i == 0 or row[1] == "-":  # the column titles; an op no builder serves
+            out += _styled(lines, "dim" if i == 0 else "red")
+        else:
+            out += [Line(t) for t in lines]
         for label, text in why:
             out += [Line(t) for t in wrap(f"      {label}: ", text, cols)]
     return out
@@ -174,7 +181,8 @@ def extensions(rep: dict, cols: int) -> list[Line]:
         out += [Line(t) for t in wrap(f"{title}: ", shown or "none", cols)]
         for r in rows:
             if r["status"] != "loaded":
-                out += _styled(wrap(f"  {r['name']} {r['status']}: ", f"{r['reason']} ({r['source']})", cols), "red")
+                why = f"{r['reason']} ({r['source']})"
+                out += _styled(wrap(f"  {r['name']} {r['status']}: ", why, cols), "red")
     return out
 
 

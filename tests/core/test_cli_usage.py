@@ -1,5 +1,5 @@
-"""A mistyped flag of a sub-command: the error shows that sub-command's usage line (not the top-level one), exit
-status 2, and the nearest option it has; the same for a mistyped sub-command name."""
+"""A mistyped flag of a sub-command: the error shows that sub-command's usage line (not the top-level one),
+exit status 2, and the nearest option it has; the same for a mistyped sub-command name."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def test_train_names_its_own_usage_and_the_nearest_flag(capsys):
     err = _usage_error(capsys, ["train", "--stpes", "20"])
     assert err.startswith("usage: polyaccel train ") and "[--steps STEPS]" in err, err
     assert "usage: polyaccel [-h] COMMAND" not in err
-    assert err.rstrip().endswith("polyaccel train: error: unrecognized arguments: --stpes 20; did you mean --steps?")
+    want = "polyaccel train: error: unrecognized arguments: --stpes 20; did you mean --steps?"
+    assert err.rstrip().endswith(want), err
     err = _usage_error(capsys, ["train", "--stpes=20", "--lrr", "0.1"])
     assert "did you mean --steps (for --stpes=20), --lr (for --lrr)?" in err, err
 

@@ -1,5 +1,5 @@
-"""`polyaccel report` for people: one line per op within 100 columns, no word cut (the xpu install fix keeps its
-URL), the builders for other devices counted instead of listed, and `--verbose` saying why."""
+"""`polyaccel report` for people: one line per op within 100 columns, no word cut (the xpu install fix keeps
+its URL), the builders for other devices counted instead of listed, and `--verbose` saying why."""
 
 from __future__ import annotations
 
