@@ -18,6 +18,7 @@ _LAZY = {
     "set_accelerator": ("selection", "set_accelerator"),
     "register_plugin": ("selection", "register_plugin"),
     "Accelerator": ("accelerator", "Accelerator"),
+    "HostAccelerator": ("host_accelerator", "HostAccelerator"),
     "ProbeResult": ("accelerator", "ProbeResult"),
     "hookimpl": ("hookspecs", "hookimpl"),
     "ops": ("ops", None),
@@ -46,7 +47,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "API_VERSION", "Accelerator", "ConfigError", "InvalidArgument", "OpArgumentError", "OpError", "PolyaccelError",
-    "ProbeResult", "SelectionError", "Unsupported", "get_accelerator", "hookimpl", "initialize", "ops", "optim",
-    "register_plugin", "set_accelerator",
+    "API_VERSION", "Accelerator", "ConfigError", "HostAccelerator", "InvalidArgument", "OpArgumentError", "OpError",
+    "PolyaccelError", "ProbeResult", "SelectionError", "Unsupported", "get_accelerator", "hookimpl", "initialize",
+    "ops", "optim", "register_plugin", "set_accelerator",
 ]

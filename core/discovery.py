@@ -17,6 +17,7 @@ import pluggy
 
 from . import hookspecs
 from .accelerator import Accelerator, ProbeResult
+from .host_accelerator import with_host_defaults
 from .version import API_VERSION, api_major
 
 ENTRY_POINT_GROUP = "polyaccel.plugins"
@@ -184,7 +185,7 @@ def _accelerator_classes(pm: pluggy.PluginManager, plugin: Any) -> list[type[Acc
             raise TypeError(f"polyaccel_accelerators returned {cls!r}, not an Accelerator subclass")
         if not cls.name:
             raise TypeError(f"{cls.__name__} has no 'name'")
-    return classes
+    return [with_host_defaults(cls) for cls in classes]
 
 
 def _normalize(dist_name: str) -> str:

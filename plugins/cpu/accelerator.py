@@ -1,20 +1,19 @@
-"""What the host CPU does differently: one synchronized device, no streams, graphs or pinning.
+"""What the host CPU claims: one synchronized device, no streams, graphs or pinning.
 
 Everything else (one device per process, program-order execution, torch's default generator)
-is the base class's default for a backend whose device type is "cpu".
+comes from :class:`polyaccel.host_accelerator.HostAccelerator`.
 """
 
 from __future__ import annotations
 
 import torch
-from polyaccel.accelerator import Accelerator, ProbeResult
+from polyaccel.accelerator import ProbeResult
+from polyaccel.host_accelerator import HostAccelerator
 
 
-class CpuAccelerator(Accelerator):
+class CpuAccelerator(HostAccelerator):
     name = "cpu"
-    device_type = "cpu"
     priority = 0
-    communication_backend = "gloo"
 
     def probe(self) -> ProbeResult:
         return ProbeResult(True, "", 1)

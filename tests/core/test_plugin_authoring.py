@@ -403,10 +403,11 @@ def test_a_host_backed_plugin_with_identity_and_probe_only_conforms(install, mon
 
 
 def test_host_defaults_of_the_base_class():
-    from polyaccel.accelerator import Accelerator, ProbeResult
+    from polyaccel.accelerator import ProbeResult
     from polyaccel.errors import Unsupported
+    from polyaccel.host_accelerator import HostAccelerator
 
-    class Host(Accelerator):
+    class Host(HostAccelerator):
         name = "host"
         device_type = "cpu"
 
@@ -437,7 +438,7 @@ def test_host_defaults_of_the_base_class():
 
 
 def test_device_index_parsing():
-    from polyaccel.accelerator import _device_index
+    from polyaccel.device_generic import device_index as _device_index
 
     assert _device_index(3) == 3
     assert _device_index("cuda:1") == 1 and _device_index("cpu") == 0

@@ -8,8 +8,8 @@ the accelerator itself (its report facts, its comm hooks) is a method of its cla
 from polyaccel.hookspecs import hookimpl
 
 #: the polyaccel contract version this plugin was written for (major must match the core's;
-#: 1.1 brought the polyaccel_op_builders hook)
-POLYACCEL_API_VERSION = "1.1"
+#: 1.1 brought the polyaccel_op_builders hook, 1.2 HostAccelerator)
+POLYACCEL_API_VERSION = "1.2"
 
 
 @hookimpl

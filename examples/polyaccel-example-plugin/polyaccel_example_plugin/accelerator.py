@@ -1,27 +1,26 @@
 """The example accelerator: the host CPU under its own name, with recorded graphs.
 
-Its tensors are host tensors (``device_type = "cpu"``), so the base class's host defaults
+Its tensors are host tensors, so it derives from ``HostAccelerator``, whose host defaults
 serve it: one device per process, program-order execution (``synchronize`` has nothing to
 wait for), and torch's default generator for the ``rng`` capability. It defines only its
 identity, its probe (which asks the vendor runtime when one is installed), what it claims,
-and what backs the one capability the base cannot provide on the host: graphs.
+and what backs the one capability the host cannot provide by itself: graphs.
 """
 
 from __future__ import annotations
 
-from polyaccel.accelerator import Accelerator, ProbeResult
+from polyaccel.accelerator import ProbeResult
+from polyaccel.host_accelerator import HostAccelerator
 
 from . import runtime
 from .graphs import RecordedGraph
 
 
-class ExampleAccelerator(Accelerator):
+class ExampleAccelerator(HostAccelerator):
     name = "example"
-    device_type = "cpu"
-    api_version = "1.1"
+    api_version = "1.2"
     #: below 0: never auto-selected (cpu is 0); users pick it by name
     priority = -10
-    communication_backend = "gloo"
 
     def probe(self) -> ProbeResult:
         # Ask the runtime (cheaply) and explain a "no" in words.

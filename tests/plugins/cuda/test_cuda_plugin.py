@@ -13,6 +13,7 @@ import polyaccel
 import pytest
 import torch
 from polyaccel import accelerator as core_accelerator
+from polyaccel import host_registration
 from polyaccel import ops, selection
 from polyaccel.errors import PolyaccelError, Unsupported
 from polyaccel.plugins import cuda as cuda_plugin
@@ -231,13 +232,13 @@ def test_failed_unregister_leaks_instead_of_freeing(cudart):
     t = torch.randn(256)
     acc.register_host_memory(t)
     cudart.unregister_rc = 713
-    before = len(core_accelerator._LEAKED_HOST_BUFFERS)
+    before = len(host_registration.LEAKED_HOST_BUFFERS)
     with pytest.raises(PolyaccelError, match="never freed"):
         acc.unregister_host_memory(t)
-    leaked = core_accelerator._LEAKED_HOST_BUFFERS[before:]
+    leaked = host_registration.LEAKED_HOST_BUFFERS[before:]
     assert len(leaked) == 1 and leaked[0].tensor is t and leaked[0].leaked
     assert cudart.last_error == 0
-    core_accelerator._LEAKED_HOST_BUFFERS[before:] = []
+    host_registration.LEAKED_HOST_BUFFERS[before:] = []
 
 
 def test_register_rejects_device_and_strided_tensors(cudart):

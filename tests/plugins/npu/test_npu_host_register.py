@@ -6,7 +6,7 @@ import polyaccel
 import pytest
 import torch
 from polyaccel import PolyaccelError, Unsupported
-from polyaccel.accelerator import _LEAKED_HOST_BUFFERS
+from polyaccel.host_registration import LEAKED_HOST_BUFFERS as _LEAKED_HOST_BUFFERS
 from polyaccel.plugins.npu import emulation as emulated_npu
 from polyaccel.testing.emulation import emulate
 

@@ -8,7 +8,7 @@ import polyaccel
 import pytest
 import torch
 from polyaccel import PolyaccelError, Unsupported, selection
-from polyaccel.accelerator import _LEAKED_HOST_BUFFERS
+from polyaccel.host_registration import LEAKED_HOST_BUFFERS as _LEAKED_HOST_BUFFERS
 from polyaccel.plugins.supa import emulation as emulated_supa
 from polyaccel.report import build_report
 from polyaccel.testing.emulation import emulate
