@@ -99,7 +99,7 @@ class Rule:
 
     def flag_text(self) -> str:
         """The rule for a command-line flag, whose type the argument parser has fixed already."""
-        return self._what()
+        return f"must be {self._what()}"
 
     def _what(self) -> str:
         raise NotImplementedError
@@ -140,8 +140,8 @@ class Int(Rule):
 
     def flag_text(self) -> str:
         if self.maximum is None and self.minimum is not None:
-            return f"at least {self.minimum}"
-        return _bound(self.minimum, self.maximum, False, False)
+            return f"must be at least {self.minimum}"
+        return f"must be {_bound(self.minimum, self.maximum, False, False)}"
 
     def _parse(self, value: Any) -> Any:
         v = integer_value(value)
@@ -165,10 +165,10 @@ class Float(Rule):
 
     def flag_text(self) -> str:
         if self.minimum == 0 and self.above and self.maximum is None:
-            return "a positive finite number"
+            return "must be a positive finite number"
         if self.maximum is None:
-            return self._what()
-        return _bound(self.minimum, self.maximum, self.above, self.below)
+            return f"must be {self._what()}"
+        return f"must be {_bound(self.minimum, self.maximum, self.above, self.below)}"
 
     def _parse(self, value: Any) -> Any:
         v = number_value(value)
@@ -195,6 +195,9 @@ class OneOf(Rule):
 
     def _what(self) -> str:
         return f"one of {', '.join(c if isinstance(c, str) else _show(c) for c in self.choices)}"
+
+    def flag_text(self) -> str:
+        return f"choose {self._what()}"
 
     def _parse(self, value: Any) -> Any:
         for choice in self.choices:
@@ -288,12 +291,14 @@ def check(value: Any, rule: Rule, path: str, hint: str = "") -> Any:
 
 
 def check_flag(flag: str, value: Any, rule: Rule, hint: str = "") -> Any:
-    """A command-line flag's value by ``rule``: ``--steps 0: must be at least 1`` when it is refused."""
+    """A command-line flag's value by ``rule``: ``--steps 0: must be at least 1``, ``--dtype 'int8': choose one
+    of fp32, bf16, fp16`` when it is refused."""
     if value is None and rule.optional:
         return None
     parsed = rule._parse(value)
     if parsed is _BAD:
-        raise ConfigError(f"{flag} {value}: must be {rule.flag_text()}{' ' + hint if hint else ''}")
+        shown = repr(value) if isinstance(value, str) else value
+        raise ConfigError(f"{flag} {shown}: {rule.flag_text()}{' ' + hint if hint else ''}")
     return parsed
 
 

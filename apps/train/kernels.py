@@ -12,7 +12,7 @@ are torch code with little to gain, and CPU runs are where numbers are compared 
 
 from __future__ import annotations
 
-from polyaccel.errors import ConfigError
+from polyaccel.config_check import OneOf, check_flag
 
 CHOICES = ("auto", "all", "off")
 
@@ -21,9 +21,7 @@ def resolve(value: str | None, accelerator) -> str:
     """``--kernels`` as given, or the default for ``accelerator``."""
     if value is None:
         return "off" if accelerator.device_type == "cpu" else "auto"
-    if value not in CHOICES:
-        raise ConfigError(f"--kernels {value}: choose one of {', '.join(CHOICES)}")
-    return value
+    return check_flag("--kernels", value, OneOf(CHOICES))
 
 
 def section(value: str):

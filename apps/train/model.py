@@ -7,8 +7,9 @@ that a resumed run can reproduce an uninterrupted one exactly without saving RNG
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from polyaccel.config_check import Int, OneOf, check_flag
 from polyaccel.errors import ConfigError
 
 MODELS = ("llama", "gpt2", "mixtral")
@@ -26,12 +27,10 @@ class ModelSpec:
     max_positions: int = 256
 
     def validate(self) -> ModelSpec:
-        if self.name not in MODELS:
-            raise ConfigError(f"--model {self.name!r}: choose one of {', '.join(MODELS)}")
+        name = check_flag("--model", self.name, OneOf(MODELS))
         for flag, value in (("--hidden-size", self.hidden_size), ("--layers", self.num_layers),
                             ("--heads", self.num_heads)):
-            if value < 1:
-                raise ConfigError(f"{flag} {value}: must be at least 1")
+            check_flag(flag, value, Int(1))
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"--hidden-size {self.hidden_size} is not divisible by --heads {self.num_heads}; "
@@ -42,7 +41,7 @@ class ModelSpec:
                 f"--hidden-size {self.hidden_size} / --heads {self.num_heads} gives an odd head size "
                 f"({self.hidden_size // self.num_heads}); rotary embeddings need an even one"
             )
-        return self
+        return self if name == self.name else replace(self, name=name)
 
     def as_dict(self) -> dict:
         return asdict(self)

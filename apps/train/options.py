@@ -188,14 +188,15 @@ def options_from_args(args, accelerator) -> TrainOptions:
     """Validate parsed arguments against each other and the selected accelerator."""
     spec = ModelSpec(name=args.model, hidden_size=args.hidden_size, num_layers=args.layers,
                      num_heads=args.heads, max_positions=max(256, args.seq_len)).validate()
-    optimizer = getattr(args, "optimizer", "adamw")
+    optimizer = check_flag("--optimizer", getattr(args, "optimizer", "adamw"), OneOf(OPTIMIZERS))
+    dtype = check_flag("--dtype", args.dtype, OneOf(DTYPES))
     lr = args.lr if getattr(args, "lr", None) is not None else DEFAULT_LR.get(optimizer, DEFAULT_LR["adamw"])
     adam_lr = getattr(args, "adam_lr", None)
     if adam_lr is None:
         adam_lr = DEFAULT_LR["adamw"]
     _check_hyperparameters(args, lr)
     _check_optimizer(optimizer, adam_lr, args)
-    _check_dtype(args.dtype, accelerator)
+    _check_dtype(dtype, accelerator)
     _check_checkpoint_flags(args)
     nproc = _nproc(args.nproc, accelerator)
     tp = getattr(args, "tp", 1)
@@ -226,7 +227,7 @@ def options_from_args(args, accelerator) -> TrainOptions:
         lr=lr, weight_decay=args.weight_decay, optimizer=optimizer, adam_lr=adam_lr, grad_clip=args.grad_clip,
         stage=args.stage,
         offload=args.offload, offload_ratio=offload_ratio, bucket_size=bucket_size, tp=tp, ep=ep, sp=sp,
-        capture_graphs=capture_graphs, dtype=args.dtype, seed=args.seed,
+        capture_graphs=capture_graphs, dtype=dtype, seed=args.seed,
         nproc=nproc, threads=threads,
         accelerator=accelerator.name, text=args.text, save=args.save, save_every=args.save_every,
         resume=args.resume, resume_tag=resume_tag, init_from=init_from, start_step=start_step, log_every=log_every,
@@ -249,7 +250,6 @@ def _check_hyperparameters(args, lr: float) -> None:
 
 
 def _check_optimizer(optimizer: str, adam_lr: float, args) -> None:
-    check_flag("--optimizer", optimizer, OneOf(OPTIMIZERS))
     check_flag("--adam-lr", adam_lr, _LR, "(e.g. 3e-3)")
     if optimizer != "muon" and getattr(args, "adam_lr", None) is not None:
         raise ConfigError("--adam-lr is the lr of the parameters Muon leaves to AdamW: it needs --optimizer muon "
@@ -257,7 +257,6 @@ def _check_optimizer(optimizer: str, adam_lr: float, args) -> None:
 
 
 def _check_dtype(dtype: str, accelerator) -> None:
-    check_flag("--dtype", dtype, OneOf(DTYPES))
     if dtype == "bf16" and not accelerator.is_bf16_supported():
         raise ConfigError(f"--dtype bf16: accelerator {accelerator.name!r} does not support bfloat16; use fp32")
     if dtype == "fp16" and not accelerator.is_fp16_supported():

@@ -120,7 +120,9 @@ def test_flag_wording_for_the_command_line():
         check_flag("--lr", NAN, Float(0.0, above=True), "(e.g. 3e-3)")
     with pytest.raises(ConfigError, match=r"^--offload-ratio 1.5: must be in \(0, 1\]$"):
         check_flag("--offload-ratio", 1.5, Float(0.0, 1.0, above=True))
-    assert check_flag("--steps", 3, Int(1)) == 3
+    with pytest.raises(ConfigError, match=r"^--dtype 'int8': choose one of fp32, bf16$"):
+        check_flag("--dtype", "int8", OneOf(("fp32", "bf16")))
+    assert check_flag("--steps", 3, Int(1)) == 3 and check_flag("--dtype", "BF16", OneOf(("fp32", "bf16"))) == "bf16"
 
 
 # ------------------------------------------------------------------------------------------------ sections
