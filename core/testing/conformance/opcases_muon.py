@@ -35,11 +35,16 @@ NS_BOUNDS = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 2e-2, torc
 #: the classic quintic (15/8, -10/8, 3/8): converges to 1; after 5 steps 20-40% away from the default's result
 CLASSIC = (1.875, -1.25, 0.375)
 
-#: (shape, steps, coefficients): wide, tall, batched both ways, square, a vector-like row, empty
+#: (shape, steps, coefficients): wide, tall, batched both ways, square, a vector-like row, empty, aligned.
+#: A GPU compiles a kernel once per pattern of its sizes and strides (multiple of 16, equal to 1, neither):
+#: every ragged case here has no size or stride that is a multiple of 16, so they share one compile per kernel,
+#: and two cases give the other patterns: the row (one row) and the aligned batch (every size a multiple of 16,
+#: the layout of real weights). ``benchmarks/conformance_compiles.py`` counts the compiles.
 NS_CASES = [
-    ((5, 9), 5, None), ((13, 6), 5, None), ((3, 7, 11), 5, None), ((2, 12, 4), 5, None), ((4, 8, 8), 5, None),
-    ((2, 2, 33, 20), 5, None), ((1, 17), 5, None), ((0, 4), 5, None), ((3, 0, 5), 5, None),
-    ((2, 24, 24), 5, CLASSIC), ((40, 16), 8, CLASSIC), ((6, 10), 0, None), ((6, 10), 2, None),
+    ((5, 9), 5, None), ((13, 6), 5, None), ((3, 7, 11), 5, None), ((2, 13, 5), 5, None), ((4, 7, 7), 5, None),
+    ((2, 2, 33, 19), 5, None), ((1, 17), 5, None), ((0, 4), 5, None), ((3, 0, 5), 5, None),
+    ((2, 16, 32), 5, None), ((2, 23, 23), 5, CLASSIC), ((41, 15), 8, CLASSIC), ((6, 10), 0, None),
+    ((6, 10), 2, None),
 ]
 
 
@@ -83,9 +88,11 @@ def check_newton_schulz(fn, device: torch.device, dtype: torch.dtype) -> None:
 
 
 # ------------------------------------------------------------------------------ fused_muon
-#: shapes of one call: tall, wide, square, empty, and head-split ones; splits are used by some cases
-MUON_SHAPES = [(12, 8), (8, 12), (16, 16), (0, 5), (24, 10), (6, 9)]
-MUON_SPLITS = [None, None, (0, 4), None, (0, 3), (1, 3)]
+#: shapes of one call: tall, wide, square, empty, and head-split ones; splits are used by some cases. Sizes,
+#: head blocks included, are ragged (no multiple of 16: one compile per kernel, see NS_CASES; the aligned and
+#: one-row patterns are the Newton-Schulz check's)
+MUON_SHAPES = [(13, 7), (7, 13), (15, 15), (0, 5), (21, 10), (6, 9)]
+MUON_SPLITS = [None, None, (0, 5), None, (0, 3), (1, 3)]
 MUON_ARGS = [
     dict(lr=0.3, momentum=0.95, weight_decay=0.1, nesterov=True, lr_adjustment="original", split=True),
     dict(lr=0.2, momentum=0.9, weight_decay=0.0, nesterov=False, lr_adjustment="match_rms_adamw",

@@ -66,8 +66,8 @@ def muon_ns_in_fp32(*args, ns_dtype=torch.bfloat16, **kw):
 
 
 @pytest.mark.parametrize("builder,dtype,what", [
-    (muon_no_head_split, torch.float32, r"head splits \[None, None, \(0, 4\).*param 2 shape \(16, 16\)"),
-    (muon_no_lr_scale, torch.float32, r"'lr_adjustment': 'original'.*param 0 shape \(12, 8\)"),
+    (muon_no_head_split, torch.float32, r"head splits \[None, None, \(0, 5\).*param 2 shape \(15, 15\)"),
+    (muon_no_lr_scale, torch.float32, r"'lr_adjustment': 'original'.*param 0 shape \(13, 7\)"),
     (muon_plain_momentum, torch.bfloat16, r"'nesterov': True.*param \d"),
     (muon_ns_in_fp32, torch.float64, r"ns_dtype torch.float64.*relative|ns_dtype torch.float64.*off the reference"),
 ])
