@@ -97,8 +97,8 @@ class Rule:
     def describe(self) -> str:
         return self._what() + (" or null" if self.optional else "")
 
-    def flag_text(self) -> str:
-        """The rule for a command-line flag, whose type the argument parser has fixed already."""
+    def flag_text(self, value: Any = None) -> str:
+        """The rule for a command-line flag (whose type the argument parser has fixed already, as a rule)."""
         return f"must be {self._what()}"
 
     def _what(self) -> str:
@@ -138,7 +138,9 @@ class Int(Rule):
         bound = _bound(self.minimum, self.maximum, False, False)
         return f"an integer {bound}".rstrip()
 
-    def flag_text(self) -> str:
+    def flag_text(self, value: Any = None) -> str:
+        if integer_value(value) is None:  # not typed by the argument parser: say what the type is too
+            return f"must be {self._what()}"
         if self.maximum is None and self.minimum is not None:
             return f"must be at least {self.minimum}"
         return f"must be {_bound(self.minimum, self.maximum, False, False)}"
@@ -163,7 +165,7 @@ class Float(Rule):
             return f"a number {bound}"  # a closed range says finite already
         return f"a finite number {bound}".rstrip()
 
-    def flag_text(self) -> str:
+    def flag_text(self, value: Any = None) -> str:
         if self.minimum == 0 and self.above and self.maximum is None:
             return "must be a positive finite number"
         if self.maximum is None:
@@ -196,7 +198,7 @@ class OneOf(Rule):
     def _what(self) -> str:
         return f"one of {', '.join(c if isinstance(c, str) else _show(c) for c in self.choices)}"
 
-    def flag_text(self) -> str:
+    def flag_text(self, value: Any = None) -> str:
         return f"choose {self._what()}"
 
     def _parse(self, value: Any) -> Any:
@@ -291,14 +293,14 @@ def check(value: Any, rule: Rule, path: str, hint: str = "") -> Any:
 
 
 def check_flag(flag: str, value: Any, rule: Rule, hint: str = "") -> Any:
-    """A command-line flag's value by ``rule``: ``--steps 0: must be at least 1``, ``--dtype 'int8': choose one
-    of fp32, bf16, fp16`` when it is refused."""
+    """A command-line flag's value by ``rule``; refused as ``--steps 0: must be at least 1`` or ``--dtype
+    'int8': choose one of fp32, bf16, fp16``."""
     if value is None and rule.optional:
         return None
     parsed = rule._parse(value)
     if parsed is _BAD:
         shown = repr(value) if isinstance(value, str) else value
-        raise ConfigError(f"{flag} {shown}: {rule.flag_text()}{' ' + hint if hint else ''}")
+        raise ConfigError(f"{flag} {shown}: {rule.flag_text(value)}{' ' + hint if hint else ''}")
     return parsed
 
 

@@ -13,6 +13,8 @@ from polyaccel.config_check import Int, OneOf, check_flag
 from polyaccel.errors import ConfigError
 
 MODELS = ("llama", "gpt2", "mixtral")
+#: the sizes ``validate`` checks, and the flags that set them
+_SIZE_FLAGS = {"hidden_size": "--hidden-size", "num_layers": "--layers", "num_heads": "--heads"}
 
 
 @dataclass(frozen=True)
@@ -28,9 +30,7 @@ class ModelSpec:
 
     def validate(self) -> ModelSpec:
         name = check_flag("--model", self.name, OneOf(MODELS))
-        for flag, value in (("--hidden-size", self.hidden_size), ("--layers", self.num_layers),
-                            ("--heads", self.num_heads)):
-            check_flag(flag, value, Int(1))
+        sizes = {key: check_flag(flag, getattr(self, key), Int(1)) for key, flag in _SIZE_FLAGS.items()}
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"--hidden-size {self.hidden_size} is not divisible by --heads {self.num_heads}; "
@@ -41,7 +41,7 @@ class ModelSpec:
                 f"--hidden-size {self.hidden_size} / --heads {self.num_heads} gives an odd head size "
                 f"({self.hidden_size // self.num_heads}); rotary embeddings need an even one"
             )
-        return self if name == self.name else replace(self, name=name)
+        return replace(self, name=name, **sizes)
 
     def as_dict(self) -> dict:
         return asdict(self)

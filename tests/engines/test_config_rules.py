@@ -1,5 +1,5 @@
-"""Every layer's config follows polyaccel.config_check's integer rule: 2.0 is 2; 2.5, true and NaN are refused
-with the full key path; the caller's dict is left as it was."""
+"""Every layer's config (and `polyaccel train`'s flags) follows polyaccel.config_check's integer rule: 2.0 is
+2; 2.5, true and NaN are refused naming the key (or flag); the caller's dict is left as it was."""
 
 from __future__ import annotations
 
@@ -47,19 +47,27 @@ def _autosp(value):
     return parse({"autosp_size": value}).autosp_size
 
 
-LAYERS = {  # layer -> (parse an integer field, read it back; the key path its errors name)
-    "zero": (_zero, "zero_optimization.reduce_bucket_size"),
-    "muon": (_muon, "optimizer.params.ns_steps"),
-    "activation_checkpointing": (_activation_checkpointing, "activation_checkpointing.number_checkpoints"),
-    "autotp": (_autotp, "tensor_parallel.autotp_size"),
-    "autoep": (_autoep, "expert_parallel.autoep_size"),
-    "autosp": (_autosp, "sequence_parallel.autosp_size"),
+def _train(value):
+    from polyaccel.apps.train.model import ModelSpec
+
+    return ModelSpec(num_layers=value).validate().num_layers
+
+
+LAYERS = {  # layer -> (parse an integer field, read it back; how its errors start)
+    "zero": (_zero, "config key 'zero_optimization.reduce_bucket_size' must be an integer"),
+    "muon": (_muon, "config key 'optimizer.params.ns_steps' must be an integer"),
+    "activation_checkpointing": (_activation_checkpointing,
+                                 "config key 'activation_checkpointing.number_checkpoints' must be an integer"),
+    "autotp": (_autotp, "config key 'tensor_parallel.autotp_size' must be an integer"),
+    "autoep": (_autoep, "config key 'expert_parallel.autoep_size' must be an integer"),
+    "autosp": (_autosp, "config key 'sequence_parallel.autosp_size' must be an integer"),
+    "train": (_train, "--layers {}: must be an integer"),
 }
 
 
 @pytest.mark.parametrize("layer", sorted(LAYERS))
 def test_one_integer_rule_in_every_layer(layer):
-    read, path = LAYERS[layer]
+    read, start = LAYERS[layer]
     for value in (2, 2.0):
         got = read(value)
         assert got == 2 and type(got) is int, (value, got)
@@ -67,7 +75,10 @@ def test_one_integer_rule_in_every_layer(layer):
         with pytest.raises(ConfigError) as info:
             read(value)
         msg = str(info.value)
-        assert msg.startswith(f"config key '{path}' must be an integer") and msg.endswith(f"got {shown}"), msg
+        if layer == "train":  # a flag names its value first
+            assert msg.startswith(start.format(repr(value) if isinstance(value, str) else value)), msg
+        else:
+            assert msg.startswith(start) and msg.endswith(f"got {shown}"), msg
 
 
 def test_no_layer_changes_the_dict_it_is_given():
