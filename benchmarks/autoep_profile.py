@@ -1,12 +1,11 @@
 """Profile AutoEP's MoE layer (ep 1, bf16, forward + backward) and print where device time goes.
 
-    python benchmarks/autoep_profile.py [--experts 8] [--tokens 32768] [--topk 2] [--rows 25] [--hf] [--fused]
+    python benchmarks/autoep_profile.py [--experts 8] [--tokens 32768] [--topk 2] [--rows 25] [--hf]
                                         [--host] [--graphs]
 
 Uses ``autoep_gpu.py``'s block and step (AutoEP's default path: the fused expert ops only where the
 registry chooses a plugin's builder of them); ``--hf`` profiles the HF eager block as well (and with
-``--host`` transformers' grouped_mm block), ``--fused`` AutoEP forced onto the plugin's fused expert
-builders (``autoep_gpu.FusedAutoEP``), ``--graphs`` AutoEP with ``capture_graphs`` (its routed experts
+``--host`` transformers' grouped_mm block), ``--graphs`` AutoEP with ``capture_graphs`` (its routed experts
 replayed from device graphs). ``--host`` measures the host instead of the device: per
 step, the time until the step's Python returns and until the device is done, the device runtime calls
 it makes (kernel launches, copies, synchronisations), then the Python functions by own time
@@ -29,21 +28,18 @@ def main() -> int:
     ap.add_argument("--ffn", type=int, default=1536)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--hf", action="store_true", help="profile the HF eager block too")
-    ap.add_argument("--fused", action="store_true", help="profile AutoEP on the fused expert builders too")
     ap.add_argument("--host", action="store_true", help="the host's time per step and its Python by own time")
     ap.add_argument("--graphs", action="store_true", help="profile AutoEP with capture_graphs too")
     args = ap.parse_args()
 
     import polyaccel
-    from autoep_gpu import FusedAutoEP, autoep_block, hf_block, train_step
+    from autoep_gpu import autoep_block, hf_block, train_step
     from torch.profiler import ProfilerActivity, profile
 
     acc = polyaccel.get_accelerator()
     device = acc.device()
     eager = hf_block(args.experts, args.topk, args.hidden, args.ffn, "eager", device)
     blocks = {"autoep": autoep_block(eager)}
-    if args.fused:
-        blocks["autoep fused"] = FusedAutoEP(autoep_block(eager))
     if args.graphs:
         blocks["autoep graphs"] = autoep_block(eager, graphs=True)
     if args.hf:
