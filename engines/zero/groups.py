@@ -101,7 +101,8 @@ def _squared_norm(g: ParamGroup, transfer) -> torch.Tensor:
 
 
 class GroupBuilder:
-    """Makes the :class:`ParamGroup` list of ``engine`` (a :class:`~.engine.ZeroEngine` being set up)."""
+    """Makes the :class:`ParamGroup` list of ``engine`` (a :class:`~.engine.ZeroEngine` being set up); a Muon
+    group's optimizer comes from the engine's ``_muon_optimizer``."""
 
     def __init__(self, engine):
         self.engine = engine

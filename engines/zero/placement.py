@@ -55,8 +55,8 @@ class OptimizerOnDevice:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def grad_needs_master_dtype(self, clipping: float) -> bool:
-        """Whether a clipped step needs the gradient partition in the master dtype (see the engine's
-        ``_grad_dtype``): on the device the clipping factor is applied to a master-dtype copy."""
+        """Whether a clipped step needs the gradient partition in the master dtype (see
+        :meth:`.groups.GroupBuilder.grad_dtype`): on the device the clipping factor is applied to a copy."""
         return False
 
     def apply(self, part, opt, scale: float, transfer, compute_dtype: torch.dtype) -> None:
@@ -67,14 +67,14 @@ class OptimizerOnDevice:
         return 0.0
 
 
-class OptimizerOnHost(OptimizerOnDevice):
+class OptimizerOnHost:
     """``offload_optimizer``: master partitions (all or, with ``ratio`` below 1, a share), optimizer state and
     step in host memory from ``host`` (a :class:`~.offload.HostBuffers`)."""
 
     on_host = True
 
     def __init__(self, device: torch.device, host, overlap_step: bool, ratio: float):
-        super().__init__(device)
+        self.device = device
         self.host = host
         self.overlap_step = overlap_step
         self.ratio = ratio
@@ -115,7 +115,7 @@ class ShardsOnDevice:
         (world size 1), with no communication to overlap."""
         return world == 1
 
-    def derive_from_master(self, optimizer: OptimizerOnDevice) -> bool:
+    def derive_from_master(self, optimizer: OptimizerHome) -> bool:
         """Whether a trainable shard is cast from the master partition where needed rather than stored: with
         the master on the device, a stored 16-bit copy would only hold memory between uses."""
         return not optimizer.on_host
@@ -129,14 +129,14 @@ class ShardsOnDevice:
         return sum(s.numel() for s in shards if s is not None)
 
 
-class ShardsOnHost(ShardsOnDevice):
+class ShardsOnHost:
     """``offload_param``: stage-3 shards in one host buffer from ``host``, copied up for each gather beside
     the compute stream's kernels (see :meth:`.offload.HostTransfer.upload_shards`)."""
 
     on_host = True
 
     def __init__(self, device: torch.device, host):
-        super().__init__(device)
+        self.device = device
         self.host = host
 
     def homes(self, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -147,7 +147,7 @@ class ShardsOnHost(ShardsOnDevice):
     def in_place(self, world: int) -> bool:
         return False
 
-    def derive_from_master(self, optimizer: OptimizerOnDevice) -> bool:
+    def derive_from_master(self, optimizer: OptimizerHome) -> bool:
         return False
 
     def stage(self, transfer, shards: list[torch.Tensor], device: torch.device):
@@ -157,12 +157,16 @@ class ShardsOnHost(ShardsOnDevice):
         return 0
 
 
+OptimizerHome = OptimizerOnDevice | OptimizerOnHost
+ShardsHome = ShardsOnDevice | ShardsOnHost
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where the optimizer (``optimizer``) and the stage-3 parameter shards (``shards``) live."""
 
-    optimizer: OptimizerOnDevice
-    shards: ShardsOnDevice
+    optimizer: OptimizerHome
+    shards: ShardsHome
 
 
 def choose_placement(config, device: torch.device, host) -> Placement:
