@@ -56,8 +56,9 @@ def _train(value):
 LAYERS = {  # layer -> (parse an integer field, read it back; how its errors start)
     "zero": (_zero, "config key 'zero_optimization.reduce_bucket_size' must be an integer"),
     "muon": (_muon, "config key 'optimizer.params.ns_steps' must be an integer"),
-    "activation_checkpointing": (
-        _activation_checkpointing, "config key 'activation_checkpointing.number_checkpoints' must be an integer"),
+    "activation_checkpointing": (_activation_checkpointing,
+                                 "config key 'activation_checkpointing.number_checkpoints' must be an "
+                                 "integer"),
     "autotp": (_autotp, "config key 'tensor_parallel.autotp_size' must be an integer"),
     "autoep": (_autoep, "config key 'expert_parallel.autoep_size' must be an integer"),
     "autosp": (_autosp, "config key 'sequence_parallel.autosp_size' must be an integer"),
