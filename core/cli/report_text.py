@@ -33,8 +33,20 @@ def width() -> int:
 
 def wrap(prefix: str, text: str, cols: int) -> list[str]:
     """``prefix`` + ``text`` over lines of at most ``cols`` characters, continuation lines aligned under the
-    text; words are never cut: if one does not fit there, the text continues under a short hanging indent."""
-    lines = textwrap.wrap(text, width=cols, initial_indent=prefix, subsequent_indent=" " * len(prefix),
+    text; words are never cut: if one does not fit there, the text continues under a short hanging indent.
+    The text's own line breaks are kept (a list in an error message stays a list, indented under the text)."""
+    first, *rest = text.split("\n")
+    out = _wrap_line(prefix, first, cols)
+    for line in rest:
+        body = line.lstrip()
+        bullet = 2 if body.startswith(("- ", "* ")) else 0  # a list item's continuation goes under its text
+        out += _wrap_line(" " * (HANGING_INDENT + len(line) - len(body)), body, cols, bullet) if body else []
+    return out
+
+
+def _wrap_line(prefix: str, text: str, cols: int, bullet: int = 0) -> list[str]:
+    indent = " " * (len(prefix) + bullet)
+    lines = textwrap.wrap(text, width=cols, initial_indent=prefix, subsequent_indent=indent,
                           break_long_words=False, break_on_hyphens=False) or [prefix.rstrip()]
     if all(len(line) <= cols for line in lines):
         return lines

@@ -79,3 +79,29 @@ def test_wrap_breaks_between_words_and_puts_a_long_word_on_its_own_line():
     assert any(line.strip().startswith("https://download.pytorch.org/whl/xpu)") for line in lines), lines
     lines = wrap("name: ", "short words only here", 14)
     assert lines == ["name: short", "      words", "      only", "      here"]
+    error = "no plugin named 'x'.\nPlugins found:\n  - cpu: available\n  - xpu: unavailable: torch is built " \
+            "without it"
+    assert wrap("no accelerator selected: ", error, 40) == [
+        "no accelerator selected: no plugin named",
+        "                         'x'.",
+        "    Plugins found:",
+        "      - cpu: available",
+        "      - xpu: unavailable: torch is built",
+        "        without it"]
+
+
+def test_without_an_accelerator_the_reasons_keep_their_lines(capsys, monkeypatch):
+    monkeypatch.setenv("POLYACCEL_ACCELERATOR", "no-such-plugin")
+    monkeypatch.setenv("COLUMNS", "100")
+    from polyaccel import selection
+
+    selection.reset()
+    try:
+        assert main(["report"]) == 1
+    finally:
+        monkeypatch.delenv("POLYACCEL_ACCELERATOR")
+        selection.reset()
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 100
+    assert "no accelerator selected: POLYACCEL_ACCELERATOR=no-such-plugin" in out
+    assert "\n      - cpu: " in out and "ops on" not in out  # one plugin a line, as the error lists them
