@@ -172,3 +172,12 @@ def test_values_keep_present_keys_only():
     sec = Section({"x": 1, "y": None}, "s", ["x", "y", "z"])
     assert sec.values({"x": Int(), "y": Int(optional=True), "z": Int()}) == {"x": 1}
     assert "x" in sec and "z" not in sec and math.isnan(Section({"q": NAN}, "", ["q"]).raw("q"))
+
+
+def test_importing_the_checks_loads_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, polyaccel.config_check; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # a config is checked before anything heavy is imported
