@@ -1,35 +1,12 @@
 """Stage 3: parameters partitioned too, gathered around each submodule's forward and backward.
 
-Every parameter keeps only its shard (``ceil(numel/world)`` elements, see
-:class:`~.partition.ShardLayout`) on the device (or in host memory with ``offload_param``);
-``param.data`` is an empty tensor outside the module that uses it. Hooks on every module that
-owns a parameter that is not persistent (see below):
-
-- forward pre-hook: gather the module's parameters (one coalesced ``all_gather_into_tensor``
-  for those not already present) and, from the second iteration on, prefetch the next modules'
-  parameters in the recorded order, within ``stage3_prefetch_bucket_size`` elements (not at
-  world size 1 with the shards on the device, where a gather is a view or a cast);
-- forward post-hook: release them, and wrap the outputs in an identity autograd function whose
-  backward gathers them again before the module's own backward runs. While the model's forward
-  runs (the engine installs a saved-tensor hook), a tensor autograd saves that is a view of a
-  gathered parameter is kept as a reference to the parameter (:mod:`.stage3_saved`), so the
-  release really frees the gathered storage;
-- a post-accumulate-grad hook per trainable parameter: hold its gradient for its reduce
-  bucket and release the parameter. Buckets are fixed groups of about ``reduce_bucket_size``
-  gathered elements (at world size 1 one parameter each, unless the optimizer is offloaded),
-  reduce-scattered into each rank's gradient partition in the rank-independent order of
-  :class:`~.bucket_order.BucketOrder`; with peers, at the next agreement of the schedule check
-  (or backward fetch, without it), once complete on every rank (see :mod:`.schedule`).
-
-With peers and ``stage3_check_schedule``, every gather, and the end of every forward and
-backward, is agreed on first (:class:`~.schedule.GatherSchedule`): ranks whose modules ran
-differently all raise :class:`~.leaves.ScheduleMismatch` at once instead of hanging.
-
-Parameters of at most ``stage3_param_persistence_threshold`` elements stay gathered all the
-time (their optimizer state is still partitioned; they are re-gathered after each step).
-
-:class:`ShardedParameters` hooks the model and composes the parts: shards and gathers
-(:mod:`.stage3_gather`), gradient buckets (:mod:`.stage3_grads`), saved tensors (:mod:`.stage3_saved`).
+Each rank keeps only a shard of every parameter (on the device, or on the host with ``offload_param``); hooks
+gather a module's parameters before it runs (prefetching the next ones), release them after, gather them again
+for its backward, and reduce-scatter its gradients in rank-independent buckets. With peers and
+``stage3_check_schedule`` every gather is agreed on first, so ranks whose modules ran differently raise
+:class:`~.leaves.ScheduleMismatch` at once instead of hanging. :class:`ShardedParameters` hooks the model and
+composes the parts: shards and gathers (:mod:`.stage3_gather`), gradient buckets (:mod:`.stage3_grads`), saved
+tensors (:mod:`.stage3_saved`). The hooks, buckets and persistence in detail: docs/zero-stage3.md.
 """
 
 from __future__ import annotations
