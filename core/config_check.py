@@ -98,7 +98,7 @@ class Rule:
         return self._what() + (" or null" if self.optional else "")
 
     def flag_text(self, value: Any = None) -> str:
-        """The rule for a command-line flag (whose type the argument parser has fixed already, as a rule)."""
+        """The rule worded for a command-line flag, whose type the argument parser has usually fixed."""
         return f"must be {self._what()}"
 
     def _what(self) -> str:
@@ -194,6 +194,14 @@ class OneOf(Rule):
     """One of ``choices``: strings in any case (the listed spelling comes back), ints by the integer rule."""
 
     choices: tuple = ()
+
+    def check(self, value: Any, path: str, hint: str = "") -> Any:
+        if isinstance(value, str):
+            names = {c.lower(): c for c in self.choices if isinstance(c, str)}
+            guess = difflib.get_close_matches(value.lower(), list(names), n=1, cutoff=0.6)
+            if guess and value.lower() != guess[0]:
+                hint = "; ".join(h for h in (hint, f"did you mean {names[guess[0]]!r}?") if h)
+        return super().check(value, path, hint)
 
     def _what(self) -> str:
         return f"one of {', '.join(c if isinstance(c, str) else _show(c) for c in self.choices)}"

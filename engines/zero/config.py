@@ -156,7 +156,7 @@ def _offload(parent: Section, key: str) -> OffloadConfig:
 
 def _optimizer(value: Any) -> OptimizerConfig:
     sec = Section(value, "optimizer", _OPTIMIZER_KEYS)
-    kind = sec.get("type", OneOf(OPTIMIZERS), "adamw", "any case")
+    kind = sec.get("type", OneOf(OPTIMIZERS), "adamw")
     params = sec.section("params", _OPT_PARAM_KEYS[kind])
     out: dict[str, Any] = {"type": kind, **params.values(_OPT_RULES)}
     if kind == "adamw":

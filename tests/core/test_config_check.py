@@ -181,3 +181,9 @@ def test_importing_the_checks_loads_no_torch():
     code = "import sys, polyaccel.config_check; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"  # a config is checked before anything heavy is imported
+
+
+def test_a_mistyped_choice_gets_a_guess():
+    with pytest.raises(ConfigError, match=r"^config key 'o.type' must be one of adamw, lion, got 'adamv'; "
+                                          r"did you mean 'adamw'\?$"):
+        check("adamv", OneOf(("adamw", "lion")), "o.type")
