@@ -114,10 +114,10 @@ class _LargestTensor(TorchDispatchMode):
 
 
 def test_chunking_never_allocates_the_whole_logits():
-    n, h, v = 1024, 8, 512
+    n, h, v = 4096, 8, 512
     (hidden, weight, _), labels = _inputs(n, h, v, torch.float32)
     chunk = chunked_loss.default_chunk_size(n, h, v)
-    assert chunk == chunked_loss.MIN_CHUNK < n  # the rule: N / ceil(V / H) = 16, raised to MIN_CHUNK
+    assert chunk == chunked_loss.MIN_CHUNK < n  # the rule: N / ceil(V / H) = 64, raised to MIN_CHUNK
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
     with _LargestTensor() as probe:

@@ -80,7 +80,7 @@ def _grad_kernel(z_ptr, lse_ptr, target_ptr, coef_ptr, scale_ptr, V, stride, BLO
 
 
 @triton.jit
-def _stats_grad_kernel(z_ptr, target_ptr, scale_ptr, lse_ptr, picked_ptr, V, stride, z_loss,
+def _stats_grad_kernel(z_ptr, target_ptr, scale_ptr, loss_ptr, V, stride, z_loss,
                        ACC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = z_ptr + row * stride
@@ -88,8 +88,8 @@ def _stats_grad_kernel(z_ptr, target_ptr, scale_ptr, lse_ptr, picked_ptr, V, str
     lse = _row_logsumexp(base, V, ACC, BLOCK)
     t = tl.load(target_ptr + row)
     picked = tl.load(base + tl.maximum(t, 0)).to(ACC)
-    tl.store(lse_ptr + row, lse)
-    tl.store(picked_ptr + row, tl.where(t >= 0, picked, 0.0))
+    # the row's loss term; without a group, target -1 means an ignored row
+    tl.store(loss_ptr + row, tl.where(t >= 0, lse - picked + z_loss * lse * lse, 0.0))
     scale = tl.load(scale_ptr + row).to(ACC)
     coef = scale * (1.0 + 2.0 * z_loss * lse)
     for start in range(0, V, BLOCK):
@@ -153,23 +153,23 @@ class TritonChunkKernels:
 
 
     @staticmethod
-    def stats_grad_(z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
-                    z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``stats`` and ``grad_`` in one pass a row: ``(lse, picked)``, with ``dz`` written over ``z``
-        (``coef = scale * (1 + 2 z_loss lse)``)."""
+    def stats_grad_(z: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, z_loss: float,
+                    row_loss: torch.Tensor) -> None:
+        """``stats`` and ``grad_`` in one pass a row, without a vocab-parallel group (target -1: an ignored
+        row): ``dz`` written over ``z`` (``coef = scale * (1 + 2 z_loss lse)``) and each row's loss term
+        ``lse - z[target] + z_loss lse^2`` (0 where ignored) into ``row_loss``."""
         rows, v = z.shape
-        if z.stride(1) != 1 or not rows:  # not row-major (never F.linear's output): the two-kernel path
+        if not rows:
+            return
+        if z.stride(1) != 1:  # not row-major (never F.linear's output): the two kernels, then back into z
             lse, picked = TritonChunkKernels.stats(z, target)
-            coef = scale * (1.0 + 2.0 * z_loss * lse) if z_loss else scale
+            torch.where(target >= 0, lse - picked + z_loss * lse * lse, torch.zeros_like(lse), out=row_loss)
+            coef = scale * (1.0 + 2.0 * z_loss * lse)
             z.copy_(TritonChunkKernels.grad_(z, lse, target, coef, scale))
-            return lse, picked
-        acc = _math_dtype(z.dtype)
-        lse = torch.empty(rows, dtype=acc, device=z.device)
-        picked = torch.empty(rows, dtype=acc, device=z.device)
-        _stats_grad_kernel[(rows,)](z, target.contiguous(), scale.to(acc).contiguous(), lse, picked, v,
+            return
+        _stats_grad_kernel[(rows,)](z, target.contiguous(), scale.to(row_loss.dtype).contiguous(), row_loss, v,
                                     z.stride(0), float(z_loss), ACC=_acc(z.dtype),
                                     BLOCK=min(FUSED_BLOCK, triton.next_power_of_2(v)), num_warps=FUSED_WARPS)
-        return lse, picked
 
     @staticmethod
     def scale_(g: torch.Tensor, factor: torch.Tensor) -> None:

@@ -37,19 +37,20 @@ def test_the_fused_kernel_equals_stats_then_grad():
     z = torch.randn(5, v, generator=gen, dtype=torch.float64) * 4
     target = torch.tensor([0, -1, v - 1, kce.FUSED_BLOCK, 17])
     scale = torch.rand(5, generator=gen, dtype=torch.float64) + 0.5
+    want_lse, want_picked = chunked_loss.TorchChunkKernels.stats(z, target)
     for z_loss in (0.0, 1e-2):
-        got = z.clone()
-        lse, picked = kce.TritonChunkKernels.stats_grad_(got, target, scale, z_loss)
-        want_lse, want_picked = chunked_loss.TorchChunkKernels.stats(z, target)
+        got, row_loss = z.clone(), torch.full((5,), float("nan"), dtype=torch.float64)
+        kce.TritonChunkKernels.stats_grad_(got, target, scale, z_loss, row_loss)
         coef = scale * (1.0 + 2.0 * z_loss * want_lse)
         want = chunked_loss.TorchChunkKernels.grad_(z.clone(), want_lse, target, coef, scale)
-        torch.testing.assert_close(lse, want_lse, rtol=1e-13, atol=1e-13)
-        torch.testing.assert_close(picked, want_picked, rtol=0, atol=0)
+        want_rows = torch.where(target >= 0, want_lse - want_picked + z_loss * want_lse ** 2, 0.0)
+        torch.testing.assert_close(row_loss, want_rows, rtol=1e-13, atol=1e-13)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
     # a column-strided chunk takes the two-kernel path, still in place
-    zt = z.t().contiguous().t()
-    lse_t, _ = kce.TritonChunkKernels.stats_grad_(zt, target, scale, 0.0)
-    torch.testing.assert_close(lse_t, want_lse, rtol=1e-13, atol=1e-13)
+    zt, row_loss = z.t().contiguous().t(), torch.empty(5, dtype=torch.float64)
+    kce.TritonChunkKernels.stats_grad_(zt, target, scale, 0.0, row_loss)
+    torch.testing.assert_close(row_loss, torch.where(target >= 0, want_lse - want_picked, 0.0), rtol=1e-13,
+                               atol=1e-13)
     torch.testing.assert_close(zt, chunked_loss.TorchChunkKernels.grad_(z.clone(), want_lse, target, scale, scale),
                                rtol=1e-12, atol=1e-15)
 
