@@ -1,7 +1,9 @@
 """Profile a few ZeRO steps (world size 1) and print where host and device time go.
 
     python benchmarks/zero_profile.py [--stage 3] [--offload [--offload-param]] [--muon] [--granularity N]
-                                      [--size 220m] [--rows 30]
+                                      [--size 220m] [--rows 30] [--kernels]
+
+Also printed: a step's wall time and the GPU's kernel time in it (busy below ~90%: the host sets the pace).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--trace", default=None, help="write a Chrome trace here")
+    ap.add_argument("--kernels", action="store_true", help="with the model kernels (zero_kernels.KERNELS)")
     args = ap.parse_args()
 
     import polyaccel
@@ -37,8 +40,12 @@ def main() -> int:
         if args.offload_param:
             zero["offload_param"] = {"device": "cpu"}
     optimizer = {"type": "muon", "params": MUON_PARAMS} if args.muon else {"type": "adamw", "params": {"lr": 1e-4}}
-    engine = polyaccel.initialize(build(args), {"bf16": {"enabled": True}, "zero_optimization": zero,
-                                                "optimizer": optimizer})
+    config = {"bf16": {"enabled": True}, "zero_optimization": zero, "optimizer": optimizer}
+    if args.kernels:
+        from zero_kernels import KERNELS
+
+        config["kernels"] = dict(KERNELS)
+    engine = polyaccel.initialize(build(args), config)
     acc = polyaccel.get_accelerator()
     data = [ids.to(acc.device()) for ids in batches(args, 5)]
 
@@ -51,13 +58,23 @@ def main() -> int:
         step(ids)
     acc.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if acc.device().type == "cuda" else [])
+    import time
+
     with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         for ids in data[3:]:
             step(ids)
         acc.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / len(data[3:])
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if acc.device().type == "cuda":
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    if acc.device().type == "cuda":
+        import torch
+
+        busy = sum(e.self_device_time_total for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / len(data[3:])
+        print(f"a step: {wall_ms:.1f} ms wall (under the profiler), GPU kernels {busy:.1f} ms ({busy / wall_ms:.0%} busy)")
     if args.trace:
         prof.export_chrome_trace(args.trace)
     engine.destroy()
