@@ -122,7 +122,8 @@ def test_flag_wording_for_the_command_line():
         check_flag("--offload-ratio", 1.5, Float(0.0, 1.0, above=True))
     with pytest.raises(ConfigError, match=r"^--dtype 'int8': choose one of fp32, bf16$"):
         check_flag("--dtype", "int8", OneOf(("fp32", "bf16")))
-    assert check_flag("--steps", 3, Int(1)) == 3 and check_flag("--dtype", "BF16", OneOf(("fp32", "bf16"))) == "bf16"
+    assert check_flag("--steps", 3, Int(1)) == 3
+    assert check_flag("--dtype", "BF16", OneOf(("fp32", "bf16"))) == "bf16"
 
 
 # ------------------------------------------------------------------------------------------------ sections

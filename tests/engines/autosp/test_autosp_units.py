@@ -13,7 +13,8 @@ from polyaccel.engines.autosp import layer as sp_layer
 
 def test_config_section_refusals_name_the_key():
     assert parse({"autosp_size": 4}).autosp_size == 4 and parse({"autosp_size": 2, "seq_dim": 1}).seq_dim == 1
-    for bad, words in (({}, "autosp_size' is required"), ({"autosp_size": 0}, "autosp_size' must be an integer >= 1"),
+    for bad, words in (({}, "autosp_size' is required"),
+                       ({"autosp_size": 0}, "autosp_size' must be an integer >= 1"),
                        ({"autosp_size": True}, "autosp_size' must be an integer"),
                        ({"autosp_size": 2, "seq_dim": 0}, "seq_dim' is 0"),
                        ({"autosp_size": 2, "ulysses": 1}, "unknown config key 'sequence_parallel.ulysses'"),

@@ -70,7 +70,8 @@ def test_head_split_two_kv_heads_over_four_leaves_ranks_empty():
 def test_config_rejects_unknown_keys_and_names_allowed_values():
     section = {"autotp_size": 2, "tp": {"tp_grain_size": 64}}
     before = copy.deepcopy(section)
-    with pytest.raises(ConfigError, match=r"unknown config key 'tensor_parallel.tp'.*autotp_size.*partition_config"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown config key 'tensor_parallel.tp'.*autotp_size.*partition_config"):
         parse(section)
     assert section == before
     with pytest.raises(ConfigError, match="autotp_size' is required"):
@@ -82,7 +83,8 @@ def test_config_rejects_unknown_keys_and_names_allowed_values():
     bad_spec = {"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "col"}]}}
     with pytest.raises(ConfigError, match=r"layer_specs\[0\]\.partition_type' must be one of column, .*got 'col'"):
         parse(bad_spec)
-    with pytest.raises(ConfigError, match=r"unknown config key '.*layer_specs\[0\]\.pattern'.*did you mean 'patterns'"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown config key '.*layer_specs\[0\]\.pattern'.*did you mean 'patterns'"):
         parse({"autotp_size": 2, "partition_config": {"layer_specs": [{"pattern": "x"}]}})
     with pytest.raises(ConfigError, match=r"patterns\[0\]' is not a valid regular expression .*'\('"):
         parse({"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": ["("]}]}})

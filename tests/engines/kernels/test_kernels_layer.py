@@ -18,9 +18,11 @@ def test_config_forms_and_refusals_name_the_key():
     assert parse("auto").wanted() == dict.fromkeys(ALL_ON, "auto")
     assert parse(True).wanted() == ALL_ON and not any(parse(False).wanted().values())
     assert parse({"rope": True}).wanted() == {"rms_norm": False, "rope": True, "swiglu": False, "cross_entropy": False}
-    with pytest.raises(polyaccel.ConfigError, match=r"unknown config key 'kernels.rmsnorm'; .*did you mean 'rms_norm'"):
+    with pytest.raises(polyaccel.ConfigError,
+                       match=r"unknown config key 'kernels.rmsnorm'; .*did you mean 'rms_norm'"):
         parse({"rmsnorm": True})
-    with pytest.raises(polyaccel.ConfigError, match=r"kernels.swiglu' must be one of true, false, auto, got 'yes'"):
+    with pytest.raises(polyaccel.ConfigError,
+                       match=r"kernels.swiglu' must be one of true, false, auto, got 'yes'"):
         parse({"swiglu": "yes"})
     with pytest.raises(polyaccel.ConfigError, match=r"config key 'kernels' must be a dict of kernels .* got 'fast'"):
         parse("fast")
