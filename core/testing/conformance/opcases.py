@@ -221,45 +221,48 @@ def check_swiglu(fn, device: torch.device, dtype: torch.dtype) -> None:
         _close(u_d.grad, u_r.grad, dtype, f"{where}: d up")
 
 
-#: (rows, F, the inputs as the two halves of one [rows, 2F] tensor): F over one column block of the kernels
-WEIGHTED_SWIGLU_CASES = [(3, 5, False), (0, 7, False), (37, 1100, True), (6, 33, True), (1, 1, False)]
+#: (rows, F, the inputs as the two halves of one [rows, 2F] tensor, weights in float32 rather than the inputs'
+#: dtype): F over one column block of the kernels. The float32 weights (their own compile on a GPU) are taken by
+#: some cases, the long rows among them, rather than by every case (``benchmarks/conformance_compiles.py``)
+WEIGHTED_SWIGLU_CASES = [(3, 5, False, False), (0, 7, False, True), (37, 1100, True, True), (6, 33, True, False),
+                         (1, 1, False, True)]
 
 
 def check_weighted_swiglu(fn, device: torch.device, dtype: torch.dtype) -> None:
     rtol, atol = op_tolerances(dtype)
-    for n, f, halves in WEIGHTED_SWIGLU_CASES:
-        for w_dtype in dict.fromkeys((dtype, torch.float32)):
-            h, grad = torch.randn(n, 2 * f).to(dtype), torch.randn(n, f).to(dtype)
-            weights = torch.rand(n).to(w_dtype) + 0.5
-            where = f"weighted_swiglu {dtype} rows {n} F {f} weights {w_dtype}{' (halves of one tensor)' * halves}"
-            h_d = _dev(h, device).requires_grad_(True)
-            w_d = _dev(weights, device).requires_grad_(True)
-            if halves:
-                g_d, u_d = h_d.chunk(2, dim=-1)
-            else:
-                g_d = h_d[:, :f].detach().contiguous().requires_grad_(True)
-                u_d = h_d[:, f:].detach().contiguous().requires_grad_(True)
-            out = fn(g_d, u_d, w_d)
-            assert out.shape == (n, f) and out.dtype == dtype, f"{where}: got {out.dtype}{tuple(out.shape)}"
-            out.backward(_dev(grad, device))
-            g_r = h[:, :f].double().requires_grad_(True)
-            u_r = h[:, f:].double().requires_grad_(True)
-            w_r = weights.double().requires_grad_(True)
-            want = ref.weighted_swiglu(g_r, u_r, w_r)
-            want.backward(grad.double())
-            _close(out, want, dtype, f"{where}: forward")
-            d_gate, d_up = (h_d.grad.chunk(2, dim=-1) if halves else (g_d.grad, u_d.grad))
-            assert d_gate is not None and d_up is not None and w_d.grad is not None, (
-                f"{where}: backward produced no gradient")
-            _close(d_gate, g_r.grad, dtype, f"{where}: d gate")
-            _close(d_up, u_r.grad, dtype, f"{where}: d up")
-            assert w_d.grad.dtype == w_dtype, f"{where}: d weights is {w_d.grad.dtype}, expected {w_dtype}"
-            if n:  # a sum over F: bounded relative to the sum of its terms' magnitudes, not to the (cancelled) sum
-                g = h[:, :f].double()
-                mag = (grad.double().abs() * (g * torch.sigmoid(g)).abs() * h[:, f:].double().abs()).sum(1)
-                err = (w_d.grad.detach().cpu().double() - w_r.grad).abs()
-                worst = float((err - (atol + rtol * mag)).max())
-                assert worst <= 0, f"{where}: d weights error exceeds the bound by {worst:.3e}"
+    for n, f, halves, fp32_weights in WEIGHTED_SWIGLU_CASES:
+        w_dtype = torch.float32 if fp32_weights else dtype
+        h, grad = torch.randn(n, 2 * f).to(dtype), torch.randn(n, f).to(dtype)
+        weights = torch.rand(n).to(w_dtype) + 0.5
+        where = f"weighted_swiglu {dtype} rows {n} F {f} weights {w_dtype}{' (halves of one tensor)' * halves}"
+        h_d = _dev(h, device).requires_grad_(True)
+        w_d = _dev(weights, device).requires_grad_(True)
+        if halves:
+            g_d, u_d = h_d.chunk(2, dim=-1)
+        else:
+            g_d = h_d[:, :f].detach().contiguous().requires_grad_(True)
+            u_d = h_d[:, f:].detach().contiguous().requires_grad_(True)
+        out = fn(g_d, u_d, w_d)
+        assert out.shape == (n, f) and out.dtype == dtype, f"{where}: got {out.dtype}{tuple(out.shape)}"
+        out.backward(_dev(grad, device))
+        g_r = h[:, :f].double().requires_grad_(True)
+        u_r = h[:, f:].double().requires_grad_(True)
+        w_r = weights.double().requires_grad_(True)
+        want = ref.weighted_swiglu(g_r, u_r, w_r)
+        want.backward(grad.double())
+        _close(out, want, dtype, f"{where}: forward")
+        d_gate, d_up = (h_d.grad.chunk(2, dim=-1) if halves else (g_d.grad, u_d.grad))
+        assert d_gate is not None and d_up is not None and w_d.grad is not None, (
+            f"{where}: backward produced no gradient")
+        _close(d_gate, g_r.grad, dtype, f"{where}: d gate")
+        _close(d_up, u_r.grad, dtype, f"{where}: d up")
+        assert w_d.grad.dtype == w_dtype, f"{where}: d weights is {w_d.grad.dtype}, expected {w_dtype}"
+        if n:  # a sum over F: bounded relative to the sum of its terms' magnitudes, not to the (cancelled) sum
+            g = h[:, :f].double()
+            mag = (grad.double().abs() * (g * torch.sigmoid(g)).abs() * h[:, f:].double().abs()).sum(1)
+            err = (w_d.grad.detach().cpu().double() - w_r.grad).abs()
+            worst = float((err - (atol + rtol * mag)).max())
+            assert worst <= 0, f"{where}: d weights error exceeds the bound by {worst:.3e}"
 
 
 # ---------------------------------------------------------------------------- grouped_mm
@@ -290,13 +293,16 @@ def check_grouped_mm(fn, device: torch.device, dtype: torch.dtype) -> None:
 
 
 # ---------------------------------------------------------------------------- gather_sum
-#: (tokens, k, H): one slot, several, a row longer than one block of columns, no tokens
-GATHER_SUM_CASES = [(9, 2, 7), (5, 1, 3), (6, 3, 1100), (4, 8, 5), (0, 2, 4)]
+#: (tokens, k, H, weighted: both / True / False): one slot, several, a row longer than one block of columns, no
+#: tokens. Weighted and unweighted are two compiles on a GPU each: both for the first case, one each for the
+#: others (one slot, the long row and the weights' gradient over its blocks weighted; many slots unweighted).
+#: The first case's k and H are an expert-op case's (opcases_moe), whose combine compiles the same kernels
+GATHER_SUM_CASES = [(9, 2, 33, None), (5, 1, 3, True), (6, 3, 1100, True), (4, 8, 5, False), (0, 2, 4, None)]
 
 
 def check_gather_sum(fn, device: torch.device, dtype: torch.dtype) -> None:
-    for T, k, H in GATHER_SUM_CASES:
-        for weighted in (True, False):
+    for T, k, H, only in GATHER_SUM_CASES:
+        for weighted in (True, False) if only is None else (only,):
             rows, grad = torch.randn(T * k, H).to(dtype), torch.randn(T, H).to(dtype)
             index = torch.randperm(T * k).view(T, k)
             weights = torch.rand(T, k).to(dtype) if weighted else None
