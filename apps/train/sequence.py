@@ -9,6 +9,7 @@ sum of the sequence ranks' losses (each is its tokens' loss divided by the whole
 
 from __future__ import annotations
 
+from polyaccel.config_check import Int, check_flag
 from polyaccel.errors import ConfigError
 
 
@@ -20,8 +21,7 @@ def check_sp(sp: int, nproc: int, tp: int, seq_len: int, num_heads: int, spec=No
     """``--sp`` divides what ``--tp`` leaves of the ranks, the sequence length and the heads a tensor rank holds
     (Ulysses attention gives each sequence rank ``heads / (tp x sp)`` whole heads); refused with the numbers
     and the sizes that fit. With ``spec``, AutoSP's own checks also run on the model (on the meta device)."""
-    if sp < 1:
-        raise ConfigError(f"--sp {sp}: must be at least 1")
+    check_flag("--sp", sp, Int(1))
     if sp == 1:
         return
     rest = nproc // tp
