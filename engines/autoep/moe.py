@@ -22,7 +22,7 @@ from .dispatch import AllToAllV, exchange_counts
 from .graphed import GraphedRoute
 from .permute import DispatchRows, PermuteRows, inverse_permutation
 from .presets import Routing
-from .router_logits import is_linear_router, router_logits
+from .router_logits import router_logits
 
 #: logit dtypes for which ``route`` takes a renormalised top-k softmax as the softmax of the top-k logits
 SHORT_ROUTE_DTYPES = (torch.bfloat16, torch.float16)
@@ -232,8 +232,8 @@ class AutoEPMoE(torch.nn.Module):
         self._expert_id_cache: torch.Tensor | None = None
         self._row_id_cache: torch.Tensor | None = None
         self._graphed_call = False  # within a call of the graphed route (see _captured_route)
-        #: the router's logits are F.linear of its input by its class (see :mod:`.router_logits`)
-        self._linear_router = is_linear_router(router)
+        #: False: always call the router module for the logits (see :mod:`.router_logits`)
+        self._linear_router = True
 
     @property
     def router(self) -> torch.nn.Module:

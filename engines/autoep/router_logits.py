@@ -38,10 +38,11 @@ def _hooked(router: torch.nn.Module) -> bool:
                 or _module._global_backward_pre_hooks)
 
 
-def router_logits(router: torch.nn.Module, x: torch.Tensor, linear: bool) -> torch.Tensor:
-    """The logits [T, E] of ``router`` for rows ``x`` [T, H]; ``linear``: :func:`is_linear_router` (read once
-    by the layer). The router module is called unless its logits can be computed alone (module docstring)."""
-    if linear and not _hooked(router):
+def router_logits(router: torch.nn.Module, x: torch.Tensor, linear: bool = True) -> torch.Tensor:
+    """The logits [T, E] of ``router`` for rows ``x`` [T, H]. The router module is called unless its logits can be
+    computed alone (module docstring; asked at every call: a wrapper may change the module's class or hook it
+    later); ``linear=False`` always calls it."""
+    if linear and is_linear_router(router) and not _hooked(router):
         return torch.nn.functional.linear(x, router.weight, getattr(router, "bias", None))
     out = router(x)
     return out[0] if isinstance(out, tuple) else out

@@ -38,7 +38,7 @@ def _counting_forward(router):
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_logits_alone_equal_the_router_modules_bit_for_bit(family):
     _, layer = _layer(family)
-    assert layer._linear_router
+    assert is_linear_router(layer.router)
     torch.manual_seed(5)
     hidden = layer.router.weight.shape[1]
     x, grad = torch.randn(2, 7, hidden, dtype=torch.float64), torch.randn(2, 7, hidden, dtype=torch.float64)
@@ -107,4 +107,7 @@ def test_which_routers_are_taken_as_linear():
     assert not is_linear_router(MyRouter.__new__(MyRouter))  # a subclass may compute its logits otherwise
     assert not is_linear_router(torch.nn.Sequential(torch.nn.Linear(4, 2)))
     _, ds = _layer("deepseek_v3")
-    assert not ds._linear_router  # DeepSeek's router computes its logits in float32 itself
+    assert not is_linear_router(ds.router)  # DeepSeek's router computes its logits in float32 itself
+    calls = _counting_forward(ds.router)
+    ds(torch.randn(1, 3, ds.router.weight.shape[1], dtype=torch.float64))
+    assert calls == [1]
