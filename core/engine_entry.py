@@ -30,6 +30,7 @@ import os
 import socket
 import sys
 
+from .config_check import Section
 from .contracts import TrainingEngine, contract_mismatch
 from .errors import ConfigError, PolyaccelError
 from .extensions import ENGINE_GROUP, LAYER_GROUP, by_name, discover_extensions, entry_point_names
@@ -135,14 +136,10 @@ def _ensure_world(sizes: dict[str, int], keys: dict[str, str]) -> None:
 
 def check_config_keys(config, engine_keys) -> None:
     """Refuse a top-level config key that neither the engine (``engine_keys``; None: the engine checks its own)
-    nor a model layer knows, listing every key allowed at that level."""
+    nor a model layer knows, listing every key allowed at that level (with a did-you-mean)."""
     if engine_keys is None or not isinstance(config, dict):
         return
-    allowed = {str(k) for k in engine_keys} | set(model_layers())
-    unknown = sorted(str(k) for k in config if str(k) not in allowed)
-    if unknown:
-        raise ConfigError(f"unknown config key(s) {', '.join(repr(k) for k in unknown)}; allowed keys: "
-                          f"{', '.join(sorted(allowed))}")
+    Section(config, "", {str(k) for k in engine_keys} | set(model_layers()))
 
 
 def apply_layers(model, config: dict, mesh=None):

@@ -33,8 +33,10 @@ def test_unknown_top_level_key_lists_the_layers_keys():
     with pytest.raises(polyaccel.ConfigError) as info:
         polyaccel.initialize(model, cfg)
     msg = str(info.value)
-    assert msg.startswith("unknown config key(s) 'tensor_paralel'; allowed keys: "), msg
-    allowed = msg.split("allowed keys: ", 1)[1].split(", ")
+    assert msg.startswith("unknown config key 'tensor_paralel'; allowed keys: "), msg
+    listed, guess = msg.split("allowed keys: ", 1)[1].split("; did you mean ")
+    assert guess == "'tensor_parallel'?", msg
+    allowed = listed.split(", ")
     assert {"tensor_parallel", "expert_parallel", "zero_optimization", "optimizer"} <= set(allowed), allowed
     assert allowed == sorted(allowed)
     assert cfg == {"tensor_paralel": {"autotp_size": 2}, "optimizer": {"type": "adamw", "params": {"lr": 1e-3}}}
