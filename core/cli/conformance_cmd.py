@@ -43,7 +43,8 @@ def add_arguments(p) -> None:
     p.add_argument("--accelerator", metavar="NAME", default=None,
                    help="plugin to certify (default: $POLYACCEL_ACCELERATOR, else the auto-selected one)")
     p.add_argument("--emulate", action="store_true",
-                   help="run inside the emulated runtime a plugin offers for NAME (polyaccel_emulated_runtimes)")
+                   help="run inside the emulated runtime a plugin offers for NAME "
+                        "(polyaccel_emulated_runtimes)")
     p.add_argument("--json", metavar="FILE", default=None, help="write the result document to FILE")
     p.add_argument("--junitxml", metavar="FILE", default=None, help="also write JUnit XML to FILE")
     p.add_argument("-k", dest="keyword", metavar="EXPR", default=None,
@@ -84,9 +85,10 @@ def run(args) -> int:
         return 2
     try:
         with _progress_shown() as show:
-            result = run_suite(args.accelerator, emulate=args.emulate, keyword=args.keyword, junitxml=args.junitxml,
-                               json_path=args.json, verbose=args.verbose, timeout=args.timeout, fuzz=args.fuzz,
-                               fuzz_examples=args.fuzz_examples, fuzz_seed=args.fuzz_seed, progress=show)
+            result = run_suite(args.accelerator, emulate=args.emulate, keyword=args.keyword,
+                               junitxml=args.junitxml, json_path=args.json, verbose=args.verbose,
+                               timeout=args.timeout, fuzz=args.fuzz, fuzz_examples=args.fuzz_examples,
+                               fuzz_seed=args.fuzz_seed, progress=show)
     except TimeoutError as exc:
         print(f"polyaccel conformance: {exc}", file=sys.stderr)
         return 2
@@ -108,8 +110,8 @@ def run(args) -> int:
 
 @contextlib.contextmanager
 def _progress_shown():
-    """A progress bar on a terminal's stderr (checks done of those collected, the one running), gone when the run
-    ends; elsewhere (a pipe, a log) nothing until the table."""
+    """A progress bar on a terminal's stderr (checks done of those collected, the one running), gone when the
+    run ends; elsewhere (a pipe, a log) nothing until the table."""
     if not sys.stderr.isatty():
         yield None
         return
@@ -137,9 +139,11 @@ def _print_table(doc) -> None:
     con = Console(width=max(100, width))
     acc = doc["accelerator"] or {}
     emulated = bool(acc.get("emulated"))
+    claims = ", ".join(acc.get("capabilities") or []) or "nothing"
     title = (f"conformance of {acc.get('name', '?')!r} (device type {acc.get('device_type', '?')}"
-             f"{', emulated' if emulated else ''}); claims: {', '.join(acc.get('capabilities') or []) or 'nothing'}")
-    rows = sorted(doc["rows"], key=lambda r: (_AREA_ORDER.index(r["area"]) if r["area"] in _AREA_ORDER else 99))
+             f"{', emulated' if emulated else ''}); claims: {claims}")
+    rows = sorted(doc["rows"],
+                  key=lambda r: (_AREA_ORDER.index(r["area"]) if r["area"] in _AREA_ORDER else 99))
     table = Table(title=title, show_lines=False)
     for col in ("area", "subject", "check", "claimed", "result", "reason"):
         table.add_column(col, overflow="fold")

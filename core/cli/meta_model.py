@@ -33,18 +33,19 @@ def meta_model(name: str, families, build, full_config, tiny_config, tiny: bool 
             cfg = AutoConfig.from_pretrained(path, local_files_only=True)
             with torch.device("meta"):
                 return AutoModelForCausalLM.from_config(cfg)
-        except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, KeyError, TypeError, its own...
+        except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, KeyError, TypeError, ...
             raise ModelArgumentError(f"--model {name!r}: transformers cannot build a causal LM from {file} "
                                      f"({_one_line(exc)}); fix the file, or pass a family name") from None
     if name not in families:
-        raise ModelArgumentError(f"--model {name!r}: choose one of {', '.join(families)} or a directory with a "
-                                 "config.json")
+        raise ModelArgumentError(f"--model {name!r}: choose one of {', '.join(families)} or a directory with "
+                                 "a config.json")
     cfg = tiny_config(name) if tiny else full_config(name)
     with torch.device("meta"):
         return build(cfg, name)
 
 
 def _one_line(exc: Exception) -> str:
-    """``exc`` as ``Type: first line`` (at most 300 characters): transformers' messages run over many lines."""
+    """``exc`` as ``Type: first line`` (at most 300 characters): transformers' messages run over many
+    lines."""
     text = " ".join(line.strip() for line in str(exc).strip().splitlines()[:3] if line.strip())
     return f"{type(exc).__name__}: {text[:300]}"

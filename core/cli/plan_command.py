@@ -37,14 +37,15 @@ class PlanCommand:
                             help=f"family name ({self.families}) or a directory with config.json")
         parser.add_argument(f"--{self.degree}", type=int, default=self.degree_default, metavar="N",
                             help=f"{self.degree_help} (default {self.degree_default})")
-        parser.add_argument("--tiny", action="store_true", help="the small test-sized config of the family instead")
+        parser.add_argument("--tiny", action="store_true",
+                            help="the small test-sized config of the family instead")
         parser.add_argument("--config", default=None, metavar="JSON",
                             help=f"extra {self.section} keys as JSON, e.g. '{self.config_example}'")
 
     def run(self, args, make_plan: Callable[[dict, Callable[[], object]], object],
             show: Callable[[object], str] = str) -> int:
-        """Print ``show(make_plan(section, build_model))``; 0, or 1 with the refusal on stderr (2 for a --model
-        that builds nothing).
+        """Print ``show(make_plan(section, build_model))``; 0, or 1 with the refusal on stderr (2 for a
+        --model that builds nothing).
 
         ``make_plan`` gets the config section (--config with the degree set) and a function that
         builds the meta model (so the engine decides what is checked before the model is built).
