@@ -67,7 +67,8 @@ class Accelerator(HostMemory):
 
     #: plugin name, unique among installed plugins ("cuda", "rocm", "cpu", ...)
     name: ClassVar[str] = ""
-    #: torch's device type for tensors of this backend ("cuda" for rocm too)
+    #: torch's device type for tensors of this backend ("cuda" for rocm too; a class whose tensors are
+    #: host tensors derives from HostAccelerator, and discovery gives a 1.x one left at "cpu" its answers)
     device_type: ClassVar[str] = "cpu"
     #: contract version the plugin was written against; major must match polyaccel's
     api_version: ClassVar[str] = API_VERSION
@@ -89,7 +90,7 @@ class Accelerator(HostMemory):
 
     # ------------------------------------------------------------- identity and claims
     def probe(self) -> ProbeResult:
-        """Whether this backend can be used here, and why not. Must be cheap; never raise."""
+        """Ask the runtime whether this backend can be used here, and why not. Must be cheap."""
         mod = self._device_module(required=False)
         if mod is None or not hasattr(mod, "is_available"):
             return ProbeResult(False, f"torch has no '{self.device_type}' device module")
