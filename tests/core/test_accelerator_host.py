@@ -17,8 +17,8 @@ from polyaccel.hookspecs import hookimpl
 from polyaccel.host_accelerator import HostAccelerator, with_host_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
-#: the contract and the plumbing its defaults use: neither may ask which device it serves
-DEVICE_GENERIC_FILES = ("core/accelerator.py", "core/device_generic.py")
+#: the contract (with its host-memory part) and its defaults' plumbing: none may ask which device it serves
+DEVICE_GENERIC_FILES = ("core/accelerator.py", "core/host_registration.py", "core/device_generic.py")
 _IDENTITY = {"device_type", "name"}
 
 
