@@ -1,7 +1,8 @@
 """What a :class:`~.engine.ZeroEngine` reports about itself: norms, scales, plans, sizes, parameters.
 
-Read-only views over the engine's attributes (the ``EngineState`` base of the engine), kept apart
-from the set-up and the training loop; see :mod:`polyaccel.engines.zero` for the contract.
+Views over the engine's attributes (the ``EngineState`` base of the engine; ``set_lr`` is its one
+setter), kept apart from the set-up and the training loop; see :mod:`polyaccel.engines.zero` for
+the contract.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ class EngineState:
     def offload_optimizer(self) -> bool:
         """Whether the master partitions and the optimizer step live on the host (``offload_optimizer``)."""
         return self.placement.optimizer.on_host
-
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last optimizer boundary (before clipping; ``inf`` when fp16
