@@ -163,3 +163,20 @@ def test_a_router_of_the_wrong_width_is_refused_by_name():
     with pytest.raises(InvalidArgument, match=f"router gives {layer.num_experts + 1} scores a token for "
                                               f"{layer.num_experts} experts"):
         layer(torch.randn(1, 3, hidden, dtype=torch.float64))
+
+
+def test_many_rows_sort_narrow_ids_to_the_same_order():
+    """Above torch's in-block sort size the expert ids are sorted as int16 (fewer radix passes on a GPU): the same
+    order, inverse and end rows as the int64 sort."""
+    layer = _layer()
+    E = layer.num_experts
+    torch.manual_seed(8)
+    T = moe.RADIX_SORT_ROWS // 2 + 3  # top-2: just above the size
+    idx = torch.stack([torch.randperm(E)[:2] for _ in range(T)])
+    with Launches() as count:
+        order, inverse, ends = layer._sorted_routes(idx)
+    assert count.ops["_to_copy"] == 1  # (the cast to int16)
+    flat = idx.reshape(-1)
+    assert torch.equal(order, torch.sort(flat, stable=True)[1])
+    assert torch.equal(inverse[order], torch.arange(flat.numel()))
+    assert ends.dtype == torch.int64 and torch.equal(ends, torch.cumsum(torch.bincount(flat, minlength=E), 0))
