@@ -52,3 +52,19 @@ def test_blocks_are_timed_in_rotated_rounds_of_back_to_back_steps(monkeypatch):
     assert i == len(timed)
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     assert device.syncs == 2 * len(cost) + 2 * 4 * len(cost), "synchronised around each batch, not each step"
+
+
+def test_host_side_times_steps_from_an_idle_device_and_counts_one():
+    import torch
+
+    device = FakeDevice()
+    a = torch.randn(8)
+    calls = []
+
+    def step():
+        calls.append(1)
+        return (a * 2).sum().item()  # mul, sum and a read back to the host
+
+    got = autoep_gpu.host_side(step, device, steps=3)
+    assert len(calls) == 4 and device.syncs == 3 + 2, "synchronised before each timed step, around the counted one"
+    assert got["launches"] == 3 and got["syncs"] == 1 and got["host_ms"] > 0
