@@ -284,7 +284,7 @@ class ZeroEngine(EngineState):
             return
         if self.stepper.active:  # stepped and uploaded bucket by bucket during backward
             self.stepper.finish()
-            self.groups[0].optimizer.finish_step()  # an optimizer whose slices were only prepared (Muon)
+            self.groups[0].optimizer.finish_step(self.groups[0].partitioner)  # slices only prepared (Muon)
             self.groups[0].partitioner.publish()
         else:
             for g in self.groups:

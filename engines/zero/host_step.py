@@ -77,7 +77,7 @@ class HostStepper:
         g = self._group
         for lo, hi in ranges:
             g.optimizer.step_slice(g.partitioner.grad, lo, hi)
-            if not g.optimizer.defers_apply:  # else uploaded after its finish_step
+            if g.optimizer.slice_done(lo, hi):  # else uploaded by the optimizer's finish_step
                 g.partitioner.upload(lo, hi)
 
     def wait(self) -> None:

@@ -127,12 +127,14 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         #: how many matrices this rank orthogonalized (its owner's share), over all steps
         self.orthogonalized = 0
         self._alloc = alloc
-        #: whether the round buffers are kept between steps, allocated by ``alloc`` (by default where the
-        #: partition is on the host: the offloaded step, prepared slice by slice, in pinned buffers); else each
-        #: round's buffer lives on the partition's device for its round only (one round's memory)
+        #: whether the round buffers are kept between steps, allocated by ``alloc`` (by default where
+        #: the partition is on the host: the offloaded step, prepared slice by slice, in pinned buffers);
+        #: else each round's buffer lives on the partition's device for its round only (one round's memory)
         self.kept_buffers = master.device.type == "cpu" if kept_buffers is None else kept_buffers
         self._buffers: list[torch.Tensor] | None = None  # the offloaded step's round buffers (host, kept)
         self._slices: dict[tuple[int, int], tuple] = {}
+        self._scratch_buf: torch.Tensor | None = None
+        self._chunk_rounds: dict[tuple[int, int], int] | None = None
 
     def _matrix(self, i: int, name: str, shape, head_split, p, weight_decay: float) -> Matrix:
         split = get_layout(p).split
@@ -196,8 +198,11 @@ class MuonPartitionOptimizer(PartitionOptimizer):
             return
         mc, dtype = self.mcfg, self.master.dtype
         bufs = [self.state["exp_avg"][lo:hi] for lo, hi, _, _ in pieces]
-        grads = [grad[lo:hi] if grad.dtype == dtype else grad[lo:hi].to(dtype) for lo, hi, _, _ in pieces]
         dsts = [send[m.owner * c + m.offset + elem:][:hi - lo] for lo, hi, m, elem in pieces]
+        if self.kept_buffers:
+            self._host_fill([grad[lo:hi] for lo, hi, _, _ in pieces], bufs, dsts)
+            return
+        grads = [grad[lo:hi] if grad.dtype == dtype else grad[lo:hi].to(dtype) for lo, hi, _, _ in pieces]
         torch._foreach_lerp_(bufs, grads, 1 - mc.momentum)
         if not mc.nesterov:
             torch._foreach_copy_(dsts, bufs)
@@ -207,6 +212,26 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         else:
             for g, b, d in zip(grads, bufs, dsts, strict=True):
                 torch.lerp(g, b, mc.momentum, out=d)
+
+    def _host_fill(self, grads, bufs, dsts) -> None:
+        """:meth:`_fill` on the host, piece by piece through a kept scratch buffer of the master's dtype: the
+        host's kernels make a temporary for every operand or result of another dtype (fresh memory, paged in
+        again at every step), the device's convert as they go. The same operations on the same numbers."""
+        mc, dtype = self.mcfg, self.master.dtype
+        for g, b, d in zip(grads, bufs, dsts, strict=True):
+            g32 = g if g.dtype == dtype else self._scratch(g.numel()).copy_(g)
+            b.lerp_(g32, 1 - mc.momentum)
+            if not mc.nesterov:
+                d.copy_(b)
+            elif d.dtype == dtype:
+                torch.lerp(g32, b, mc.momentum, out=d)
+            else:
+                d.copy_(torch.lerp(g32, b, mc.momentum, out=self._scratch(g.numel())))
+
+    def _scratch(self, n: int) -> torch.Tensor:
+        if self._scratch_buf is None or self._scratch_buf.numel() < n:
+            self._scratch_buf = torch.empty(n, dtype=self.master.dtype, device=self.master.device)
+        return self._scratch_buf[:n]
 
     def _apply(self, pieces, full: torch.Tensor, c: int) -> None:
         """``p = p * (1 - lr * wd) - lr * scale * O`` on ``pieces``, ``O`` read from the round buffer ``full``
@@ -220,7 +245,11 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         for (wd, scale), (ps, os_) in apply.items():
             if lr * wd:  # a factor of exactly 1 changes nothing
                 torch._foreach_mul_(ps, 1 - lr * wd)
-            torch._foreach_add_(ps, os_, alpha=-lr * scale)
+            if not self.kept_buffers or full.dtype == self.master.dtype:
+                torch._foreach_add_(ps, os_, alpha=-lr * scale)
+                continue
+            for p, o in zip(ps, os_, strict=True):  # on the host through the scratch buffer (see _host_fill)
+                p.add_(self._scratch(o.numel()).copy_(o), alpha=-lr * scale)
 
     def _new_buffer(self, rnd: Round, pieces) -> torch.Tensor:
         """A round's buffer where the partition is; zeroed where this rank writes nothing (other ranks' pieces
@@ -311,13 +340,20 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         for rnd, pieces, buf in zip(self.rounds, rounds, bufs, strict=True):
             self._fill(pieces, grad, buf, rnd.chunk)
 
+    def slice_done(self, lo: int, hi: int) -> bool:
+        """Whether elements ``[lo, hi)`` are fully stepped once :meth:`step_slice` prepared them (no Muon
+        element among them): the engine uploads such a slice at once, the others after :meth:`finish_step`."""
+        return not any(clip(p, lo, hi) for p in self.round_pieces)
+
     @torch.no_grad()
-    def finish_step(self) -> None:
+    def finish_step(self, partitioner=None) -> None:
         """Orthogonalize and apply the prepared step: each round's buffer goes to the device, its matrices are
         orthogonalized there, and it comes back into the same host buffer; the host applies a round while the
-        device works on the next (two rounds in flight at most, so device memory stays one round's)."""
-        in_flight: list[tuple[list, torch.Tensor, int, object]] = []
-        for rnd, pieces, buf in zip(self.rounds, self.round_pieces, self._round_buffers(), strict=True):
+        device works on the next (two rounds in flight at most). With ``partitioner``, each of its upload
+        chunks starts uploading as soon as the last round with elements in it is applied."""
+        last = self._last_rounds(partitioner)
+        in_flight: list[tuple[int, torch.Tensor, object]] = []
+        for r, (rnd, buf) in enumerate(zip(self.rounds, self._round_buffers(), strict=True)):
             full = self._orthogonalized(rnd, buf)
             event = None
             if full is not buf:
@@ -325,17 +361,34 @@ class MuonPartitionOptimizer(PartitionOptimizer):
                 if self._events:
                     event = self.accelerator.Event()
                     event.record()
-            in_flight.append((pieces, buf, rnd.chunk, event))
+            in_flight.append((r, buf, event))
             if len(in_flight) == 2:
-                self._apply_landed(*in_flight.pop(0))
+                self._apply_landed(*in_flight.pop(0), last, partitioner)
         for args in in_flight:
-            self._apply_landed(*args)
+            self._apply_landed(*args, last, partitioner)
+
+    def _last_rounds(self, partitioner) -> dict[int, list[tuple[int, int]]]:
+        """``{round: the partitioner's upload chunks whose last Muon elements that round applies}``."""
+        if partitioner is None:
+            return {}
+        if self._chunk_rounds is None:
+            self._chunk_rounds = {}
+            for lo, hi in partitioner.upload_chunks():
+                touched = [r for r, p in enumerate(self.round_pieces) if clip(p, lo, hi)]
+                if touched:
+                    self._chunk_rounds[(lo, hi)] = max(touched)
+        out: dict[int, list[tuple[int, int]]] = {}
+        for chunk, r in self._chunk_rounds.items():
+            out.setdefault(r, []).append(chunk)
+        return out
 
     @property
     def _events(self) -> bool:
         return self.accelerator is not None and self.accelerator.has("events")
 
-    def _apply_landed(self, pieces, buf: torch.Tensor, c: int, event) -> None:
+    def _apply_landed(self, r: int, buf: torch.Tensor, event, last, partitioner) -> None:
         if event is not None:
             event.synchronize()
-        self._apply(pieces, buf, c)
+        self._apply(self.round_pieces[r], buf, self.rounds[r].chunk)
+        for lo, hi in last.get(r, ()):
+            partitioner.upload(lo, hi)

@@ -90,8 +90,13 @@ class PartitionOptimizer:
     #: slice is prepared (an optimizer of whole matrices, Muon); the slices are uploaded after that
     defers_apply = False
 
-    def finish_step(self) -> None:
-        """Apply a step whose slices :meth:`step_slice` prepared (see :attr:`defers_apply`); else nothing."""
+    def finish_step(self, partitioner=None) -> None:
+        """Apply a step whose slices :meth:`step_slice` prepared (see :attr:`defers_apply`), uploading
+        ``partitioner``'s chunks as they are done; else nothing."""
+
+    def slice_done(self, lo: int, hi: int) -> bool:
+        """Whether elements ``[lo, hi)`` are fully stepped by :meth:`step_slice` (then uploaded at once)."""
+        return not self.defers_apply
 
     @torch.no_grad()
     def step(self, grad: torch.Tensor) -> None:
