@@ -32,14 +32,15 @@ def test_autoep_launches_about_half_of_hf_grouped_mm_and_reads_nothing_back(monk
     unfused = autoep_launches.count_step(autoep_block(eager, fused=False), x, grad)
     monkeypatch.undo()
     hf = autoep_launches.count_step(hf_block(8, 2, 64, 32, "grouped_mm", device), x, grad)
-    # no value read back to the host in a forward + backward at fixed shapes, on either AutoEP path (on a GPU each
-    # read waits for the device); HF's eager loop reads which experts were hit
+    # no value read back to the host in a forward + backward at fixed shapes, on either AutoEP path (on a GPU
+    # each read waits for the device); HF's eager loop reads which experts were hit
     assert not ours.syncs and not unfused.syncs, (ours.syncs, unfused.syncs)
     assert sum(autoep_launches.count_step(eager, x, grad).syncs.values()) >= 8
     assert ours.ops["_grouped_mm"] == hf.ops["_grouped_mm"] == 6, "the same six expert GEMMs"
     assert sum(ours.triton.values()) <= 6
     # (55 aten + 5 Triton before the short route, the sorted-id search and one node per expert op: 60 of 64;
-    # 39 + 6 with the offsets read back to check them; 34 + 6 before the router's logits were computed alone)
+    # 39 + 6 with the offsets read back to check them; 34 + 6 before the router's logits were computed
+    # alone)
     assert ours.total + sum(ours.triton.values()) <= 33, (ours.ops, ours.triton, hf.ops)
     assert ours.total + sum(ours.triton.values()) <= 0.55 * hf.total
     assert "topk" in ours.ops and ours.ops["topk"] == 1, "one top-k: the layer's route, not the router's own too"
