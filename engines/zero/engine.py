@@ -283,8 +283,12 @@ class ZeroEngine(EngineState):
         if scale is None:
             return
         if self.stepper.active:  # stepped and uploaded bucket by bucket during backward
-            self.stepper.finish()
-            self.groups[0].optimizer.finish_step(self.groups[0].partitioner)  # slices only prepared (Muon)
+            try:
+                self.stepper.wait()
+                # slices only prepared (Muon): applied now, their uploads deferred like the overlapped ones
+                self.groups[0].optimizer.finish_step(self.groups[0].partitioner)
+            finally:
+                self.stepper.finish()
             self.groups[0].partitioner.publish()
         else:
             for g in self.groups:
