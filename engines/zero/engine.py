@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import socket
-from functools import partial
 
 import torch
 from polyaccel.errors import ConfigError
@@ -20,6 +19,7 @@ from .loss_scaler import LossScaler
 from .offload import HostBuffers, HostTransfer
 from .partitioner import PartitionSetup
 from .placement import choose_placement
+from .stage3_saved import saved_tensor_hooks
 from .weight_decay import resolve_param_groups
 
 
@@ -96,14 +96,8 @@ class ZeroEngine(EngineState):
 
             self.muon_choices = choose_params(model, [n for n, _ in self.trainable], cfg.optimizer.muon)
         self.groups = GroupBuilder(self).build(model, self.reduction_stream)
-        packers = [g.partitioner.pack_saved for g in self.groups if hasattr(g.partitioner, "pack_saved")]
-        self._saved_tensor_hooks = None  # stage 3: (pack, unpack), installed around every forward
-        if packers:
-            from .stage3_saved import pack_saved_any, unpack_saved
-
-            # called for every tensor autograd saves in forward: one group's hook is installed as it is
-            pack = packers[0] if len(packers) == 1 else partial(pack_saved_any, packers)
-            self._saved_tensor_hooks = (pack, unpack_saved)
+        # stage 3: (pack, unpack), installed around every forward
+        self._saved_tensor_hooks = saved_tensor_hooks([g.partitioner for g in self.groups])
         first = self.groups[0]
         self.partitioner, self.optimizer = first.partitioner, first.optimizer
         self.global_steps = 0

@@ -8,6 +8,8 @@ backward gathers the module's parameters again before the module's own backward 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -118,3 +120,13 @@ def pack_saved_any(packers, t: torch.Tensor):
         if ref is not t:
             return ref
     return t
+
+
+def saved_tensor_hooks(partitioners: list) -> tuple | None:
+    """The ``(pack, unpack)`` saved-tensor hooks for the stage-3 ones among ``partitioners``, or None without
+    one. Called for every tensor autograd saves in forward: one partitioner's hook is installed as it is."""
+    packers = [p.pack_saved for p in partitioners if hasattr(p, "pack_saved")]
+    if not packers:
+        return None
+    pack = packers[0] if len(packers) == 1 else functools.partial(pack_saved_any, packers)
+    return pack, unpack_saved
