@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call for issue 49's rows (speed that holds on any machine): install polyaccel, then run each named step
+# under its own limit, logging to OUTDIR/<step>.log. Run it in three separate calls and report all three.
+#   bash benchmarks/speed_device.sh OUTDIR STEP...
+# Steps:
+#   confcold   polyaccel conformance --accelerator cuda with an empty Triton cache (target <= 90 s)
+#   autoep     autoep_gpu.py, all 8 rows (>= 1.3x HF grouped_mm, >= 2x HF eager; host ms and launches a step)
+#   muon       zero_gpu.py --muon, 220M: ZeRO-1 and ZeRO-1 + offload_optimizer, Muon beside AdamW (<= 1.15x, <= 2x)
+#   muon1b     the same at 1B, stage 1 only (<= 1.15x)
+#   offload1b  zero_gpu.py --size 1b: stage 3 + offload_optimizer + offload_param vs FSDP2 + CPUOffloadPolicy (<= 0.85x)
+# STEPS sets autoep_gpu's timed steps (default 5); ROUNDS zero_gpu's rounds (default 1).
+set -u
+OUT=${1:?usage: speed_device.sh OUTDIR STEP...}
+shift
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+STEPS=${STEPS:-5}
+ROUNDS=${ROUNDS:-1}
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TORCH_CUDA_ARCH_LIST=9.0
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || echo "pip install failed"
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(), 'host CPUs', __import__('os').cpu_count())"
+run() {  # name, limit, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - t0)) s"
+  tail -"${TAIL:-25}" "$OUT/$name.log"
+}
+for step in "$@"; do
+  case $step in
+    confcold) TRITON_CACHE_DIR=$(mktemp -d) TAIL=4 run confcold 300 polyaccel conformance --accelerator cuda \
+                --timeout 280 --json "$OUT/confcold.json" ;;
+    autoep) (cd benchmarks && TAIL=40 run autoep 330 python3 autoep_gpu.py --steps "$STEPS" --out "$OUT/autoep.json") ;;
+    muon) (cd benchmarks && run muon 300 python3 zero_gpu.py --muon --only "=stage 1,=stage 1 + offload_optimizer" \
+             --peers "" --isolate --rounds "$ROUNDS" --steps 6 --out "$OUT/muon.json") ;;
+    muon1b) (cd benchmarks && run muon1b 300 python3 zero_gpu.py --size 1b --muon --only "=stage 1" --peers "" \
+               --isolate --rounds "$ROUNDS" --steps 5 --out "$OUT/muon1b.json") ;;
+    offload1b) (cd benchmarks && run offload1b 360 python3 zero_gpu.py --size 1b \
+                  --only "=stage 3 + offload_optimizer + offload_param" --no-granular --peers fsdp2 --isolate \
+                  --rounds "$ROUNDS" --steps 5 --out "$OUT/offload1b.json") ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
