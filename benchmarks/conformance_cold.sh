@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
-# The cuda conformance run with an empty Triton cache (issue 49's target: <= 90 s), then again warm, in one call.
+# The cuda conformance run with an empty Triton cache (issue 49's target: <= 90 s), then warm, in one call.
 #   bash benchmarks/conformance_cold.sh OUTDIR
-# Writes OUTDIR/conf_cold.json and OUTDIR/conf_warm.json (docs/conformance-json.md) and prints each run's total,
-# its counts, the seconds per op (cold and warm: the difference is mostly Triton compiling) and the slowest rows.
+# Writes OUTDIR/conf_cold.json and OUTDIR/conf_warm.json (docs/conformance-json.md) and prints each run's
+# total, its counts, the seconds per op (cold and warm: the difference is mostly Triton compiling) and the
+# slowest rows.
 # The compiles the cold run triggers are counted on a CPU by benchmarks/conformance_compiles.py.
 set -u
 OUT=${1:?usage: conformance_cold.sh OUTDIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || echo "pip install failed (see install.log)"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+  || echo "pip install failed (see install.log)"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+      torch.cuda.get_device_name())"
 TRITON_CACHE_DIR=$(mktemp -d)
 export TRITON_CACHE_DIR
 for run in cold warm; do
   t0=$SECONDS
-  polyaccel conformance --accelerator cuda --timeout 580 --json "$OUT/conf_$run.json" >"$OUT/conf_$run.log" 2>&1
-  echo "== $run: exit $? in $((SECONDS - t0)) s (wall, with the process start); $(tail -1 "$OUT/conf_$run.log")"
+  polyaccel conformance --accelerator cuda --timeout 580 --json "$OUT/conf_$run.json" \
+    >"$OUT/conf_$run.log" 2>&1
+  echo "== $run: exit $? in $((SECONDS - t0)) s (wall, process start included)"
+  tail -1 "$OUT/conf_$run.log"
 done
 echo "Triton cache after the cold run: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) cubins"
 python3 - "$OUT/conf_cold.json" "$OUT/conf_warm.json" <<'EOF'

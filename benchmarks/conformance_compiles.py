@@ -105,7 +105,7 @@ def _install_hooks() -> None:
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     def tuned_run(self, *args, **kwargs):
-        # every config is compiled for a new tuning key (then one, the winner, thereafter: the first stands in)
+        # a new tuning key compiles every config (later calls one, the winner: the first stands in)
         configs = self.configs if COUNTER.tuning_key_is_new(self, args, kwargs) else self.configs[:1]
         for i, cfg in enumerate(configs):
             with COUNTER.dry_run(COUNTER.dry or i > 0):
@@ -129,7 +129,7 @@ def _gpu_choice(registry):
 
 
 def _tuned_on_gpu():
-    """Launchers that skip their autotuner under the interpreter take it here (the counter runs one config)."""
+    """Launchers that skip their autotuner under the interpreter take it here (one config runs)."""
     import importlib
 
     for name in ("moe_experts",):
@@ -156,7 +156,7 @@ def rows(ops_filter):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ops", default="", help="comma-separated ops (default: every op with a conformance check)")
+    p.add_argument("--ops", default="", help="comma-separated ops (default: every op with a check)")
     p.add_argument("--rows", action="store_true", help="print each row's new keys by kernel")
     p.add_argument("--keys", action="store_true", help="print each new key (specialization and options) too")
     p.add_argument("--json", default=None, help="write the counts here")

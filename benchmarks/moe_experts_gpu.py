@@ -187,7 +187,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true", help="print a kernel table of fwd+bwd, fused and unfused")
     p.add_argument("--builders", default=None, metavar="GATE_UP,DOWN",
-                   help="override moe_gate_up and moe_down_combine to these builders (default: the registry's)")
+                   help="override moe_gate_up and moe_down_combine to these (default: the registry's)")
     args = p.parse_args(argv)
     rows = [tuple(int(v) for v in r.split(",")) for r in args.rows] if args.rows else ROWS
 

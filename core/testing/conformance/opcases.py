@@ -221,11 +221,11 @@ def check_swiglu(fn, device: torch.device, dtype: torch.dtype) -> None:
         _close(u_d.grad, u_r.grad, dtype, f"{where}: d up")
 
 
-#: (rows, F, the inputs as the two halves of one [rows, 2F] tensor, weights in float32 rather than the inputs'
-#: dtype): F over one column block of the kernels. The float32 weights (their own compile on a GPU) are taken by
-#: some cases, the long rows among them, rather than by every case (``benchmarks/conformance_compiles.py``)
-WEIGHTED_SWIGLU_CASES = [(3, 5, False, False), (0, 7, False, True), (37, 1100, True, True), (6, 33, True, False),
-                         (1, 1, False, True)]
+#: (rows, F, the inputs as the two halves of one [rows, 2F] tensor, weights in float32 rather than the
+#: inputs' dtype): F over one column block of the kernels. The float32 weights (their own compile on a GPU)
+#: are taken by some cases, the long rows among them, not by every case (benchmarks/conformance_compiles.py)
+WEIGHTED_SWIGLU_CASES = [(3, 5, False, False), (0, 7, False, True), (37, 1100, True, True),
+                         (6, 33, True, False), (1, 1, False, True)]
 
 
 def check_weighted_swiglu(fn, device: torch.device, dtype: torch.dtype) -> None:
@@ -234,7 +234,8 @@ def check_weighted_swiglu(fn, device: torch.device, dtype: torch.dtype) -> None:
         w_dtype = torch.float32 if fp32_weights else dtype
         h, grad = torch.randn(n, 2 * f).to(dtype), torch.randn(n, f).to(dtype)
         weights = torch.rand(n).to(w_dtype) + 0.5
-        where = f"weighted_swiglu {dtype} rows {n} F {f} weights {w_dtype}{' (halves of one tensor)' * halves}"
+        halves_note = " (halves of one tensor)" if halves else ""
+        where = f"weighted_swiglu {dtype} rows {n} F {f} weights {w_dtype}{halves_note}"
         h_d = _dev(h, device).requires_grad_(True)
         w_d = _dev(weights, device).requires_grad_(True)
         if halves:
@@ -257,7 +258,7 @@ def check_weighted_swiglu(fn, device: torch.device, dtype: torch.dtype) -> None:
         _close(d_gate, g_r.grad, dtype, f"{where}: d gate")
         _close(d_up, u_r.grad, dtype, f"{where}: d up")
         assert w_d.grad.dtype == w_dtype, f"{where}: d weights is {w_d.grad.dtype}, expected {w_dtype}"
-        if n:  # a sum over F: bounded relative to the sum of its terms' magnitudes, not to the (cancelled) sum
+        if n:  # a sum over F: bounded relative to the sum of its terms' magnitudes, not to the cancelled sum
             g = h[:, :f].double()
             mag = (grad.double().abs() * (g * torch.sigmoid(g)).abs() * h[:, f:].double().abs()).sum(1)
             err = (w_d.grad.detach().cpu().double() - w_r.grad).abs()
@@ -294,10 +295,11 @@ def check_grouped_mm(fn, device: torch.device, dtype: torch.dtype) -> None:
 
 
 # ---------------------------------------------------------------------------- gather_sum
-#: (tokens, k, H, weighted: both / True / False): one slot, several, a row longer than one block of columns, no
-#: tokens. Weighted and unweighted are two compiles on a GPU each: both for the first case, one each for the
-#: others (one slot, the long row and the weights' gradient over its blocks weighted; many slots unweighted).
-#: The first case's k and H are an expert-op case's (opcases_moe), whose combine compiles the same kernels
+#: (tokens, k, H, weighted: both / True / False): one slot, several, a row longer than one block of columns,
+#: no tokens. Weighted and unweighted are two compiles on a GPU each: both for the first case, one each for
+#: the others (one slot, the long row and the weights' gradient over its blocks weighted; many slots
+#: unweighted). The first case's k and H are an expert-op case's (opcases_moe), whose combine compiles the
+#: same kernels
 GATHER_SUM_CASES = [(9, 2, 33, None), (5, 1, 3, True), (6, 3, 1100, True), (4, 8, 5, False), (0, 2, 4, None)]
 
 

@@ -103,9 +103,9 @@ def check_linear_cross_entropy(fn, device: torch.device, dtype: torch.dtype) -> 
             assert float(loss.detach()) == 0.0 and not bool(leaves[0].grad.any()), f"{where}: all ignored must give 0"
 
 
-#: logits shapes [..., V]: rows, none, a leading batch, one class, a row over one Triton block. The rows and the
-#: leading batch share V (one compile on a GPU: a kernel compiles once per block size and per pattern of its
-#: sizes, see ``benchmarks/conformance_compiles.py``)
+#: logits shapes [..., V]: rows, none, a leading batch, one class, a row over one Triton block. The rows and
+#: the leading batch share V (one compile on a GPU: a kernel compiles once per block size and per pattern of
+#: its sizes, see ``benchmarks/conformance_compiles.py``)
 LOGITS_SHAPES = [(5, 130), (0, 3), (2, 3, 130), (4, 1), (3, 1500)]
 
 

@@ -29,8 +29,8 @@ def _within(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor, dtype: tor
 
 
 # ------------------------------------------------------------------------------ rms_norm
-#: (x shape, eps, offset, weight: "same" dtype / "fp32" / None). The two ragged rows of one block share their
-#: width's block (one compile on a GPU, ``benchmarks/conformance_compiles.py``); 16 and 64 are the aligned ones
+#: (x shape, eps, offset, weight: "same" dtype / "fp32" / None). The two ragged rows of one block share
+#: their width's block (one compile on a GPU, ``benchmarks/conformance_compiles.py``); 16 and 64 are aligned
 RMS_NORM_CASES = [
     ((3, 37), 1e-6, 0.0, "same"), ((2, 3, 33), 1e-5, 1.0, "same"), ((0, 5), 1e-6, 0.0, "same"),
     ((4, 1100), 1e-6, 0.0, "fp32"), ((5, 16), 1e-6, 0.0, None), ((1, 1), 0.0, 1.0, "fp32"),
@@ -82,9 +82,9 @@ def check_rms_norm(fn, device: torch.device, dtype: torch.dtype) -> None:
 
 # ---------------------------------------------------------------------------------- rope
 #: (B, Hq, Hk, S, D, cos/sin form, interleaved, q/k in Hugging Face's transposed layout, cos/sin in float32
-#: rather than q's dtype). The float32 tables (a mixed-precision launch, its own compile on a GPU) are taken by
-#: half the cases, split-half and interleaved, either layout, [1, S, D] and [B, S, D] tables among them, rather
-#: than by every case (``benchmarks/conformance_compiles.py`` counts the compiles)
+#: rather than q's dtype). The float32 tables (a mixed-precision launch, its own compile on a GPU) are taken
+#: by half the cases (split-half and interleaved, either layout, [1, S, D] and [B, S, D] tables among them),
+#: not by every case (``benchmarks/conformance_compiles.py`` counts the compiles)
 ROPE_CASES = [
     (2, 3, 1, 5, 8, "BSD", False, True, False), (1, 2, 2, 4, 6, "SD", True, False, False),
     (2, 4, 2, 3, 16, "1SD", False, False, True), (2, 2, 1, 3, 8, "BSD", True, True, True),
@@ -125,6 +125,7 @@ def check_rope(fn, device: torch.device, dtype: torch.dtype) -> None:
         for name, got, want, x, g, grad, want_grad in (("q", qo, wq, q, gq, q_d.grad, q64.grad),
                                                        ("k", ko, wk, k, gk, k_d.grad, k64.grad)):
             xa, ga = x.double().abs(), g.double().abs()
-            _within(got, want.detach(), xa * c + rotate(xa, interleaved).abs() * s, dtype, f"{where}: {name}_out")
+            fwd_mag = xa * c + rotate(xa, interleaved).abs() * s
+            _within(got, want.detach(), fwd_mag, dtype, f"{where}: {name}_out")
             assert grad is not None, f"{where}: backward produced no gradient for {name}"
             _within(grad, want_grad, ga * c + rotate(ga * s, interleaved).abs(), dtype, f"{where}: d {name}")

@@ -37,9 +37,9 @@ CLASSIC = (1.875, -1.25, 0.375)
 
 #: (shape, steps, coefficients): wide, tall, batched both ways, square, a vector-like row, empty, aligned.
 #: A GPU compiles a kernel once per pattern of its sizes and strides (multiple of 16, equal to 1, neither):
-#: every ragged case here has no size or stride that is a multiple of 16, so they share one compile per kernel,
-#: and two cases give the other patterns: the row (one row) and the aligned batch (every size a multiple of 16,
-#: the layout of real weights). ``benchmarks/conformance_compiles.py`` counts the compiles.
+#: every ragged case here has no size or stride that is a multiple of 16, so they share one compile per
+#: kernel, and two cases give the other patterns: the row (one row) and the aligned batch (every size a
+#: multiple of 16, the layout of real weights). ``benchmarks/conformance_compiles.py`` counts the compiles.
 NS_CASES = [
     ((5, 9), 5, None), ((13, 6), 5, None), ((3, 7, 11), 5, None), ((2, 13, 5), 5, None), ((4, 7, 7), 5, None),
     ((2, 2, 33, 19), 5, None), ((1, 17), 5, None), ((0, 4), 5, None), ((3, 0, 5), 5, None),

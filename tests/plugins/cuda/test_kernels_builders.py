@@ -125,8 +125,8 @@ def test_torch_moe_builders_need_torch_grouped_mm_and_triton(monkeypatch):
 
 
 def test_the_all_triton_fused_expert_builders_are_gone(monkeypatch):
-    """They ran at 0.57-0.85x of the default path and were never chosen (docs/autoep.md): taken out, so neither
-    the plugin's table, nor the process's registry, nor ``explain`` lists them, and no kernel module is left."""
+    """They ran at 0.57-0.85x of the default path and were never chosen (docs/autoep.md): taken out, so
+    neither the plugin's table, nor the process's registry, nor ``explain`` lists them; the module is gone."""
     from polyaccel import ops
 
     monkeypatch.setenv("POLYACCEL_PLUGINS", "cpu,cuda")
