@@ -38,3 +38,18 @@ def test_several_tiles_match_the_reference(dtype, shape):
     # the reference's iteration in the same dtype: only the rounding order of the products differs (a wrong or
     # missing tile is O(1) off)
     assert err_same <= om.NS_BOUNDS[dtype], err_same
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_batch_of_wide_blocks_gives_each_matrix_its_own_result(dtype):
+    """ZeRO's Muon hands the op its blocks in the wide orientation, the transposes of tall blocks batched with
+    wide blocks of that shape (engines/zero/muon.py). The iteration is per matrix: each result is, bit for bit,
+    what the op gives the tall matrices alone (transposed inside the op) and the wide one alone."""
+    cfg = kn.TileConfig(16, 16, 16, 1, 1, group_m=2)
+    kw = {"steps": 2, "coefficients": ref.muon.NS_COEFFICIENTS, "eps": 1e-7, "config": cfg}
+    torch.manual_seed(1)
+    tall, wide = torch.randn(2, 40, 24).to(dtype), torch.randn(1, 24, 40).to(dtype)
+    batch = torch.cat([tall.mT, wide])  # what orthogonalize_many builds
+    got = kn.newton_schulz(batch, **kw)
+    assert torch.equal(got[:2].mT, kn.newton_schulz(tall, **kw))
+    assert torch.equal(got[2:], kn.newton_schulz(wide, **kw))
