@@ -329,12 +329,7 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         """Prepare elements ``[lo, hi)`` of the step begun by :meth:`begin_step` (the offloaded step, while
         backward runs): the Adam elements are stepped, the Muon elements' momentum and update written into the
         round buffers. :meth:`finish_step` does the rest."""
-        plan = self._slices.get((lo, hi))
-        if plan is None:
-            adam = [(wd, [(a, b) for a, b, _, _ in clip([(a, b, None, 0) for a, b in p], lo, hi)])
-                    for wd, p in self.adam_pieces]
-            plan = self._slices[(lo, hi)] = (adam, [clip(p, lo, hi) for p in self.round_pieces])
-        adam, rounds = plan
+        adam, rounds = self._slice_plan(lo, hi)
         self._adam_step(grad, adam)
         bufs = self._round_buffers()
         for rnd, pieces, buf in zip(self.rounds, rounds, bufs, strict=True):
@@ -343,7 +338,17 @@ class MuonPartitionOptimizer(PartitionOptimizer):
     def slice_done(self, lo: int, hi: int) -> bool:
         """Whether elements ``[lo, hi)`` are fully stepped once :meth:`step_slice` prepared them (no Muon
         element among them): the engine uploads such a slice at once, the others after :meth:`finish_step`."""
-        return not any(clip(p, lo, hi) for p in self.round_pieces)
+        return not any(self._slice_plan(lo, hi)[1])
+
+    def _slice_plan(self, lo: int, hi: int) -> tuple[list, list]:
+        """The Adam pieces by weight decay and the Muon pieces by round inside ``[lo, hi)`` (cached: the
+        engine prepares the same slices every step)."""
+        plan = self._slices.get((lo, hi))
+        if plan is None:
+            adam = [(wd, [(a, b) for a, b, _, _ in clip([(a, b, None, 0) for a, b in p], lo, hi)])
+                    for wd, p in self.adam_pieces]
+            plan = self._slices[(lo, hi)] = (adam, [clip(p, lo, hi) for p in self.round_pieces])
+        return plan
 
     @torch.no_grad()
     def finish_step(self, partitioner=None) -> None:
