@@ -15,11 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ...errors import ConfigError
 from . import results
 from .progress import SuiteProgress
 
 #: the option the suite's process takes the progress pipe's file descriptor by (:mod:`.progress`)
 PROGRESS_OPTION = "--polyaccel-progress-fd"
+
+#: run the checks in this many pytest-xdist processes (unset, 0 or 1: one process): on a GPU with an empty
+#: kernel cache the run is mostly compiling, which then happens in parallel
+WORKERS_ENV = "POLYACCEL_CONFORMANCE_WORKERS"
 
 SUITE_PACKAGE = "polyaccel.testing.conformance"
 PYTEST_PLUGIN = f"{SUITE_PACKAGE}.plugin"
@@ -52,7 +57,8 @@ class SuiteRun:
 def pytest_command(accelerator: str | None, *, emulate: bool = False, json_path: str | None = None,
                    keyword: str | None = None, junitxml: str | None = None, verbose: bool = False,
                    ini_path: str | None = None, extra_args: tuple[str, ...] = (), fuzz: bool = False,
-                   fuzz_examples: int | None = None, fuzz_seed: int | None = None) -> list[str]:
+                   fuzz_examples: int | None = None, fuzz_seed: int | None = None,
+                   workers: int = 1) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-p", PYTEST_PLUGIN, "-p", "no:cacheprovider",
            "--import-mode=importlib", "--pyargs", SUITE_PACKAGE, "-rfE", "-v" if verbose else "-q"]
     if ini_path:
@@ -73,7 +79,30 @@ def pytest_command(accelerator: str | None, *, emulate: bool = False, json_path:
             cmd += ["--polyaccel-fuzz-seed", str(fuzz_seed)]
     if junitxml:
         cmd += ["--junitxml", os.path.abspath(junitxml)]
+    if workers > 1:
+        cmd += ["-n", str(workers)]
     return cmd + list(extra_args)
+
+
+def workers_from_env(env: dict[str, str] | None = None) -> int:
+    """The process count :data:`WORKERS_ENV` asks for (1 when unset); a bad value or a missing pytest-xdist is
+    refused, naming the variable."""
+    raw = (os.environ if env is None else env).get(WORKERS_ENV, "").strip()
+    if not raw:
+        return 1
+    try:
+        workers = int(raw)
+    except ValueError:
+        raise ConfigError(f"{WORKERS_ENV}={raw!r} is not a whole number of processes") from None
+    if workers < 0:
+        raise ConfigError(f"{WORKERS_ENV}={raw!r} must be 0 or more (0 and 1: one process)")
+    if workers > 1:
+        import importlib.util
+
+        if importlib.util.find_spec("xdist") is None:
+            raise ConfigError(f"{WORKERS_ENV}={raw!r} runs the checks in pytest-xdist processes, which is "
+                              "not installed here: pip install pytest-xdist, or unset it")
+    return max(workers, 1)
 
 
 def run_suite(accelerator: str | None = None, *, emulate: bool = False, keyword: str | None = None,
@@ -87,8 +116,10 @@ def run_suite(accelerator: str | None = None, *, emulate: bool = False, keyword:
     from ``fuzz_seed`` or a fixed derandomized set: :mod:`polyaccel.testing.conformance.fuzz`).
 
     ``json_path`` keeps the document (else a temporary file is used); ``env`` replaces the
-    child's environment (default: this process's). ``progress(tracker)`` is called (from another
-    thread) as each check starts and finishes (:class:`.progress.SuiteProgress`). Raises
+    child's environment (default: this process's). ``POLYACCEL_CONFORMANCE_WORKERS=N`` in it runs
+    the checks in N pytest-xdist processes (:func:`workers_from_env`). ``progress(tracker)`` is
+    called (from another thread) as each check starts and finishes
+    (:class:`.progress.SuiteProgress`). Raises
     ``TimeoutError`` after ``timeout`` seconds, having killed the run, naming the check it was on.
     """
     with tempfile.TemporaryDirectory(prefix="polyaccel-conformance-") as tmp:
@@ -100,7 +131,7 @@ def run_suite(accelerator: str | None = None, *, emulate: bool = False, keyword:
             os.unlink(out_json)  # never report a previous run's document
         cmd = pytest_command(accelerator, emulate=emulate, json_path=out_json, keyword=keyword, junitxml=junitxml,
                              verbose=verbose, ini_path=ini, extra_args=extra_args, fuzz=fuzz,
-                             fuzz_examples=fuzz_examples, fuzz_seed=fuzz_seed)
+                             fuzz_examples=fuzz_examples, fuzz_seed=fuzz_seed, workers=workers_from_env(env))
         child_env = dict(os.environ if env is None else env)
         child_env.setdefault("PYTHONUNBUFFERED", "1")  # what it printed reaches the pipe, should it be killed
         tracker = SuiteProgress(progress)
