@@ -3,7 +3,8 @@
 #   bash benchmarks/conformance_cold.sh OUTDIR
 # Writes OUTDIR/conf_cold.json and OUTDIR/conf_warm.json (docs/conformance-json.md) and prints each run's
 # total, its counts, the seconds per op (cold and warm: the difference is mostly Triton compiling) and the
-# slowest rows.
+# slowest rows. Then, with WORKERS=N > 1 (default 4; WORKERS=1 skips it), a third run with another empty cache
+# and POLYACCEL_CONFORMANCE_WORKERS=N (the checks in N processes) -> OUTDIR/conf_cold_workers.json.
 # The compiles the cold run triggers are counted on a CPU by benchmarks/conformance_compiles.py.
 set -u
 OUT=${1:?usage: conformance_cold.sh OUTDIR}
@@ -24,6 +25,14 @@ for run in cold warm; do
   tail -1 "$OUT/conf_$run.log"
 done
 echo "Triton cache after the cold run: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) cubins"
+WORKERS=${WORKERS:-4}
+if [ "$WORKERS" -gt 1 ]; then
+  t0=$SECONDS
+  TRITON_CACHE_DIR=$(mktemp -d) POLYACCEL_CONFORMANCE_WORKERS=$WORKERS polyaccel conformance --accelerator cuda \
+    --timeout 580 --json "$OUT/conf_cold_workers.json" >"$OUT/conf_cold_workers.log" 2>&1
+  echo "== cold, $WORKERS processes: exit $? in $((SECONDS - t0)) s (wall, process start included)"
+  tail -1 "$OUT/conf_cold_workers.log"
+fi
 python3 - "$OUT/conf_cold.json" "$OUT/conf_warm.json" <<'EOF'
 import json
 import sys
