@@ -29,7 +29,8 @@ WORKERS=${WORKERS:-4}
 if [ "$WORKERS" -gt 1 ]; then
   t0=$SECONDS
   TRITON_CACHE_DIR=$(mktemp -d) POLYACCEL_CONFORMANCE_WORKERS=$WORKERS \
-    polyaccel conformance --accelerator cuda --timeout 580 --json "$OUT/conf_cold_workers.json" >"$OUT/conf_cold_workers.log" 2>&1
+    polyaccel conformance --accelerator cuda --timeout 580 --json "$OUT/conf_cold_workers.json" \
+    >"$OUT/conf_cold_workers.log" 2>&1
   echo "== cold, $WORKERS processes: exit $? in $((SECONDS - t0)) s (wall, process start included)"
   tail -1 "$OUT/conf_cold_workers.log"
 fi
