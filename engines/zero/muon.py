@@ -18,6 +18,7 @@ from polyaccel.ops.reference import muon as ref_muon
 from polyaccel.parallel import get_layout
 
 from .muon_plan import Matrix, Round, clip, gaps, pieces_of, plan_rounds
+from .muon_transfer import RoundTransfer
 from .optimizer import PartitionOptimizer
 
 
@@ -127,6 +128,7 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         #: how many matrices this rank orthogonalized (its owner's share), over all steps
         self.orthogonalized = 0
         self._alloc = alloc
+        self._transfer = RoundTransfer(accelerator, comm_device)
         #: whether the round buffers are kept between steps, allocated by ``alloc`` (by default where
         #: the partition is on the host: the offloaded step, prepared slice by slice, in pinned buffers);
         #: else each round's buffer lives on the partition's device for its round only (one round's memory)
@@ -353,20 +355,18 @@ class MuonPartitionOptimizer(PartitionOptimizer):
     @torch.no_grad()
     def finish_step(self, partitioner=None) -> None:
         """Orthogonalize and apply the prepared step: each round's buffer goes to the device, its matrices are
-        orthogonalized there, and it comes back into the same host buffer; the host applies a round while the
-        device works on the next (two rounds in flight at most). With ``partitioner``, each of its upload
-        chunks starts uploading as soon as the last round with elements in it is applied."""
+        orthogonalized there, and it comes back into the same host buffer (copies off the compute stream, see
+        :mod:`.muon_transfer`); the host applies a round while the device works on the next. With
+        ``partitioner``, each of its upload chunks starts uploading as soon as the last round with elements
+        in it is applied."""
         last = self._last_rounds(partitioner)
+        bufs = self._round_buffers()
         in_flight: list[tuple[int, torch.Tensor, object]] = []
-        for r, (rnd, buf) in enumerate(zip(self.rounds, self._round_buffers(), strict=True)):
-            full = self._orthogonalized(rnd, buf)
-            event = None
-            if full is not buf:
-                buf.copy_(full, non_blocking=self._events)
-                if self._events:
-                    event = self.accelerator.Event()
-                    event.record()
-            in_flight.append((r, buf, event))
+        for r, (rnd, buf, (send, ready)) in enumerate(zip(self.rounds, bufs, self._transfer.up(bufs),
+                                                          strict=True)):
+            self._transfer.join(ready)
+            full = self._orthogonalized(rnd, send)
+            in_flight.append((r, buf, self._transfer.down(buf, full)))
             if len(in_flight) == 2:
                 self._apply_landed(*in_flight.pop(0), last, partitioner)
         for args in in_flight:
@@ -386,10 +386,6 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         for chunk, r in self._chunk_rounds.items():
             out.setdefault(r, []).append(chunk)
         return out
-
-    @property
-    def _events(self) -> bool:
-        return self.accelerator is not None and self.accelerator.has("events")
 
     def _apply_landed(self, r: int, buf: torch.Tensor, event, last, partitioner) -> None:
         if event is not None:
