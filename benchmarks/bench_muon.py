@@ -1,6 +1,6 @@
 """Muon on the GPU: the Triton Newton-Schulz against the bf16 GEMM rate, and a Muon step against torch.optim.Muon.
 
-    python benchmarks/bench_muon.py [--batch 4] [--size 4096] [--sweep] [--out muon.json]
+    python benchmarks/bench_muon.py [--batch 4] [--size 4096] [--sweep] [--only ns|step|zero] [--out muon.json]
 
 (a) ``newton_schulz`` on a batch of ``size x size`` bf16 matrices, 5 iterations. FLOPs counted as
     the plain iteration's: per matrix and iteration three GEMMs, ``X X^T`` (2 m^2 n), ``A A``
@@ -12,6 +12,8 @@
     1024x1024, MLP 4096x1024 and 1024x4096; fp32 params): ``torch.optim.Muon`` vs
     ``polyaccel.optim.Muon`` (through ``polyaccel.ops.fused_muon``: the cuda plugin's builder),
     same hyperparameters; the two results after one step are compared too.
+(c) ZeRO Muon's Newton-Schulz a step at world size 1 (220M and 1B Llama, batched by wide shape as the
+    engine does): the Triton op against the reference composition per batch, and the sum.
 """
 
 from __future__ import annotations
@@ -112,6 +114,36 @@ def bench_newton_schulz(args, dev, rows: list[Row]) -> None:
           f"reference {ref_ms:.3f} ms ({tf(ref_ms):.0f} TF/s); rel err {rel:.1e}", flush=True)
 
 
+#: ZeRO Muon's Newton-Schulz work a step at world size 1 (benchmarks/zero_gpu.py's Llama shapes), as
+#: engines/zero/muon.py batches it: every block in the wide orientation, one call per wide shape (here all
+#: rounds merged: the fewest, largest calls; a gather_bucket_size below the model's Muon elements splits them)
+ZERO_SHAPES = {"220m": [(48, 1024, 1024), (36, 1024, 2816)], "1b": [(64, 2048, 2048), (48, 2048, 5632)]}
+
+
+def bench_zero_shapes(args, dev, rows: list[Row]) -> None:
+    """The ZeRO Muon step's Newton-Schulz at world size 1: the Triton op and the reference composition (cuBLAS
+    baddbmm) on each wide-shape batch, and their sum: the least a Muon step costs over an AdamW step there."""
+    kns = _kernels()
+    for size, shapes in ZERO_SHAPES.items():
+        total = {"ours": 0.0, "reference": 0.0}
+        for b, m, n in shapes:
+            x = torch.randn(b, m, n, device=dev, dtype=torch.bfloat16)
+            ours_ms = time_ms(lambda x=x: kns.newton_schulz(x))
+            ref_ms = time_ms(lambda x=x: ref.newton_schulz(x))
+            total["ours"] += ours_ms
+            total["reference"] += ref_ms
+            tf = ns_flops(b, m, n) / 1e12
+            rows.append(Row("muon", f"ZeRO {size} Newton-Schulz batch {b} x {m}x{n}, 5 steps", "ms",
+                            "reference (torch baddbmm)", ref_ms, ours_ms,
+                            detail=f"ours {tf / (ours_ms * 1e-3):.0f} TF/s, reference {tf / (ref_ms * 1e-3):.0f} TF/s "
+                                   "(plain-iteration FLOPs)"))
+            print(f"{size} {b}x{m}x{n}: ours {ours_ms:.2f} ms, reference {ref_ms:.2f} ms", flush=True)
+        rows.append(Row("muon", f"ZeRO {size} Newton-Schulz a step (all wide shapes)", "ms",
+                        "reference (torch baddbmm)", total["reference"], total["ours"],
+                        detail="the floor of the Muon step's cost over the AdamW step at world size 1"))
+        print(f"{size} total: ours {total['ours']:.2f} ms, reference {total['reference']:.2f} ms", flush=True)
+
+
 def _matrices(layers: int, hidden: int, dev):
     shapes = []
     for _ in range(layers):
@@ -153,12 +185,12 @@ def main(argv=None) -> list[Row]:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--sweep", action="store_true", help="time several tile configurations of the Triton kernels")
-    ap.add_argument("--only", choices=("ns", "step"), help="run one part only")
+    ap.add_argument("--only", choices=("ns", "step", "zero"), help="run one part only")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args(argv)
     dev = benchlib.require_gpu()
     rows: list[Row] = []
-    for part, fn in (("ns", bench_newton_schulz), ("step", bench_step)):
+    for part, fn in (("ns", bench_newton_schulz), ("step", bench_step), ("zero", bench_zero_shapes)):
         if args.only in (None, part):
             try:
                 fn(args, dev, rows)
