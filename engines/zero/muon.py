@@ -151,6 +151,12 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         m.lr_scale = ref_muon.muon_lr_scale(blk, self.mcfg.lr_adjustment)
         return m
 
+    def release(self) -> None:
+        """Drop the state, the master and the kept round and scratch buffers (the engine is being destroyed)."""
+        super().release()
+        self._buffers = self._scratch_buf = None
+        self._slices.clear()
+
     @property
     def steps_in_slices(self) -> bool:
         return False  # whole matrices: a slice is only prepared (defers_apply)
