@@ -152,7 +152,7 @@ class MuonPartitionOptimizer(PartitionOptimizer):
         return m
 
     def release(self) -> None:
-        """Drop the state, the master and the kept round and scratch buffers (the engine is being destroyed)."""
+        """Drop the state, the master and the kept buffers (the engine is being destroyed)."""
         super().release()
         self._buffers = self._scratch_buf = None
         self._slices.clear()
@@ -243,7 +243,9 @@ class MuonPartitionOptimizer(PartitionOptimizer):
 
     def _apply(self, pieces, full: torch.Tensor, c: int) -> None:
         """``p = p * (1 - lr * wd) - lr * scale * O`` on ``pieces``, ``O`` read from the round buffer ``full``
-        (widened to the master's dtype inside the addition: the same numbers as a cast first)."""
+        (widened to the master's dtype inside the addition: the same numbers as a cast first). With kept
+        buffers the decay was applied when the pieces were prepared (:meth:`_decay`): the same two roundings
+        in the same order, the first one while backward still runs."""
         lr = self.lr
         apply: dict[tuple[float, float], tuple[list, list]] = {}
         for lo, hi, m, elem in pieces:
@@ -251,13 +253,23 @@ class MuonPartitionOptimizer(PartitionOptimizer):
             ps.append(self.master[lo:hi])
             os_.append(full[m.owner * c + m.offset + elem:][:hi - lo])
         for (wd, scale), (ps, os_) in apply.items():
-            if lr * wd:  # a factor of exactly 1 changes nothing
-                torch._foreach_mul_(ps, 1 - lr * wd)
-            if not self.kept_buffers or full.dtype == self.master.dtype:
-                torch._foreach_add_(ps, os_, alpha=-lr * scale)
+            if self.kept_buffers and full.dtype != self.master.dtype:  # on the host: through the scratch
+                for p, o in zip(ps, os_, strict=True):
+                    p.add_(self._scratch(o.numel()).copy_(o), alpha=-lr * scale)
                 continue
-            for p, o in zip(ps, os_, strict=True):  # on the host through the scratch buffer (see _host_fill)
-                p.add_(self._scratch(o.numel()).copy_(o), alpha=-lr * scale)
+            if lr * wd and not self.kept_buffers:  # a factor of exactly 1 changes nothing
+                torch._foreach_mul_(ps, 1 - lr * wd)
+            torch._foreach_add_(ps, os_, alpha=-lr * scale)
+
+    def _decay(self, pieces) -> None:
+        """``p *= 1 - lr * wd`` on the Muon ``pieces`` (the kept buffers' step: see :meth:`_apply`)."""
+        lr = self.lr
+        by_decay: dict[float, list[torch.Tensor]] = {}
+        for lo, hi, m, _ in pieces:
+            if lr * m.weight_decay:  # a factor of exactly 1 changes nothing
+                by_decay.setdefault(m.weight_decay, []).append(self.master[lo:hi])
+        for wd, ps in by_decay.items():
+            torch._foreach_mul_(ps, 1 - lr * wd)
 
     def _new_buffer(self, rnd: Round, pieces) -> torch.Tensor:
         """A round's buffer where the partition is; zeroed where this rank writes nothing (other ranks' pieces
@@ -336,12 +348,13 @@ class MuonPartitionOptimizer(PartitionOptimizer):
     def step_slice(self, grad: torch.Tensor, lo: int, hi: int) -> None:
         """Prepare elements ``[lo, hi)`` of the step begun by :meth:`begin_step` (the offloaded step, while
         backward runs): the Adam elements are stepped, the Muon elements' momentum and update written into the
-        round buffers. :meth:`finish_step` does the rest."""
+        round buffers and their weights decayed. :meth:`finish_step` does the rest."""
         adam, rounds = self._slice_plan(lo, hi)
         self._adam_step(grad, adam)
         bufs = self._round_buffers()
         for rnd, pieces, buf in zip(self.rounds, rounds, bufs, strict=True):
             self._fill(pieces, grad, buf, rnd.chunk)
+            self._decay(pieces)
 
     def slice_done(self, lo: int, hi: int) -> bool:
         """Whether elements ``[lo, hi)`` are fully stepped once :meth:`step_slice` prepared them (no Muon
