@@ -134,12 +134,8 @@ def _fitting_split(draw, shape):
     return (dim, draw(st.sampled_from(divisors)))
 
 
-@st.composite
-def fused_muon_cases(draw, dtypes: tuple[torch.dtype, ...]) -> FusedMuonCase:
-    dtype = draw(st.sampled_from(dtypes))
-    state_dtype = dtype if dtype in (torch.float32, torch.float64) else draw(st.sampled_from((torch.float32, dtype)))
-    kind = draw(_KINDS)
-    n = draw(st.integers(2 if kind == "aliased tensors" else 1, 3))
+def _muon_groups(draw, kind: str, n: int, dtype, state_dtype) -> tuple[list, list]:
+    """The case's ``n`` groups (param, grad, momentum_buffer) and their shapes, with ``kind``'s overlap or alias."""
     groups, shapes = [], []
     for i in range(n):
         if kind == "aliased tensors" and i == 1:
@@ -154,6 +150,34 @@ def fused_muon_cases(draw, dtypes: tuple[torch.dtype, ...]) -> FusedMuonCase:
             specs.append(TensorSpec(f"{role} {i}", draw_layout(draw, shape, overlap=overlap),
                                     dtype if role != "momentum_buffer" else state_dtype))
         groups.append(tuple(specs))
+    return groups, shapes
+
+
+def _muon_refusal(draw, kind: str, hyper: dict, shapes: list, splits):
+    """``(refuse, alias, splits)`` for a case of ``kind`` (a bad setting planted into ``hyper``, a bad head
+    split into ``splits``)."""
+    if kind == "bad setting":
+        key = draw(st.sampled_from(sorted(MUON_BAD)))
+        hyper[key] = draw(st.sampled_from(MUON_BAD[key]))
+        return f"{key}={hyper[key]!r}", "", splits
+    if kind == "overlapping param":
+        return "a param with overlapping storage (a stride-0 expand)", "", splits
+    if kind == "aliased tensors":
+        alias = draw(st.sampled_from(("momentum_buffer 0 is param 0", "tensor 1 is tensor 0")))
+        return f"aliased written tensors ({alias})", alias, splits
+    if kind == "bad split":
+        rows = shapes[0][0] + 1  # more heads than rows
+        return f"head split (0, {rows}) of a {shapes[0]} tensor", "", ((0, rows),) + (None,) * (len(shapes) - 1)
+    return "", "", splits
+
+
+@st.composite
+def fused_muon_cases(draw, dtypes: tuple[torch.dtype, ...]) -> FusedMuonCase:
+    dtype = draw(st.sampled_from(dtypes))
+    state_dtype = dtype if dtype in (torch.float32, torch.float64) else draw(st.sampled_from((torch.float32, dtype)))
+    kind = draw(_KINDS)
+    n = draw(st.integers(2 if kind == "aliased tensors" else 1, 3))
+    groups, shapes = _muon_groups(draw, kind, n, dtype, state_dtype)
     splits = None
     if draw(st.booleans()):
         splits = tuple(_fitting_split(draw, s) if draw(st.booleans()) and min(s) > 0 else None for s in shapes)
@@ -162,20 +186,7 @@ def fused_muon_cases(draw, dtypes: tuple[torch.dtype, ...]) -> FusedMuonCase:
     hyper["ns_coefficients"] = draw(st.sampled_from((ref.muon.NS_COEFFICIENTS, CLASSIC)))
     hyper["eps"] = 1e-7
     ns_dtype = draw(st.sampled_from((torch.bfloat16, dtype)))
-    refuse, alias = "", ""
-    if kind == "bad setting":
-        key = draw(st.sampled_from(sorted(MUON_BAD)))
-        hyper[key] = draw(st.sampled_from(MUON_BAD[key]))
-        refuse = f"{key}={hyper[key]!r}"
-    elif kind == "overlapping param":
-        refuse = "a param with overlapping storage (a stride-0 expand)"
-    elif kind == "aliased tensors":
-        alias = draw(st.sampled_from(("momentum_buffer 0 is param 0", "tensor 1 is tensor 0")))
-        refuse = f"aliased written tensors ({alias})"
-    elif kind == "bad split":
-        rows = shapes[0][0] + 1  # more heads than rows
-        splits = ((0, rows),) + (None,) * (n - 1)
-        refuse = f"head split (0, {rows}) of a {shapes[0]} tensor"
+    refuse, alias, splits = _muon_refusal(draw, kind, hyper, shapes, splits)
     return FusedMuonCase(tuple(groups), splits, tuple(hyper.items()), ns_dtype, draw(SEEDS), alias, refuse)
 
 

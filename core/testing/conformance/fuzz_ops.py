@@ -105,13 +105,9 @@ class OptimizerCase:
     _repr_pretty_ = pretty_repr
 
 
-@st.composite
-def optimizer_cases(draw, op: str, dtypes: tuple[torch.dtype, ...]) -> OptimizerCase:
-    dtype = draw(st.sampled_from(dtypes))
-    state_dtype = dtype if dtype in (torch.float32, torch.float64) else draw(st.sampled_from((torch.float32, dtype)))
+def _optimizer_groups(draw, op: str, kind: str, n: int, dtype, state_dtype) -> list[tuple[TensorSpec, ...]]:
+    """The case's ``n`` groups of tensors (param, grad, states), with the overlap or alias ``kind`` plants."""
     roles = ("param", "grad") + STATES[op]
-    kind = draw(_KINDS)
-    n = draw(st.integers(2 if kind == "aliased tensors" else 1, 3))
     groups = []
     for i in range(n):
         if kind == "aliased tensors" and i == 1:
@@ -126,17 +122,32 @@ def optimizer_cases(draw, op: str, dtypes: tuple[torch.dtype, ...]) -> Optimizer
             planted = draw_specials(draw, lay.numel) if role == "grad" else ()
             specs.append(TensorSpec(f"{role} {i}", lay, dtype if role in ("param", "grad") else state_dtype, planted))
         groups.append(tuple(specs))
-    hyper = {k: draw(_VALID[k]) for k in HYPER[op]}
-    refuse, alias = "", ""
+    return groups
+
+
+def _optimizer_refusal(draw, op: str, kind: str, hyper: dict) -> tuple[str, str]:
+    """``(refuse, alias)`` for a case of ``kind`` (a bad hyperparameter is planted into ``hyper``)."""
     if kind == "bad hyperparameter":
         key = draw(st.sampled_from([k for k in HYPER[op] if k in BAD]))
         hyper[key] = draw(_BAD[key])
-        refuse = f"{key}={hyper[key]!r}"
-    elif kind == "overlapping param":
-        refuse = "a param with overlapping storage (a stride-0 expand)"
-    elif kind == "aliased tensors":
+        return f"{key}={hyper[key]!r}", ""
+    if kind == "overlapping param":
+        return "a param with overlapping storage (a stride-0 expand)", ""
+    if kind == "aliased tensors":
         alias = draw(st.sampled_from(("exp_avg 0 is param 0", "tensor 1 is tensor 0")))
-        refuse = f"aliased written tensors ({alias})"
+        return f"aliased written tensors ({alias})", alias
+    return "", ""
+
+
+@st.composite
+def optimizer_cases(draw, op: str, dtypes: tuple[torch.dtype, ...]) -> OptimizerCase:
+    dtype = draw(st.sampled_from(dtypes))
+    state_dtype = dtype if dtype in (torch.float32, torch.float64) else draw(st.sampled_from((torch.float32, dtype)))
+    kind = draw(_KINDS)
+    n = draw(st.integers(2 if kind == "aliased tensors" else 1, 3))
+    groups = _optimizer_groups(draw, op, kind, n, dtype, state_dtype)
+    hyper = {k: draw(_VALID[k]) for k in HYPER[op]}
+    refuse, alias = _optimizer_refusal(draw, op, kind, hyper)
     step_tensor = "step" in hyper and kind != "bad hyperparameter" and draw(st.booleans())
     return OptimizerCase(op, tuple(groups), tuple(hyper.items()), step_tensor, draw(_SCALES),
                          draw(SEEDS), alias, refuse)

@@ -141,28 +141,31 @@ def check_fused_muon(fn, device: torch.device, dtype: torch.dtype) -> None:
     for state_dtype in state_dtypes:
         for ns_dtype in _ns_dtypes(dtype):
             for args in MUON_ARGS:
-                kw = {k: v for k, v in args.items() if k != "split"}
-                splits = MUON_SPLITS if args["split"] else None
-                params, bufs = _muon_inputs(dtype, state_dtype)
-                start = [p.clone() for p in params]
-                mine_p = [_dev(p, device) for p in params]
-                mine_b = [_dev(b, device) for b in bufs]
-                ref_p = [p.double() for p in params]
-                ref_b = [b.double() for b in bufs]
-                for _ in range(2):
-                    grads = [torch.randn(s).to(dtype) for s in MUON_SHAPES]
-                    g_dev = [_dev(g, device) for g in grads]
-                    fn(mine_p, g_dev, mine_b, ns_dtype=ns_dtype, head_splits=splits, **kw)
-                    assert all(torch.equal(a.cpu(), b) for a, b in zip(g_dev, grads, strict=True)), (
-                        f"fused_muon {dtype}: the gradients were modified")
-                    ref.fused_muon(ref_p, [g.double() for g in grads], ref_b, ns_dtype=torch.float64,
-                                   head_splits=splits, **kw)
-                where = (f"fused_muon params {dtype}, buffers {state_dtype}, ns_dtype {ns_dtype}, "
-                         f"{kw}, head splits {splits}")
-                for i, (got, want) in enumerate(zip(mine_p, ref_p, strict=True)):
-                    assert got.dtype == dtype, f"{where}: param {i} changed dtype to {got.dtype}"
-                    _check_param(got, want, start[i], dtype, NS_BOUNDS[ns_dtype],
-                                 f"{where}: param {i} shape {MUON_SHAPES[i]}")
-                for i, (got, want) in enumerate(zip(mine_b, ref_b, strict=True)):
-                    assert got.dtype == state_dtype, f"{where}: buffer {i} changed dtype to {got.dtype}"
-                    _close(got, want, state_dtype, f"{where}: momentum buffer {i} shape {MUON_SHAPES[i]}")
+                _check_fused_muon_case(fn, device, dtype, state_dtype, ns_dtype, args)
+
+
+def _check_fused_muon_case(fn, device, dtype, state_dtype, ns_dtype, args) -> None:
+    """Two steps of ``fn`` on the device against the float64 reference, for one combination of settings."""
+    kw = {k: v for k, v in args.items() if k != "split"}
+    splits = MUON_SPLITS if args["split"] else None
+    params, bufs = _muon_inputs(dtype, state_dtype)
+    start = [p.clone() for p in params]
+    mine_p = [_dev(p, device) for p in params]
+    mine_b = [_dev(b, device) for b in bufs]
+    ref_p = [p.double() for p in params]
+    ref_b = [b.double() for b in bufs]
+    for _ in range(2):
+        grads = [torch.randn(s).to(dtype) for s in MUON_SHAPES]
+        g_dev = [_dev(g, device) for g in grads]
+        fn(mine_p, g_dev, mine_b, ns_dtype=ns_dtype, head_splits=splits, **kw)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(g_dev, grads, strict=True)), (
+            f"fused_muon {dtype}: the gradients were modified")
+        ref.fused_muon(ref_p, [g.double() for g in grads], ref_b, ns_dtype=torch.float64,
+                       head_splits=splits, **kw)
+    where = f"fused_muon params {dtype}, buffers {state_dtype}, ns_dtype {ns_dtype}, {kw}, head splits {splits}"
+    for i, (got, want) in enumerate(zip(mine_p, ref_p, strict=True)):
+        assert got.dtype == dtype, f"{where}: param {i} changed dtype to {got.dtype}"
+        _check_param(got, want, start[i], dtype, NS_BOUNDS[ns_dtype], f"{where}: param {i} shape {MUON_SHAPES[i]}")
+    for i, (got, want) in enumerate(zip(mine_b, ref_b, strict=True)):
+        assert got.dtype == state_dtype, f"{where}: buffer {i} changed dtype to {got.dtype}"
+        _close(got, want, state_dtype, f"{where}: momentum buffer {i} shape {MUON_SHAPES[i]}")
