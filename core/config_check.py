@@ -23,6 +23,7 @@ error worded like the rest of polyaccel's, with the key path and the fix.
 
 from __future__ import annotations
 
+import abc
 import difflib
 import math
 import numbers
@@ -83,8 +84,9 @@ def number_value(value: Any) -> float | None:
 
 
 @dataclass(frozen=True)
-class Rule:
-    """What one value may be. ``check`` returns the parsed value or raises a :class:`ConfigError`."""
+class Rule(abc.ABC):
+    """What one value may be. ``check`` returns the parsed value or raises a :class:`ConfigError`; each rule
+    says what it wants (``_what``) and parses a value (``_parse``: the value, or ``_BAD``)."""
 
     optional: bool = field(default=False, kw_only=True)
 
@@ -104,11 +106,11 @@ class Rule:
         """The rule worded for a command-line flag, whose type the argument parser has usually fixed."""
         return f"must be {self._what()}"
 
-    def _what(self) -> str:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _what(self) -> str: ...
 
-    def _parse(self, value: Any) -> Any:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _parse(self, value: Any) -> Any: ...
 
 
 def _number(x) -> str:

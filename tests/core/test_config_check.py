@@ -188,3 +188,18 @@ def test_a_mistyped_choice_gets_a_guess():
     with pytest.raises(ConfigError, match=r"^config key 'o.type' must be one of adamw, lion, got 'adamv'; "
                                           r"did you mean 'adamw'\?$"):
         check("adamv", OneOf(("adamw", "lion")), "o.type")
+
+
+def test_a_rule_must_say_what_it_wants_and_how_it_parses():
+    import pytest
+    from polyaccel.config_check import Rule
+
+    with pytest.raises(TypeError, match="abstract"):
+        Rule()
+
+    class Half(Rule):  # only one of the two
+        def _what(self):
+            return "half"
+
+    with pytest.raises(TypeError, match="_parse"):
+        Half()
