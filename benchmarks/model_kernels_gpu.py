@@ -119,6 +119,16 @@ def liger():
     return lk
 
 
+def liger_impl(ctx: Ctx, make: Callable) -> Callable | str:
+    """``make(liger_kernel.transformers)`` (the implementation to time), or why there is no Liger row."""
+    lk = liger()
+    if lk is None:
+        return "liger_kernel not installed"
+    if ctx.device.type != "cuda":
+        return "Liger's Triton kernels need a GPU"
+    return make(lk)
+
+
 def measure(ctx: Ctx, section: str, impls: dict[str, Callable | str], leaves: list[torch.Tensor],
             grads: list[torch.Tensor]) -> list[Result]:
     """Time each ``impls[name]()`` (outputs: a tensor or a tuple) forward and forward + backward.
@@ -207,15 +217,13 @@ def section_rms_norm(ctx: Ctx) -> list[Result]:
         "polyaccel": lambda: ops.rms_norm(x, w, ctx.eps),
         "torch_compile": _compiled(ctx, hf),
     }
-    lk = liger()
-    if lk is None:
-        impls["liger"] = "liger_kernel not installed"
-    elif ctx.device.type != "cuda":
-        impls["liger"] = "Liger's Triton kernels need a GPU"
-    else:
+
+    def liger_rms(lk):
         lrms = lk.LigerRMSNorm(ctx.hidden, eps=ctx.eps).to(ctx.device, ctx.dtype)
         lrms.weight = w  # one parameter for all: gradients compared on the same leaf
-        impls["liger"] = lambda: lrms(x)
+        return lambda: lrms(x)
+
+    impls["liger"] = liger_impl(ctx, liger_rms)
     ex = impls["torch_compile"]
     if not isinstance(ex, str):
         impls["torch_compile"] = lambda: ex(x)
@@ -282,13 +290,7 @@ def section_rope(ctx: Ctx) -> list[Result]:
     }
     ex = _compiled(ctx, hf_rope)
     impls["torch_compile"] = ex if isinstance(ex, str) else (lambda: ex(q, k, cos, sin))
-    lk = liger()
-    if lk is None:
-        impls["liger"] = "liger_kernel not installed"
-    elif ctx.device.type != "cuda":
-        impls["liger"] = "Liger's Triton kernels need a GPU"
-    else:
-        impls["liger"] = lambda: lk.liger_rotary_pos_emb(q, k, cos, sin)
+    impls["liger"] = liger_impl(ctx, lambda lk: lambda: lk.liger_rotary_pos_emb(q, k, cos, sin))
     if ctx.tune and ctx.device.type == "cuda":
         impls.update(tune_rope(ctx, q, k, cos, sin))
     return measure(ctx, "rope", impls, [q, k], [gq, gk])
@@ -340,14 +342,8 @@ def section_linear_cross_entropy(ctx: Ctx) -> list[Result]:
     }
     ex = _compiled(ctx, hf_loss)
     impls["torch_compile"] = ex if isinstance(ex, str) else (lambda: ex(x, w, labels))
-    lk = liger()
-    if lk is None:
-        impls["liger"] = "liger_kernel not installed"
-    elif ctx.device.type != "cuda":
-        impls["liger"] = "Liger's Triton kernels need a GPU"
-    else:
-        lflce = lk.LigerFusedLinearCrossEntropyLoss()
-        impls["liger"] = lambda: lflce(w, x, labels)
+    impls["liger"] = liger_impl(ctx, lambda lk: functools.partial(lk.LigerFusedLinearCrossEntropyLoss(), w, x,
+                                                                    labels))
     if ctx.tune and ctx.device.type == "cuda":
         impls.update(tune_linear_cross_entropy(x, w, labels))
     results = measure(ctx, "linear_cross_entropy", impls, [x, w], [one])

@@ -480,16 +480,20 @@ def _name_pattern(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
-def _names_of(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str]:
+def _group_names(optimizer: torch.optim.Optimizer, i: int, names: dict[int, str]) -> list[str]:
+    """The module's names of the parameters in ``optimizer``'s param group ``i`` (a foreign tensor refused)."""
     out = []
-    for i, g in enumerate(optimizer.param_groups):
-        for p in g["params"]:
-            if id(p) not in names:
-                raise ConfigError(f"{type(optimizer).__name__}'s param group {i} holds a tensor of shape "
-                                  f"{tuple(p.shape)} that is not a parameter of the LightningModule; optimize the "
-                                  "module's own parameters (self.parameters() or self.named_parameters())")
-            out.append(names[id(p)])
+    for p in optimizer.param_groups[i]["params"]:
+        if id(p) not in names:
+            raise ConfigError(f"{type(optimizer).__name__}'s param group {i} holds a tensor of shape "
+                              f"{tuple(p.shape)} that is not a parameter of the LightningModule; optimize the "
+                              "module's own parameters (self.parameters() or self.named_parameters())")
+        out.append(names[id(p)])
     return out
+
+
+def _names_of(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str]:
+    return [n for i in range(len(optimizer.param_groups)) for n in _group_names(optimizer, i, names)]
 
 
 def muon_optimizer_config(muon: torch.optim.Optimizer, adam: torch.optim.Optimizer | None,
@@ -582,17 +586,8 @@ def weight_decay_groups(optimizer: torch.optim.Optimizer, module: torch.nn.Modul
     if len(optimizer.param_groups) < 2:
         return []
     names = {id(p): n for n, p in module.named_parameters()}
-    out = []
-    for i, g in enumerate(optimizer.param_groups):
-        members = []
-        for p in g["params"]:
-            if id(p) not in names:
-                raise ConfigError(f"{type(optimizer).__name__}'s param group {i} holds a tensor of shape "
-                                  f"{tuple(p.shape)} that is not a parameter of the LightningModule; optimize the "
-                                  "module's own parameters (self.parameters() or self.named_parameters())")
-            members.append(names[id(p)])
-        out.append({"params": members, "weight_decay": float(g.get("weight_decay", 0.0))})
-    return out
+    return [{"params": _group_names(optimizer, i, names), "weight_decay": float(g.get("weight_decay", 0.0))}
+            for i, g in enumerate(optimizer.param_groups)]
 
 
 class PolyaccelStrategy(DDPStrategy):
