@@ -22,19 +22,10 @@ ROUNDS=${ROUNDS:-2}
 ROUNDS_1B=${ROUNDS_1B:-1}
 SP1_ONLY=${SP1_ONLY:-=stage 1,=stage 3}
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TORCH_CUDA_ARCH_LIST=9.0
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || echo "pip install failed (see install.log)"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl >>"$OUT/install.log" 2>&1 || echo "wheel install failed"
-fi
+. "$(dirname "$0")/device_common.sh"
+install_polyaccel
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
   'transformers', transformers.__version__, torch.cuda.get_device_name())"
-run() {  # name, limit, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "== $name: exit $? in $((SECONDS - t0)) s"
-  tail -"${TAIL:-30}" "$OUT/$name.log"
-}
 for step in "$@"; do
   case $step in
     conf) TAIL=12 run conf 300 polyaccel conformance --accelerator cuda --timeout 280 \

@@ -20,15 +20,9 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 STEPS=${STEPS:-5}
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || echo "pip install failed (see install.log)"
+. "$(dirname "$0")/device_common.sh"
+install_polyaccel
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-run() {  # name, limit, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "== $name: exit $? in $((SECONDS - t0)) s"
-  tail -"${TAIL:-30}" "$OUT/$name.log"
-}
 for step in "$@"; do
   case $step in
     conf) run conf 400 polyaccel conformance --accelerator cuda --timeout 380 --fuzz --fuzz-examples "${FUZZ:-5}" -k "swiglu or grouped_mm or moe" \

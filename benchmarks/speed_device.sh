@@ -14,18 +14,13 @@ OUT=${1:?usage: speed_device.sh OUTDIR STEP...}
 shift
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+TAIL=${TAIL:-25}
 STEPS=${STEPS:-5}
 ROUNDS=${ROUNDS:-1}
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TORCH_CUDA_ARCH_LIST=9.0
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || echo "pip install failed"
+. "$(dirname "$0")/device_common.sh"
+install_polyaccel
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(), 'host CPUs', __import__('os').cpu_count())"
-run() {  # name, limit, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "== $name: exit $? in $((SECONDS - t0)) s"
-  tail -"${TAIL:-25}" "$OUT/$name.log"
-}
 for step in "$@"; do
   case $step in
     confcold) TRITON_CACHE_DIR=$(mktemp -d) TAIL=4 run confcold 300 polyaccel conformance --accelerator cuda \
