@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The cuda conformance run with an empty Triton cache (issue 49's target: <= 90 s), then warm, in one call.
 #   bash benchmarks/conformance_cold.sh OUTDIR
-# Writes OUTDIR/conf_cold.json and OUTDIR/conf_warm.json (docs/conformance-json.md) and prints each run's
-# total, its counts, the seconds per op (cold and warm: the difference is mostly Triton compiling) and the
-# slowest rows. Then, with WORKERS=N > 1 (default 4; WORKERS=1 skips it), a third run with another empty cache
-# and POLYACCEL_CONFORMANCE_WORKERS=N (the checks in N processes) -> OUTDIR/conf_cold_workers.json.
+# Both in one process (--workers 1), so the seconds per op add up to the run's. Writes OUTDIR/conf_cold.json
+# and OUTDIR/conf_warm.json (docs/conformance-json.md) and prints each run's total, its counts, the seconds
+# per op (cold and warm: the difference is mostly Triton compiling) and the slowest rows. Then, with
+# WORKERS=N > 1 (default: the command's own default, "auto"; WORKERS=1 skips it), a third run with another
+# empty cache in N processes (the command's default count) -> OUTDIR/conf_cold_workers.json.
 # The compiles the cold run triggers are counted on a CPU by benchmarks/conformance_compiles.py.
 set -u
 OUT=${1:?usage: conformance_cold.sh OUTDIR}
@@ -19,17 +20,19 @@ TRITON_CACHE_DIR=$(mktemp -d)
 export TRITON_CACHE_DIR
 for run in cold warm; do
   t0=$SECONDS
-  polyaccel conformance --accelerator cuda --timeout 580 --json "$OUT/conf_$run.json" \
+  polyaccel conformance --accelerator cuda --workers 1 --timeout 580 --json "$OUT/conf_$run.json" \
     >"$OUT/conf_$run.log" 2>&1
   echo "== $run: exit $? in $((SECONDS - t0)) s (wall, process start included)"
   tail -1 "$OUT/conf_$run.log"
 done
 echo "Triton cache after the cold run: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) cubins"
-WORKERS=${WORKERS:-4}
-if [ "$WORKERS" -gt 1 ]; then
+WORKERS=${WORKERS:-auto}
+if [ "$WORKERS" != 1 ]; then
+  count=()
+  [ "$WORKERS" = auto ] || count=(--workers "$WORKERS")
   t0=$SECONDS
-  TRITON_CACHE_DIR=$(mktemp -d) POLYACCEL_CONFORMANCE_WORKERS=$WORKERS \
-    polyaccel conformance --accelerator cuda --timeout 580 --json "$OUT/conf_cold_workers.json" \
+  TRITON_CACHE_DIR=$(mktemp -d) polyaccel conformance --accelerator cuda "${count[@]}" --timeout 580 \
+    --json "$OUT/conf_cold_workers.json" \
     >"$OUT/conf_cold_workers.log" 2>&1
   echo "== cold, $WORKERS processes: exit $? in $((SECONDS - t0)) s (wall, process start included)"
   tail -1 "$OUT/conf_cold_workers.log"

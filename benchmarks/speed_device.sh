@@ -3,7 +3,7 @@
 # under its own limit, logging to OUTDIR/<step>.log. Run it in three separate calls and report all three.
 #   bash benchmarks/speed_device.sh OUTDIR STEP...
 # Steps:
-#   confcold   polyaccel conformance --accelerator cuda with an empty Triton cache (target <= 90 s)
+#   confcold   polyaccel conformance --accelerator cuda with an empty Triton cache, default processes (<= 90 s)
 #   autoep     autoep_gpu.py, all 8 rows (>= 1.3x HF grouped_mm, >= 2x HF eager; host ms and launches a step)
 #   muon       zero_gpu.py --muon, 220M: ZeRO-1 and ZeRO-1 + offload_optimizer, Muon beside AdamW (<= 1.15x, <= 2x)
 #   muon1b     the same at 1B, stage 1 only (<= 1.15x)

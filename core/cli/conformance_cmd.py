@@ -12,6 +12,10 @@ selects by itself. --emulate runs inside the emulated runtime a plugin offers fo
 (hook polyaccel_emulated_runtimes).
 The --json document is stable and documented in docs/conformance-json.md.
 
+--workers N runs the checks in N pytest-xdist processes (default: $POLYACCEL_CONFORMANCE_WORKERS,
+else one per 4 host CPUs, at most 4): on a GPU with an empty kernel cache a run is mostly
+compiling, which then happens in parallel. The rows and the document do not depend on N.
+
 --fuzz adds the op-contract fuzz rows (check "fuzz"), one per op and builder serving the
 device type, the core reference included: hypothesis draws cases (shapes with zero-size and
 odd sides, transposed / stepped / offset layouts with different strides per tensor, every
@@ -22,14 +26,17 @@ tolerance, NaN where it has NaN, or when the call raises OpArgumentError leaving
 unchanged. A failing row names the builder and the minimal (shrunk) case: shapes, strides,
 offsets, dtypes and the seed of the values. --fuzz-examples N draws N cases per row (default
 25, the CI budget); without --fuzz-seed the cases are a fixed, derandomized set, so two runs
-agree; --fuzz-seed S draws another fixed set. Needs hypothesis (`pip install polyaccel[test]`).
+agree; --fuzz-seed S draws another fixed set. Needs hypothesis (`pip install polyaccel[conformance]`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import shutil
 import sys
+
+from ..errors import ConfigError
 
 HELP = "run the conformance suite against an accelerator plugin (PASS / FAIL / UNSUPPORTED / SKIPPED)"
 
@@ -52,6 +59,10 @@ def add_arguments(p) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="also print pytest's own output")
     p.add_argument("--timeout", type=float, default=900.0, metavar="S",
                    help="give up after S seconds (900), naming the check it was on")
+    p.add_argument("--workers", type=_workers, default=None, metavar="N",
+                   help="run the checks in N pytest-xdist processes (a cold GPU compiles its kernels in "
+                        "parallel; 0 or 1: one process). Default: $POLYACCEL_CONFORMANCE_WORKERS, else one per "
+                        "4 host CPUs, at most 4 (1 without pytest-xdist)")
     p.add_argument("--fuzz", action="store_true",
                    help="also run the op-contract fuzz rows: drawn shapes, strides, offsets, dtypes, NaN/Inf "
                         "for every builder of every op, vs the reference (needs hypothesis)")
@@ -68,7 +79,7 @@ def run(args) -> int:
 
     if importlib.util.find_spec("pytest") is None:
         print("polyaccel conformance: the suite runs on pytest, which is not installed here; "
-              "install it with `pip install polyaccel[test]` (or `pip install pytest`)", file=sys.stderr)
+              "install it with `pip install polyaccel[conformance]` (or `pip install pytest`)", file=sys.stderr)
         return 2
 
     if not args.fuzz and (args.fuzz_examples is not None or args.fuzz_seed is not None):
@@ -81,14 +92,17 @@ def run(args) -> int:
         return 2
     if args.fuzz and importlib.util.find_spec("hypothesis") is None:
         print("polyaccel conformance: --fuzz draws its cases with hypothesis, which is not installed here; "
-              "install it with `pip install polyaccel[test]` (or `pip install hypothesis`)", file=sys.stderr)
+              "install it with `pip install polyaccel[conformance]` (or `pip install hypothesis`)", file=sys.stderr)
         return 2
     try:
         with _progress_shown() as show:
             result = run_suite(args.accelerator, emulate=args.emulate, keyword=args.keyword,
                                junitxml=args.junitxml, json_path=args.json, verbose=args.verbose,
                                timeout=args.timeout, fuzz=args.fuzz, fuzz_examples=args.fuzz_examples,
-                               fuzz_seed=args.fuzz_seed, progress=show)
+                               fuzz_seed=args.fuzz_seed, progress=show, workers=args.workers)
+    except ConfigError as exc:
+        print(f"polyaccel conformance: {exc}", file=sys.stderr)
+        return 2
     except TimeoutError as exc:
         print(f"polyaccel conformance: {exc}", file=sys.stderr)
         return 2
@@ -106,6 +120,16 @@ def run(args) -> int:
         print(f"polyaccel conformance: {error}", file=sys.stderr)
         return 2
     return 0 if doc["ok"] else 1
+
+
+def _workers(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of processes") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} processes: give 0 or more (0 and 1: one process)")
+    return n
 
 
 @contextlib.contextmanager

@@ -509,4 +509,4 @@ def test_conformance_without_pytest_says_how_to_get_it(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real(name, *a))
     assert main(["conformance", "--accelerator", "cpu"]) == 2
-    assert "pip install polyaccel[test]" in capsys.readouterr().err
+    assert "pip install polyaccel[conformance]" in capsys.readouterr().err
