@@ -7,6 +7,7 @@
 #   autoep     autoep_gpu.py, all 8 rows (>= 1.3x HF grouped_mm, >= 2x HF eager; host ms and launches a step)
 #   muon       zero_gpu.py --muon, 220M: ZeRO-1 and ZeRO-1 + offload_optimizer, Muon beside AdamW (<= 1.15x, <= 2x)
 #   muon1b     the same at 1B, stage 1 only (<= 1.15x)
+#   muonprof   zero_profile.py, 220M stage 1, AdamW then Muon: forward/backward/step apart and where the time goes
 #   offload1b  zero_gpu.py --size 1b: stage 3 + offload_optimizer + offload_param vs FSDP2 + CPUOffloadPolicy (<= 0.85x)
 # STEPS sets autoep_gpu's timed steps (default 5); ROUNDS zero_gpu's rounds (default 1).
 set -u
@@ -30,6 +31,8 @@ for step in "$@"; do
              --peers "" --isolate --rounds "$ROUNDS" --steps 6 --out "$OUT/muon.json") ;;
     muon1b) (cd benchmarks && run muon1b 300 python3 zero_gpu.py --size 1b --muon --only "=stage 1" --peers "" \
                --isolate --rounds "$ROUNDS" --steps 5 --out "$OUT/muon1b.json") ;;
+    muonprof) (cd benchmarks && for opt in "" --muon; do
+                 TAIL=60 run "prof${opt:-_adamw}" 150 python3 zero_profile.py --stage 1 $opt --rows 30; done) ;;
     offload1b) (cd benchmarks && run offload1b 360 python3 zero_gpu.py --size 1b \
                   --only "=stage 3 + offload_optimizer + offload_param" --no-granular --peers fsdp2 --isolate \
                   --rounds "$ROUNDS" --steps 5 --out "$OUT/offload1b.json") ;;
