@@ -32,7 +32,7 @@ for step in "$@"; do
     muon1b) (cd benchmarks && run muon1b 300 python3 zero_gpu.py --size 1b --muon --only "=stage 1" --peers "" \
                --isolate --rounds "$ROUNDS" --steps 5 --out "$OUT/muon1b.json") ;;
     muonprof) (cd benchmarks && for opt in "" --muon; do
-                 TAIL=60 run "prof${opt:-_adamw}" 150 python3 zero_profile.py --stage 1 $opt --rows 30; done) ;;
+                 TAIL=2 run "prof${opt:-_adamw}" 150 python3 zero_profile.py --stage 1 $opt --rows 30; done) ;;
     offload1b) (cd benchmarks && run offload1b 360 python3 zero_gpu.py --size 1b \
                   --only "=stage 3 + offload_optimizer + offload_param" --no-granular --peers fsdp2 --isolate \
                   --rounds "$ROUNDS" --steps 5 --out "$OUT/offload1b.json") ;;
