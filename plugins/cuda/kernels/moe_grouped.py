@@ -16,21 +16,29 @@ the router weights need a gradient.
 
 Inputs ``torch._grouped_mm`` does not take (not bf16, widths not multiples of 8, 2**31 rows) take
 the unfused path through the op registry (``grouped_mm`` then ``swiglu``; ``grouped_mm`` then ``gather_sum``).
+
+The host's share, per op: the arguments arrive checked (``polyaccel.ops.moe_gate_up`` /
+``moe_down_combine`` check every call against the op's contract once, before any builder runs:
+docs/plugin-authoring.md), so the builders do not check them again; the offsets' value check and
+int32 copy are made once for the layer's two ops where the offsets are valid by construction
+(:func:`prepared_offsets`).
 """
 
 from __future__ import annotations
 
+import weakref
+from typing import NamedTuple
+
 import torch
 from polyaccel import ops
-from polyaccel.ops.reference.moe_experts import (
-    check_moe_down_combine_shapes,
-    check_moe_gate_up_shapes,
-    routed_tokens,
-)
+from polyaccel.ops import offsets as known_offsets
+from polyaccel.ops.reference.grouped_mm import last_offset
+from polyaccel.ops.reference.moe_experts import routed_tokens
 from polyaccel.ops.reference.swiglu import halves_of
 
 from .gather_sum import gather_sum_backward, gather_sum_forward
 from .grouped_mm import (
+    _capturing,
     checked_offsets,
     int32_offsets,
     torch_grouped_dgrad,
@@ -47,9 +55,37 @@ def unfused_gate_up(x, index, w1, offsets):
     return ops.swiglu(gate, up)
 
 
-def _routed_stand_in(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """A [N, H] stand-in for the routed rows, for ``torch_grouped_mm_applies`` (an expanded view: no memory)."""
-    return x[:1].expand(index.numel(), x.shape[1]) if x.shape[0] else x.new_empty((index.numel(), x.shape[1]))
+class _RowsLike(NamedTuple):
+    """What ``torch_grouped_mm_applies`` reads of the routed rows ``[N, H]`` (dtype, shape), without making them."""
+
+    dtype: torch.dtype
+    shape: tuple[int, int]
+
+
+#: (weak reference to the offsets prepared last, their version counter, rows, (off64, last, off32))
+_prepared: tuple = (None, -1, -1, None)
+
+
+def prepared_offsets(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, int | None, torch.Tensor]:
+    """(int64 offsets, last offset, int32 offsets) for ``torch._grouped_mm`` over ``rows`` rows: what
+    ``checked_offsets`` and ``int32_offsets`` give, made once for the two ops of a layer where the offsets are
+    marked valid by construction (:mod:`polyaccel.ops.offsets`): the second op takes what the first made while
+    they are still the marked ones for these rows, unchanged (version counter) and the same tensor. Any other
+    offsets are read back, checked and converted at every call, and nothing is kept while capturing a graph."""
+    global _prepared
+    if _capturing(offsets):
+        off64, last = checked_offsets(offsets, rows)
+        return off64, last, int32_offsets(off64)
+    ref, version, n, got = _prepared
+    if (ref is not None and ref() is offsets and version == offsets._version and n == rows
+            and known_offsets.known_last(offsets, rows) is not None):
+        return got
+    off64 = offsets.to(torch.int64)
+    last = last_offset(off64, rows)  # (no read for marked offsets; else a read and the checks)
+    off32 = off64.to(torch.int32)
+    if off64 is offsets and known_offsets.known_last(offsets, rows) is not None:
+        _prepared = (weakref.ref(offsets), offsets._version, rows, (off64, last, off32))
+    return off64, last, off32
 
 
 def scatter_to_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -62,23 +98,22 @@ class _GateUp(torch.autograd.Function):
     def forward(ctx, x, w1, index, off32, off64, last):
         routed = scatter_to_slots(x, index)
         gu = torch_grouped_product(routed, w1, off32, off64, last)
-        f = gu.shape[1] // 2
+        gate, up = gu.chunk(2, dim=1)
         ctx.save_for_backward(routed, w1, index, off32, off64)
-        # kept on ctx, not saved, so the backward lets it go once SwiGLU's gradient is taken (gu is no output,
-        # so this makes no reference cycle)
-        ctx.gu, ctx.last = gu, last
-        return swiglu_forward(gu[:, :f], gu[:, f:])
+        # gu's halves kept on ctx, not saved, so the backward lets them go once SwiGLU's gradient is taken (they
+        # are no outputs, so this makes no reference cycle)
+        ctx.halves, ctx.last = (gate, up), last
+        return swiglu_forward(gate, up)
 
     @staticmethod
     def backward(ctx, dh):
         routed, w1, index, off32, off64 = ctx.saved_tensors
-        gu, ctx.gu = ctx.gu, None
-        if gu is None:
+        halves, ctx.halves = ctx.halves, None
+        if halves is None:
             raise RuntimeError("moe_gate_up (torch_moe_gate_up): its backward already ran for this forward; "
                                "run the forward again instead of backward with retain_graph=True through it")
-        f = gu.shape[1] // 2
-        d_gate, d_up = swiglu_backward(dh.contiguous(), gu[:, :f], gu[:, f:])
-        del gu
+        d_gate, d_up = swiglu_backward(dh.contiguous(), *halves)
+        del halves
         d_gu = halves_of(d_gate, d_up)  # (swiglu_backward writes the halves of one tensor for gu's halves)
         dx = dw1 = None
         if ctx.needs_input_grad[1]:
@@ -110,19 +145,20 @@ class _DownCombine(torch.autograd.Function):
 
 
 def moe_gate_up(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The op as one autograd node (see the module docstring), else the unfused path through the registry."""
-    check_moe_gate_up_shapes(x, index, weight, offsets)
-    if not torch_grouped_mm_applies(_routed_stand_in(x, index), weight)[0] or weight.shape[0] == 0:
+    """The op as one autograd node (see the module docstring), else the unfused path through the registry.
+    The arguments were checked against the op's contract by ``polyaccel.ops.moe_gate_up``."""
+    rows = index.numel()
+    if weight.shape[0] == 0 or not torch_grouped_mm_applies(_RowsLike(x.dtype, (rows, x.shape[1])), weight)[0]:
         return unfused_gate_up(x, index, weight, offsets)
-    off64, last = checked_offsets(offsets, index.numel())
-    return _GateUp.apply(x, weight, index, int32_offsets(off64), off64, last)
+    off64, last, off32 = prepared_offsets(offsets, rows)
+    return _GateUp.apply(x, weight, index, off32, off64, last)
 
 
 def moe_down_combine(h: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor,
                      weights: torch.Tensor | None = None) -> torch.Tensor:
-    """The op as one autograd node (see the module docstring), else the unfused path through the registry."""
-    check_moe_down_combine_shapes(h, weight, offsets, index, weights)
-    if not torch_grouped_mm_applies(h, weight)[0] or weight.shape[0] == 0:
+    """The op as one autograd node (see the module docstring), else the unfused path through the registry.
+    The arguments were checked against the op's contract by ``polyaccel.ops.moe_down_combine``."""
+    if weight.shape[0] == 0 or not torch_grouped_mm_applies(h, weight)[0]:
         return ops.gather_sum(ops.grouped_mm(h, weight, offsets), index, weights)
-    off64, last = checked_offsets(offsets, h.shape[0])
-    return _DownCombine.apply(h, weight, weights, index, int32_offsets(off64), off64, last)
+    off64, last, off32 = prepared_offsets(offsets, h.shape[0])
+    return _DownCombine.apply(h, weight, weights, index, off32, off64, last)

@@ -180,3 +180,92 @@ def test_autoep_runs_its_experts_through_them_where_they_are_chosen():
     for name, p in ours.named_parameters():
         ref_grad = grads[name].grad.float()
         assert float((p.grad.float() - ref_grad).abs().max()) <= 0.05 * float(ref_grad.abs().max()) + 1e-3, name
+
+
+def test_marked_offsets_are_prepared_once_for_the_two_ops_and_again_after_any_change():
+    """``prepared_offsets`` keeps what it made only for offsets marked valid by construction, and only while they stay
+    the marked ones for the same rows, unchanged: a change of values, rows, dtype or tensor is read and checked."""
+    from polyaccel.errors import OpArgumentError
+    from polyaccel.ops import offsets as known_offsets
+
+    x, index, offsets, w1, w2, weights = _case(seed=6)
+    N = index.numel()
+    known_offsets.mark_complete(offsets, N)
+    first = kmg.prepared_offsets(offsets, N)
+    assert first[1] == N and torch.equal(first[2], offsets.to(torch.int32))
+    assert kmg.prepared_offsets(offsets, N)[2] is first[2]  # the layer's second op: kept
+    assert kmg.prepared_offsets(offsets, N + 1)[2] is not first[2]  # other rows: read and checked (valid there too)
+    offsets[0] = N + 1  # decreasing now: a change in place (it bumps the version counter)
+    with pytest.raises(OpArgumentError, match="non-decreasing"):
+        kmg.prepared_offsets(offsets, N)
+    # offsets never marked are checked at every call, even after a write no version counter sees
+    plain = torch.tensor([2, 5, N], dtype=torch.int64)
+    assert kmg.prepared_offsets(plain, N)[1] == N
+    plain.numpy()[0] = 7
+    with pytest.raises(OpArgumentError, match="non-decreasing"):
+        kmg.prepared_offsets(plain, N)
+    # marked int32 offsets: converted (not the marked tensor), so checked and converted at every call
+    off32 = torch.tensor([2, 5, N], dtype=torch.int32)
+    known_offsets.mark_complete(off32, N)
+    a, b = kmg.prepared_offsets(off32, N), kmg.prepared_offsets(off32, N)
+    assert a[2] is not b[2] and torch.equal(a[0], off32.long())
+
+
+def test_marked_offsets_of_layers_of_other_shapes_give_the_unfused_chains_numbers():
+    """AutoEP's use: each layer marks its end rows, then runs the two ops (the second taking the prepared offsets);
+    layers of other shapes (experts, rows, widths), one after another, each get the unfused chain's numbers bit for
+    bit, forward and backward."""
+    from polyaccel.ops import offsets as known_offsets
+
+    sizes = [dict(T=13, k=3, E=4, H=32, F=24), dict(T=9, k=2, E=3, H=16, F=8)]
+    for seed, size in enumerate(sizes * 2):
+        x, index, offsets, w1, w2, weights = _case(seed=20 + seed, **size)
+        grad = torch.randn(size["T"], size["H"]).to(torch.bfloat16)
+        args = lambda *t, i=index, o=offsets: (t[0], i, o, *t[1:])  # noqa: E731
+        want = _step(_chain, [x, w1, w2, weights], args, grad)
+        known_offsets.mark_complete(offsets, index.numel())
+        got = _step(_composed, [x, w1, w2, weights], args, grad)
+        assert torch.equal(got[0], want[0])
+        for g, w in zip(got[1], want[1], strict=True):
+            assert torch.equal(g, w)
+
+
+def test_bad_arguments_are_refused_by_the_op_before_these_builders_run():
+    """The builders take their arguments as checked (the op checks every call once, before any builder runs): a bad
+    call through ``polyaccel.ops`` with them chosen is refused and never reaches them."""
+    import polyaccel
+    from polyaccel import ops
+    from polyaccel.errors import OpArgumentError
+    from polyaccel.hookspecs import hookimpl
+
+    calls = []
+
+    class TorchMoeOnCpu:
+        POLYACCEL_API_VERSION = "1.0"
+
+        @hookimpl
+        def polyaccel_register_ops(self, registry):
+            for op in ("moe_gate_up", "moe_down_combine"):
+                registry.register(op, f"cpu_torch_{op}", ("cpu",),
+                                  lambda fn=getattr(kmg, op): lambda *a: calls.append(fn.__name__) or fn(*a),
+                                  priority=99)
+
+    polyaccel.register_plugin("torch_moe_on_cpu", TorchMoeOnCpu())
+    x, index, offsets, w1, w2, weights = _case(seed=8)
+    h = ops.moe_gate_up(x, index, w1, offsets)
+    ops.moe_down_combine(h, w2, offsets, index, weights)
+    assert calls == ["moe_gate_up", "moe_down_combine"]
+    calls.clear()
+    bad = [(lambda: ops.moe_gate_up(x, index.view(-1), w1, offsets), "index must be"),
+           (lambda: ops.moe_gate_up(x, index, w1[:, :, :7], offsets), "must be even"),
+           (lambda: ops.moe_gate_up(x, index, w1[:, :5], offsets), "features"),
+           (lambda: ops.moe_gate_up(x, index, w1, offsets[:2]), "one entry per expert"),
+           (lambda: ops.moe_gate_up(x, index, w1.float(), offsets), "weight is torch.float32"),
+           (lambda: ops.moe_gate_up(x, index, w1, offsets.float()), "int32 or int64"),
+           (lambda: ops.moe_down_combine(h[:-1], w2, offsets, index, weights), "tokens \\* k == rows"),
+           (lambda: ops.moe_down_combine(h, w2[:, :3], offsets, index, weights), "features"),
+           (lambda: ops.moe_down_combine(h, w2, offsets, index, weights[:, :1]), "shaped like index")]
+    for call, message in bad:
+        with pytest.raises(OpArgumentError, match=message):
+            call()
+    assert calls == []
