@@ -372,7 +372,7 @@ class AutoEPMoE(torch.nn.Module):
         experts = self.local_experts
         if self.ep_size == 1:
             y = experts(routed, ends)
-            self.last_dispatch = DispatchRecord(ends=ends.detach(), send=None, recv=None)
+            self.last_dispatch = DispatchRecord(ends=ends, send=None, recv=None)  # (int: no gradient to detach)
         else:
             counts, received_counts, recv, send_rows, recv_rows = self._exchange(ends)
             received = AllToAllV.apply(routed, recv_rows, send_rows, self.group)  # [source][local expert] order
@@ -390,7 +390,7 @@ class AutoEPMoE(torch.nn.Module):
         """``_routed`` through the fused expert ops (``score_apply == "post"``; see the module docstring)."""
         experts = self.local_experts
         if self.ep_size == 1:
-            self.last_dispatch = DispatchRecord(ends=ends.detach(), send=None, recv=None)
+            self.last_dispatch = DispatchRecord(ends=ends, send=None, recv=None)  # (int: no gradient to detach)
             return experts(x, ends, index, weights)
         # the rows leave in expert order: this dispatch is the one gather outside the experts
         routed = DispatchRows.apply(x, order, index.reshape(-1), index.shape[1])

@@ -43,6 +43,8 @@ def router_logits(router: torch.nn.Module, x: torch.Tensor, linear: bool = True)
     computed alone (module docstring; asked at every call: a wrapper may change the module's class or hook it
     later); ``linear=False`` always calls it."""
     if linear and is_linear_router(router) and not _hooked(router):
-        return torch.nn.functional.linear(x, router.weight, getattr(router, "bias", None))
+        # (an nn.Linear's bias is a parameter or None; transformers' routers' forward passes none)
+        bias = router.bias if type(router) is torch.nn.Linear else None
+        return torch.nn.functional.linear(x, router.weight, bias)
     out = router(x)
     return out[0] if isinstance(out, tuple) else out

@@ -111,3 +111,21 @@ def test_which_routers_are_taken_as_linear():
     calls = _counting_forward(ds.router)
     ds(torch.randn(1, 3, ds.router.weight.shape[1], dtype=torch.float64))
     assert calls == [1]
+
+
+def test_logits_alone_take_a_linears_bias_and_are_what_a_transformers_routers_forward_computes():
+    """An ``nn.Linear`` router's bias (or none) is used as its forward uses it; transformers' routers pass no bias to
+    ``F.linear``, so an attribute named ``bias`` on one is not added either: the logits are its forward's."""
+    from polyaccel.engines.autoep.router_logits import router_logits
+
+    torch.manual_seed(6)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    for linear in (torch.nn.Linear(8, 3, dtype=torch.float64), torch.nn.Linear(8, 3, bias=False, dtype=torch.float64)):
+        assert torch.equal(router_logits(linear, x), linear(x))
+    _, layer = _layer("mixtral")
+    router = layer.router
+    x = torch.randn(5, router.weight.shape[1], dtype=torch.float64)
+    router.bias = torch.randn(router.weight.shape[0], dtype=torch.float64)
+    calls = _counting_forward(router)
+    want = router(x)[0]
+    assert calls == [1] and torch.equal(router_logits(router, x), want) and calls == [1]
