@@ -175,7 +175,7 @@ class ZeroEngine(EngineState):
         overlapped = self._step_overlaps_backward()
         if overlapped:
             g = self.groups[0]
-            self.stepper.begin(g, self.compute_dtype, inline=not self.placement.optimizer.on_host)
+            self.stepper.begin(g, self.compute_dtype)
             g.partitioner.on_settle = self.stepper.submit
         try:
             (loss * scale).backward(retain_graph=retain_graph)
@@ -191,20 +191,18 @@ class ZeroEngine(EngineState):
         return loss
 
     def _step_overlaps_backward(self) -> bool:
-        """Whether the coming step can run bucket by bucket during backward (see :mod:`.host_step`): nothing
-        needs the whole gradient before stepping, and the optimizer is offloaded and element-wise, or steps on
-        the device as the gradient settles (Muon at one rank, stages 1 and 2: :mod:`.muon_in_backward`)."""
+        """Whether the coming step can run bucket by bucket during backward (see :mod:`.host_step`): the
+        optimizer is offloaded and element-wise, and nothing needs the whole gradient before stepping."""
         cfg = self.config
+        if not self.placement.optimizer.overlap_step:
+            return False
         if self.gradient_accumulation_steps != 1 or cfg.gradient_clipping > 0 or self.scaler.enabled:
             return False
         if not self.stepper.available or self.stepper.active or len(self.groups) != 1:
             return False
         g = self.groups[0]
-        if g.grad_sum is not None or not g.partitioner.eager:
-            return False
-        if self.placement.optimizer.on_host:
-            return self.placement.optimizer.overlap_step and (g.optimizer.steps_in_slices or g.optimizer.defers_apply)
-        return cfg.stage < 3 and g.optimizer.steps_in_backward
+        sliced = g.optimizer.steps_in_slices or g.optimizer.defers_apply
+        return g.grad_sum is None and sliced and g.partitioner.eager
 
     def _move_to_boundary(self, boundary: bool) -> None:
         """Make the coming micro-step a boundary (``True``: a short window, e.g. an epoch's last) or not."""

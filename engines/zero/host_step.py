@@ -29,10 +29,9 @@ class OverlapError(PolyaccelError):
 
 
 def overlap_message(name: str) -> str:
-    return (f"the gradient of {name!r} arrived after its bucket's optimizer step had started (backward visited it "
-            "twice, as reentrant activation checkpointing of a shared weight does); to step after backward "
-            "instead, set zero_optimization.offload_optimizer.overlap_step to false (an offloaded optimizer) or "
-            "optimizer.params.step_in_backward to false (Muon on the device)")
+    return (f"the gradient of {name!r} arrived after its bucket's offloaded optimizer step had started (backward "
+            "visited it twice, as reentrant activation checkpointing of a shared weight does); set "
+            "zero_optimization.offload_optimizer.overlap_step to false to step after backward instead")
 
 
 class HostStepper:
@@ -45,15 +44,12 @@ class HostStepper:
         self._pool: ThreadPoolExecutor | None = None
         self._futures: list[Future] = []
         self._group = None
-        self._inline = False
         self.active = False
 
-    def begin(self, group, compute_dtype, inline: bool = False) -> None:
-        """Start a step of ``group`` that buckets will join as they settle; ``inline``: each is stepped at once,
-        in the caller's thread and stream order (the partition is on the device)."""
+    def begin(self, group, compute_dtype) -> None:
+        """Start a step of ``group`` that buckets will join as they settle."""
         self.wait()
         self._group = group
-        self._inline = inline
         group.optimizer.begin_step()
         self.transfer.start_upload(group.partitioner.master.numel(), compute_dtype)
         self.transfer.defer_settle = True  # backward's kernels must not wait for the uploads: joined in finish
@@ -63,9 +59,6 @@ class HostStepper:
         """Step and upload these master ranges once the copy down just issued has landed. Ranges kept on the
         device (a partial offload, see :mod:`.split_partition`) are stepped at once, in the caller's stream
         order, right after their gradient."""
-        if self._inline:
-            self._run(ranges, None)
-            return
         master = self._group.partitioner.master
         if isinstance(master, SplitPartition):
             ranges = [piece for lo, hi in ranges for piece in master.ranges(lo, hi)]

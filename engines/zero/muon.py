@@ -17,7 +17,6 @@ from polyaccel.errors import ConfigError
 from polyaccel.ops.reference import muon as ref_muon
 from polyaccel.parallel import get_layout
 
-from .muon_in_backward import InBackwardMuonStep
 from .muon_offload import OffloadedMuonStep
 from .muon_plan import Matrix, Round, gaps, pieces_of, plan_rounds
 from .muon_transfer import RoundTransfer
@@ -86,7 +85,7 @@ def buffer_dtype(ns_dtype: torch.dtype, master_dtype: torch.dtype) -> torch.dtyp
 
 
 # ------------------------------------------------------------------ the optimizer
-class MuonPartitionOptimizer(InBackwardMuonStep, OffloadedMuonStep, PartitionOptimizer):
+class MuonPartitionOptimizer(OffloadedMuonStep, PartitionOptimizer):
     """Muon (with auxiliary Adam) on one partition group's flat master partition; see the module docstring.
 
     ``layout``: the group's partition layout; ``coll``: its partition group's collectives; ``choices``:
@@ -206,13 +205,9 @@ class MuonPartitionOptimizer(InBackwardMuonStep, OffloadedMuonStep, PartitionOpt
         the update is computed in the master's and rounded once, as a cast after it would round it)."""
         if not pieces:
             return
-        self._momentum_update(pieces, grad, [send[m.owner * c + m.offset + elem:][:hi - lo]
-                                             for lo, hi, m, elem in pieces])
-
-    def _momentum_update(self, pieces, grad: torch.Tensor, dsts: list[torch.Tensor]) -> None:
-        """:meth:`_fill` with the update of each piece written to ``dsts`` (one destination a piece)."""
         mc, dtype = self.mcfg, self.master.dtype
         bufs = [self.state["exp_avg"][lo:hi] for lo, hi, _, _ in pieces]
+        dsts = [send[m.owner * c + m.offset + elem:][:hi - lo] for lo, hi, m, elem in pieces]
         if self.kept_buffers:
             self._host_fill([grad[lo:hi] for lo, hi, _, _ in pieces], bufs, dsts)
             return
@@ -220,7 +215,7 @@ class MuonPartitionOptimizer(InBackwardMuonStep, OffloadedMuonStep, PartitionOpt
         torch._foreach_lerp_(bufs, grads, 1 - mc.momentum)
         if not mc.nesterov:
             torch._foreach_copy_(dsts, bufs)
-        elif self.buffer_dtype == dtype:
+        elif send.dtype == dtype:
             torch._foreach_copy_(dsts, grads)
             torch._foreach_lerp_(dsts, bufs, mc.momentum)  # = lerp(g, buf, momentum)
         else:
@@ -252,18 +247,14 @@ class MuonPartitionOptimizer(InBackwardMuonStep, OffloadedMuonStep, PartitionOpt
         (widened to the master's dtype inside the addition: the same numbers as a cast first). With kept
         buffers the decay was applied when the pieces were prepared (:meth:`_decay`): the same two roundings
         in the same order, the first one while backward still runs."""
-        self._apply_updates(pieces, [full[m.owner * c + m.offset + elem:][:hi - lo] for lo, hi, m, elem in pieces])
-
-    def _apply_updates(self, pieces, sources: list[torch.Tensor]) -> None:
-        """:meth:`_apply` with the orthogonalized update of each piece read from ``sources``."""
         lr = self.lr
         apply: dict[tuple[float, float], tuple[list, list]] = {}
-        for (lo, hi, m, _), o in zip(pieces, sources, strict=True):
+        for lo, hi, m, elem in pieces:
             ps, os_ = apply.setdefault((m.weight_decay, m.lr_scale), ([], []))
             ps.append(self.master[lo:hi])
-            os_.append(o)
+            os_.append(full[m.owner * c + m.offset + elem:][:hi - lo])
         for (wd, scale), (ps, os_) in apply.items():
-            if self.kept_buffers and self.buffer_dtype != self.master.dtype:  # on the host: through the scratch
+            if self.kept_buffers and full.dtype != self.master.dtype:  # on the host: through the scratch
                 for p, o in zip(ps, os_, strict=True):
                     p.add_(self._scratch(o.numel()).copy_(o), alpha=-lr * scale)
                 continue

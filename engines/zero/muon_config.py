@@ -13,9 +13,7 @@ Keys (defaults): ``lr`` (0.02), ``weight_decay`` (0), ``momentum`` (0.95), ``nes
 ``adam_lr`` (3e-4), ``adam_betas`` ([0.9, 0.95]), ``adam_eps`` (1e-10), ``adam_weight_decay`` (0),
 ``gather_bucket_size`` (elements of one round's gather buffer, all ranks' chunks together; default
 the ``reduce_bucket_size``), ``tensor_parallel`` ("gather": a matrix split over tensor ranks is
-assembled before its orthogonalization; "shard": each rank orthogonalizes its own piece), ``step_in_backward``
-(true: with the optimizer on the device and one rank in the partition group, each matrix is stepped as soon
-as backward has settled its gradient, when the step allows it; :mod:`.muon_in_backward`).
+assembled before its orthogonalization; "shard": each rank orthogonalizes its own piece).
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from polyaccel.ops.reference.muon import LR_ADJUSTMENTS, NS_COEFFICIENTS, NS_EPS
 MUON_PARAM_KEYS = frozenset({
     "momentum", "nesterov", "ns_steps", "ns_coefficients", "eps", "lr_adjustment", "ns_dtype", "per_head",
     "muon_params", "adam_params", "adam_lr", "adam_betas", "adam_eps", "adam_weight_decay",
-    "gather_bucket_size", "tensor_parallel", "step_in_backward",
+    "gather_bucket_size", "tensor_parallel",
 })
 NS_DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -61,8 +59,6 @@ class MuonConfig:
     #: None: the ``zero_optimization.reduce_bucket_size``
     gather_bucket_size: int | None = None
     tensor_parallel: str = "gather"
-    #: with the partition on the device and one rank: step each bucket's slice as backward settles it
-    step_in_backward: bool = True
 
 
 _RULES = {
@@ -72,7 +68,7 @@ _RULES = {
     "adam_params": Strings(what="parameter-name patterns (fnmatch)"), "adam_lr": Float(0.0),
     "adam_betas": Floats(2, Float(0.0, 1.0, below=True)), "adam_eps": Float(0.0),
     "adam_weight_decay": Float(0.0),
-    "gather_bucket_size": Int(1), "tensor_parallel": OneOf(TENSOR_PARALLEL_MODES), "step_in_backward": Bool(),
+    "gather_bucket_size": Int(1), "tensor_parallel": OneOf(TENSOR_PARALLEL_MODES),
 }
 
 

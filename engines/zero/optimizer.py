@@ -89,9 +89,6 @@ class PartitionOptimizer:
     #: whether :meth:`step_slice` only prepares a slice and :meth:`finish_step` applies the step once every
     #: slice is prepared (an optimizer of whole matrices, Muon); the slices are uploaded after that
     defers_apply = False
-    #: whether the engine may step this partition on the device slice by slice as backward settles it
-    #: (:mod:`.muon_in_backward`); the offloaded optimizers' overlapped step is the placement's to decide
-    steps_in_backward = False
 
     def finish_step(self, partitioner=None) -> None:
         """Apply a step whose slices :meth:`step_slice` prepared (see :attr:`defers_apply`), uploading

@@ -1,7 +1,6 @@
-"""The Muon step's code paths take the same steps: per-round buffers (the partition on the device), each matrix
-stepped on the device as backward completes its gradient (stages 1 and 2 at one rank), kept buffers prepared
-whole after backward, and kept buffers prepared bucket by bucket during backward (the offloaded, overlapped
-step, ``finish_step`` after it).
+"""The Muon step's code paths take the same steps: per-round buffers (the partition on the device), kept
+buffers prepared whole after backward, and kept buffers prepared bucket by bucket during backward (the
+offloaded, overlapped step, ``finish_step`` after it).
 
 In a world of one with an fp32 model and the bf16 iteration, the round buffers hold bf16 (the update
 rounded as it is written, the result widened inside the parameter update): every path equals every other
@@ -25,9 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 3
 #: name: (config kwargs, kept_buffers forced (None: the engine's choice))
 PATHS = {
-    "per-round": ({"stage": 1, "step_in_backward": False}, False),
-    "stage 1, in backward": ({"stage": 1}, False),
-    "stage 2, in backward": ({"stage": 2}, False),
+    "per-round": ({"stage": 1}, False),
     "kept, after backward": ({"stage": 1}, None),
     "offload, overlapped": ({"stage": 1, "offload": True}, None),
     "offload, after backward": ({"stage": 1, "offload": True, "overlap": False}, None),
@@ -104,8 +101,8 @@ def test_every_path_takes_the_same_bf16_steps_and_the_first_is_the_reference_bit
         for key, want in base_last.items():
             assert torch.equal(last[key], want), f"{name}: {key} differs from the per-round path"
     for name, (_, _, _, info) in runs.items():
-        # overlapped / in backward: bucket by bucket during backward (2000-element buckets); else one slice a step
-        assert (info["slices"] > STEPS) == name.endswith((", overlapped", ", in backward")), (name, info["slices"])
+        # overlapped: prepared bucket by bucket during backward (2000-element buckets); else one slice a step
+        assert (info["slices"] > STEPS) == name.endswith(", overlapped"), (name, info["slices"])
 
     model = build_model("llama", torch.float32, edge=False)
     choices = _choices()
