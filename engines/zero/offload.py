@@ -94,6 +94,7 @@ class HostTransfer:
         self._up_numel = 0
         self._up_used = 0
         self._up_done = None  # an event after the latest upload (it read the host master)
+        self._up_unevented = False  # an upload crossed since the last start_upload, on a device without events
         # the device's index, resolved here on the engine's thread: the overlapped step's worker thread has
         # its own current device (0), so its streams and waits name the device explicitly
         self._index = device.index if device.index is not None or device.type == "cpu" else \
@@ -271,12 +272,14 @@ class HostTransfer:
     # ------------------------------------------------------------ up
     def start_upload(self, numel: int, dtype: torch.dtype) -> None:
         """Begin a round of :meth:`upload` calls totalling at most ``numel`` elements: waits until the previous
-        round's copies have read their host sources (the master, which the coming step overwrites)."""
-        if self.crosses:
-            if self._up_done is not None:
-                self._up_done.synchronize()
-            else:
-                self.accelerator.synchronize()
+        round's copies across have read their host sources (the master, which the coming step overwrites). A
+        round that copied nothing across waits for nothing: copies within the device are ordered by its stream
+        (a wait there would stop the host queueing the next step at every step)."""
+        if self._up_done is not None:
+            self._up_done.synchronize()
+        elif self._up_unevented:
+            self.accelerator.synchronize()
+        self._up_unevented = False
         self._up_numel = numel
         self._up_used = 0
 
@@ -297,10 +300,14 @@ class HostTransfer:
             self._up_used += n
             self._upload_one(d, h.reshape(-1))
             uploaded = True
-        if uploaded and (event := self.copy_event("up")) is not None:
+        if not uploaded:
+            return
+        if (event := self.copy_event("up")) is not None:
             self._up_done = event
             if not self.defer_settle:
                 self.settle()
+        else:
+            self._up_unevented = True
 
     def _upload_one(self, d: torch.Tensor, h: torch.Tensor) -> None:
         """``d.copy_(h)`` across, ``h`` flat: as it is when the dtypes agree, else through a device buffer of

@@ -402,3 +402,68 @@ def test_an_upload_into_a_non_contiguous_device_tensor_is_converted_whole(monkey
     assert mode.violations == [] and mode.deferred["up"] == 30 // 4 + 1 + 1
     assert torch.equal(dense, master.bfloat16())
     assert torch.equal(strided, master.bfloat16().view(5, 6))
+
+
+class CountingSyncs:
+    """An accelerator that counts ``synchronize`` calls (and has no events or streams); the rest is the real one."""
+
+    def __init__(self, accelerator):
+        self._accelerator = accelerator
+        self.syncs = 0
+
+    def synchronize(self):
+        self.syncs += 1
+
+    def has(self, capability):
+        return capability not in ("events", "streams") and self._accelerator.has(capability)
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+
+@pytest.mark.parametrize("opt", ["adamw", "muon"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_with_nothing_offloaded_synchronises_nothing(stage, opt):
+    """Without offload no copy crosses between host and device memory, so no step may wait for the device:
+    a wait at the write-back stopped the host queueing the next step at every step."""
+    import polyaccel
+
+    params = {"lr": 1e-2, "weight_decay": 0.01}
+    config = {"optimizer": {"type": opt, "params": params},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 100}}
+    engine = polyaccel.initialize(_model(), config=config)
+    counting = CountingSyncs(engine.transfer.accelerator)
+    engine.transfer.accelerator = counting
+    engine.transfer.crosses = True  # as on a GPU, where a copy between host and device memory is asynchronous
+    try:
+        for step in range(3):
+            x = torch.randn(5, 12, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+            engine.backward(engine(x).square().mean())
+            assert engine.step() is True
+    finally:
+        engine.destroy()
+    assert counting.syncs == 0
+
+
+def test_a_round_waits_for_the_uploads_that_crossed_before_it(monkeypatch):
+    """On a device without events, the next round of uploads waits (one synchronisation) exactly when an upload
+    of the last round crossed to the device, so that a host source is never overwritten under its copy."""
+    import polyaccel
+    from polyaccel.engines.zero import offload
+
+    acc = CountingSyncs(polyaccel.get_accelerator())
+    transfer = offload.HostTransfer(offload.HostBuffers(acc, pin=False), acc, torch.device("cpu"))
+    transfer.crosses = True
+    host, dev = torch.randn(6), torch.empty(6)
+    crossing = {"now": False}
+    monkeypatch.setattr(transfer, "_crosses", lambda a, b: crossing["now"])
+    # (whether this round's upload crosses, synchronisations once its start_upload returned)
+    for crossed, syncs in ((True, 0), (False, 1), (True, 1), (True, 2), (False, 3)):
+        transfer.start_upload(6, torch.float32)
+        assert acc.syncs == syncs
+        crossing["now"] = crossed
+        host.normal_()
+        transfer.upload([(dev, host)])
+        assert torch.equal(dev, host)
+    transfer.start_upload(6, torch.float32)
+    assert acc.syncs == 3
