@@ -34,7 +34,6 @@ from polyaccel import ops
 from polyaccel.ops import offsets as known_offsets
 from polyaccel.ops.reference.grouped_mm import last_offset
 from polyaccel.ops.reference.moe_experts import routed_tokens
-from polyaccel.ops.reference.swiglu import halves_of
 
 from .gather_sum import gather_sum_backward, gather_sum_forward
 from .grouped_mm import (
@@ -46,7 +45,7 @@ from .grouped_mm import (
     torch_grouped_product,
     torch_grouped_wgrad,
 )
-from .swiglu import swiglu_backward, swiglu_forward
+from .swiglu import swiglu_of_halves, swiglu_of_halves_backward
 
 
 def unfused_gate_up(x, index, w1, offsets):
@@ -98,23 +97,21 @@ class _GateUp(torch.autograd.Function):
     def forward(ctx, x, w1, index, off32, off64, last):
         routed = scatter_to_slots(x, index)
         gu = torch_grouped_product(routed, w1, off32, off64, last)
-        gate, up = gu.chunk(2, dim=1)
         ctx.save_for_backward(routed, w1, index, off32, off64)
-        # gu's halves kept on ctx, not saved, so the backward lets them go once SwiGLU's gradient is taken (they
-        # are no outputs, so this makes no reference cycle)
-        ctx.halves, ctx.last = (gate, up), last
-        return swiglu_forward(gate, up)
+        # gu kept on ctx, not saved, so the backward lets it go once SwiGLU's gradient is taken (it is no
+        # output, so this makes no reference cycle)
+        ctx.gu, ctx.last = gu, last
+        return swiglu_of_halves(gu)
 
     @staticmethod
     def backward(ctx, dh):
         routed, w1, index, off32, off64 = ctx.saved_tensors
-        halves, ctx.halves = ctx.halves, None
-        if halves is None:
+        gu, ctx.gu = ctx.gu, None
+        if gu is None:
             raise RuntimeError("moe_gate_up (torch_moe_gate_up): its backward already ran for this forward; "
                                "run the forward again instead of backward with retain_graph=True through it")
-        d_gate, d_up = swiglu_backward(dh.contiguous(), *halves)
-        del halves
-        d_gu = halves_of(d_gate, d_up)  # (swiglu_backward writes the halves of one tensor for gu's halves)
+        d_gu = swiglu_of_halves_backward(dh, gu)  # (d_gate and d_up as the halves of one tensor)
+        del gu
         dx = dw1 = None
         if ctx.needs_input_grad[1]:
             dw1 = torch_grouped_wgrad(routed, d_gu, w1, off32)

@@ -75,7 +75,12 @@ def _acc(dtype: torch.dtype):
 
 
 def _grid(n: int, block: int):
-    return (triton.cdiv(n, block),)
+    return ((n + block - 1) // block,)  # (triton.cdiv in plain integers: no constexpr-function call on the host)
+
+
+def _next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= ``n`` (``n >= 1``): ``triton.next_power_of_2`` in plain integers."""
+    return 1 << (n - 1).bit_length()
 
 
 def _cols(t: torch.Tensor) -> int:
@@ -135,6 +140,11 @@ def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     if grad_out.shape != gate.shape:
         raise OpArgumentError(f"swiglu backward: grad_out {tuple(grad_out.shape)} does not match gate "
                          f"{tuple(gate.shape)}")
+    return _backward(grad_out, gate, up, block, num_warps)
+
+
+def _backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, block: int, num_warps: int):
+    """:func:`swiglu_backward` on checked arguments."""
     grad_out = grad_out.contiguous()
     d_gate, d_up, d_stride = _gradients_like(gate, up)
     (gate, gs), (up, us) = _rows(gate), _rows(up)
@@ -145,8 +155,50 @@ def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     return d_gate, d_up
 
 
-#: the op: autograd-aware ``swiglu(gate, up)`` running the two kernels above
-swiglu = make_swiglu(swiglu_forward, swiglu_backward)
+def swiglu_of_halves(gu: torch.Tensor, *, block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """``swiglu(*gu.chunk(2, -1))`` of a 2-D ``gu`` [N, 2F] the caller made (no argument checks), read in place:
+    the forward kernel's launch for the halves of one tensor without finding them first (``_rows``)."""
+    gu = gu.contiguous()  # (a no-op for a GEMM's result)
+    N, F2 = gu.shape
+    F = F2 // 2
+    out = torch.empty((N, F), dtype=gu.dtype, device=gu.device)
+    n = N * F
+    if n:
+        gate, up = gu.chunk(2, dim=1)
+        _swiglu_fwd_kernel[_grid(n, block)](gate, up, gate, out, n, F, F2, F2, HAS_W=False, ACC=_acc(gu.dtype),
+                                            BLOCK=block, num_warps=num_warps)
+    return out
+
+
+def swiglu_of_halves_backward(grad_out: torch.Tensor, gu: torch.Tensor, *, block: int = BLOCK,
+                              num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """``gu``'s gradient [N, 2F] (d_gate then d_up in each row) for ``out = swiglu_of_halves(gu)``, ``grad_out``
+    shaped like ``out`` (no argument checks): :func:`swiglu_backward`'s kernel writing the halves of one tensor."""
+    gu = gu.contiguous()
+    N, F2 = gu.shape
+    F = F2 // 2
+    d_gu = torch.empty((N, F2), dtype=gu.dtype, device=gu.device)
+    n = N * F
+    if n:
+        gate, up = gu.chunk(2, dim=1)
+        d_gate, d_up = d_gu.chunk(2, dim=1)
+        _swiglu_bwd_kernel[_grid(n, block)](grad_out.contiguous(), gate, up, d_gate, d_up, n, F, F2, F2, F2,
+                                            BLOCK=block, num_warps=num_warps)
+    return d_gu
+
+
+def _op_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _forward(gate, up, None, BLOCK, NUM_WARPS)
+
+
+def _op_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    return _backward(grad_out, gate, up, BLOCK, NUM_WARPS)
+
+
+#: the op: autograd-aware ``swiglu(gate, up)`` running the two kernels above. ``make_swiglu``'s op checks the
+#: arguments before its autograd node, so the node's forward and backward do not check them again (the
+#: backward's ``grad_out`` has the output's shape: autograd checks each gradient against its output's)
+swiglu = make_swiglu(_op_forward, _op_backward)
 
 
 # ------------------------------------------------------------------------- weighted_swiglu
@@ -194,6 +246,12 @@ def weighted_swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: tor
     if grad_out.shape != gate.shape:
         raise OpArgumentError(f"weighted_swiglu backward: grad_out {tuple(grad_out.shape)} does not match gate "
                               f"{tuple(gate.shape)}")
+    return _weighted_backward(grad_out, gate, up, weights, need_d_weights, max_block_f, num_warps)
+
+
+def _weighted_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor,
+                       need_d_weights: bool, max_block_f: int, num_warps: int):
+    """:func:`weighted_swiglu_backward` on checked arguments."""
     grad_out = grad_out.contiguous()
     N, F = gate.shape
     d_gate, d_up, d_stride = _gradients_like(gate, up)
@@ -203,12 +261,22 @@ def weighted_swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: tor
         d_w = (torch.empty if F else torch.zeros)(N, dtype=weights.dtype, device=weights.device)
     if N and F:
         (gate, gs), (up, us) = _rows(gate), _rows(up)
-        block_f = min(max_block_f, triton.next_power_of_2(F))
+        block_f = min(max_block_f, _next_power_of_2(F))
         _weighted_swiglu_bwd_kernel[(N,)](
             grad_out, gate, up, weights.contiguous(), d_gate, d_up, d_w if d_w is not None else grad_out, F, gs, us,
             d_stride, HAS_DW=need_d_weights, ACC=_acc(gate.dtype), BLOCK_F=block_f, num_warps=num_warps)
     return d_gate, d_up, d_w
 
 
-#: the op: autograd-aware ``weighted_swiglu(gate, up, weights)`` running the two kernels above
-weighted_swiglu = make_weighted_swiglu(weighted_swiglu_forward, weighted_swiglu_backward)
+def _weighted_op_forward(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return _forward(gate, up, weights, BLOCK, NUM_WARPS)
+
+
+def _weighted_op_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor,
+                          need_d_weights: bool):
+    return _weighted_backward(grad_out, gate, up, weights, need_d_weights, MAX_BLOCK_F, ROW_NUM_WARPS)
+
+
+#: the op: autograd-aware ``weighted_swiglu(gate, up, weights)`` running the two kernels above (checked once,
+#: as ``swiglu``)
+weighted_swiglu = make_weighted_swiglu(_weighted_op_forward, _weighted_op_backward)

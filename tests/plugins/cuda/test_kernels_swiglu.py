@@ -270,3 +270,46 @@ def test_the_split_of_a_view_of_a_wider_projection_counts_as_halves_of_one_tenso
     assert halves_of(up, gate) is None
     assert halves_of(*torch.randn(4, 15)[:, :10].chunk(2, dim=-1)) is None
     assert halves_of(gate.contiguous(), up.contiguous()) is None
+
+
+def test_swiglu_of_halves_is_the_checked_kernels_bit_for_bit():
+    """The fused experts' entry points (gu [N, 2F] whole, no checks): the same numbers as swiglu_forward and
+    swiglu_backward on gu's halves, over several programs with a masked tail, and right against float64."""
+    gen = torch.Generator().manual_seed(21)
+    gu = (torch.randn(9, 2 * 61, generator=gen) * 3).to(torch.bfloat16)
+    go = torch.randn(9, 61, generator=gen).to(torch.bfloat16)
+    gate, up = gu.chunk(2, dim=-1)
+    out = ks.swiglu_of_halves(gu, block=256, num_warps=4)
+    d_gu = ks.swiglu_of_halves_backward(go, gu, block=256, num_warps=4)
+    assert torch.equal(out, ks.swiglu_forward(gate, up, block=256, num_warps=4))
+    assert d_gu.shape == gu.shape and torch.equal(d_gu, halves_of(*ks.swiglu_backward(go, gate, up, block=256,
+                                                                                       num_warps=4)))
+    want_out, want_dg, want_du = _f64(gate, up, go)
+    _check(out, want_out, torch.bfloat16, "forward")
+    _check(d_gu[:, :61], want_dg, torch.bfloat16, "d gate half")
+    _check(d_gu[:, 61:], want_du, torch.bfloat16, "d up half")
+    empty = torch.empty(0, 8)
+    assert ks.swiglu_of_halves(empty).shape == (0, 4)
+    assert ks.swiglu_of_halves_backward(empty[:, :4], empty).shape == (0, 8)
+
+
+def test_the_ops_check_their_arguments_once_before_their_node():
+    """swiglu / weighted_swiglu refuse bad arguments before their autograd node (whose kernels then take them as
+    checked); the public kernel functions still check theirs."""
+    with pytest.raises(ValueError, match="weights must be a 1-D"):
+        ks.weighted_swiglu(torch.randn(4, 3), torch.randn(4, 3), torch.randn(3))
+    with pytest.raises(ValueError, match="2-D"):
+        ks.weighted_swiglu(torch.randn(4), torch.randn(4), torch.randn(4))
+    with pytest.raises(ValueError, match="on meta"):
+        ks.swiglu(torch.randn(4), torch.empty(4, device="meta"))
+    with pytest.raises(ValueError, match="floating-point"):
+        ks.swiglu_forward(torch.ones(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32))
+
+
+def test_host_integer_helpers_match_triton():
+    import triton
+
+    for n in [*range(1, 300), 1023, 1024, 1025, 4095, 4096, 4097, 2**31 - 1, 2**31, 2**31 + 1, 3 * 2**40]:
+        assert ks._next_power_of_2(n) == triton.next_power_of_2(n), n
+        for block in (256, 4096):
+            assert ks._grid(n, block) == (triton.cdiv(n, block),), (n, block)
