@@ -68,7 +68,9 @@ def _acc(dtype: torch.dtype):
 
 
 def _block(h: int) -> int:
-    return min(MAX_BLOCK_H, triton.next_power_of_2(max(h, 1)))
+    """Columns per program: the smallest power of 2 >= ``h``, at most :data:`MAX_BLOCK_H` (plain integers, as
+    ``triton.next_power_of_2`` computes it, without a constexpr-function call on the host)."""
+    return min(MAX_BLOCK_H, 1 << (max(h, 1) - 1).bit_length())
 
 
 def gather_sum_forward(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -80,7 +82,7 @@ def gather_sum_forward(rows: torch.Tensor, index: torch.Tensor, weights: torch.T
         rows, index = rows.contiguous(), index.contiguous()
         w = weights.contiguous() if weights is not None else index  # an unused pointer when HAS_W is False
         block = _block(H)
-        _gather_sum_fwd_kernel[(T, triton.cdiv(H, block))](
+        _gather_sum_fwd_kernel[(T, (H + block - 1) // block)](
             rows, index, w, out, H, K=k, HAS_W=weights is not None, ACC=_acc(rows.dtype), BLOCK_H=block,
             num_warps=NUM_WARPS)
     elif T:

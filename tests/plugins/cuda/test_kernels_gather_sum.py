@@ -36,3 +36,10 @@ def test_weight_gradient_when_rows_need_none_and_bad_shapes():
     torch.testing.assert_close(w.grad.double(), rows.double()[index].sum(-1), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="tokens \\* k == rows"):
         ks.gather_sum(rows, index[:2])
+
+
+def test_block_is_triton_next_power_of_2_capped():
+    import triton
+
+    for h in [0, *range(1, 300), 1023, 1024, 1025, 2**31 + 1]:
+        assert ks._block(h) == min(ks.MAX_BLOCK_H, triton.next_power_of_2(max(h, 1))), h
