@@ -30,9 +30,10 @@ def check_moe_gate_up_shapes(x: torch.Tensor, index: torch.Tensor, weight: torch
     if weight.dim() == 3 and weight.shape[2] % 2:
         raise OpArgumentError(f"moe_gate_up: weight's last dimension holds gate then up and must be even, got "
                               f"{weight.shape[2]}")
-    routed = x.new_empty((index.numel(), x.shape[1]), device="meta")
     try:
-        check_grouped_mm_shapes(routed, weight, offsets)
+        # the routed rows [index.numel(), H] in x's dtype; grouped_mm's shape check reads only their width and
+        # dtype (its rows are the offsets' to bound, by value), which x has: x stands for them, not a made tensor
+        check_grouped_mm_shapes(x, weight, offsets)
     except OpArgumentError as e:
         raise OpArgumentError(f"moe_gate_up: {e}") from None
     for name, t in (("index", index), ("weight", weight), ("offsets", offsets)):
