@@ -77,7 +77,7 @@ def gather_sum_forward(rows: torch.Tensor, index: torch.Tensor, weights: torch.T
     """``out[t] = sum_j weights[t, j] * rows[index[t, j]]`` in one kernel."""
     T, k = index.shape
     H = rows.shape[1]
-    out = torch.empty((T, H), dtype=rows.dtype, device=rows.device)
+    out = rows.new_empty((T, H))
     if T and H:
         rows, index = rows.contiguous(), index.contiguous()
         w = weights.contiguous() if weights is not None else index  # an unused pointer when HAS_W is False
@@ -95,8 +95,8 @@ def gather_sum_backward(grad_out: torch.Tensor, rows: torch.Tensor | None, index
     """(d_rows, d_weights or None) in one kernel: one program per token, every slot of it."""
     T, k = index.shape
     H = grad_out.shape[1]
-    d_rows = torch.empty((T * k, H), dtype=grad_out.dtype, device=grad_out.device)
-    d_w = torch.empty(weights.shape, dtype=weights.dtype, device=weights.device) if need_d_weights else None
+    d_rows = grad_out.new_empty((T * k, H))
+    d_w = weights.new_empty(weights.shape) if need_d_weights else None  # (contiguous)
     if T and k:
         index = index.contiguous()
         w = weights.contiguous() if weights is not None else index

@@ -119,7 +119,7 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, *, block: int = BLOCK, 
 def _forward(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, block: int, num_warps: int):
     """The forward kernel of both ops (``weights`` None: plain swiglu)."""
     (gate, gs), (up, us) = _rows(gate), _rows(up)
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    out = gate.new_empty(gate.shape)  # (contiguous)
     n = gate.numel()
     if n:
         w = gate if weights is None else weights.contiguous()  # (not read without weights)
@@ -161,11 +161,11 @@ def swiglu_of_halves(gu: torch.Tensor, *, block: int = BLOCK, num_warps: int = N
     gu = gu.contiguous()  # (a no-op for a GEMM's result)
     N, F2 = gu.shape
     F = F2 // 2
-    out = torch.empty((N, F), dtype=gu.dtype, device=gu.device)
+    out = gu.new_empty((N, F))
     n = N * F
-    if n:
-        gate, up = gu.chunk(2, dim=1)
-        _swiglu_fwd_kernel[_grid(n, block)](gate, up, gate, out, n, F, F2, F2, HAS_W=False, ACC=_acc(gu.dtype),
+    if n:  # (gu is where its gate half starts: the kernel reads F columns a row)
+        up = gu.narrow(1, F, F)
+        _swiglu_fwd_kernel[_grid(n, block)](gu, up, gu, out, n, F, F2, F2, HAS_W=False, ACC=_acc(gu.dtype),
                                             BLOCK=block, num_warps=num_warps)
     return out
 
@@ -177,13 +177,11 @@ def swiglu_of_halves_backward(grad_out: torch.Tensor, gu: torch.Tensor, *, block
     gu = gu.contiguous()
     N, F2 = gu.shape
     F = F2 // 2
-    d_gu = torch.empty((N, F2), dtype=gu.dtype, device=gu.device)
+    d_gu = torch.empty_like(gu)  # (contiguous, as gu)
     n = N * F
-    if n:
-        gate, up = gu.chunk(2, dim=1)
-        d_gate, d_up = d_gu.chunk(2, dim=1)
-        _swiglu_bwd_kernel[_grid(n, block)](grad_out.contiguous(), gate, up, d_gate, d_up, n, F, F2, F2, F2,
-                                            BLOCK=block, num_warps=num_warps)
+    if n:  # (gu and d_gu are where their gate halves start)
+        _swiglu_bwd_kernel[_grid(n, block)](grad_out.contiguous(), gu, gu.narrow(1, F, F), d_gu, d_gu.narrow(1, F, F),
+                                            n, F, F2, F2, F2, BLOCK=block, num_warps=num_warps)
     return d_gu
 
 
