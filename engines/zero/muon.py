@@ -74,6 +74,17 @@ def orthogonalize_many(us: list[torch.Tensor], head_splits, mcfg) -> list[torch.
     return out
 
 
+def _in_dtype(views: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``views`` in ``dtype``: themselves, or copies in one new buffer made by one multi-tensor copy (a 16-bit
+    gradient's pieces widened for the master's momentum; one conversion a piece was a launch a piece)."""
+    if not views or views[0].dtype == dtype:
+        return views
+    sizes = [v.numel() for v in views]
+    out = list(torch.empty(sum(sizes), dtype=dtype, device=views[0].device).split(sizes))
+    torch._foreach_copy_(out, [v.reshape(-1) for v in views])
+    return out
+
+
 def buffer_dtype(ns_dtype: torch.dtype, master_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the round buffers: ``ns_dtype`` where the iteration's input is a plain cast of the update
     to a narrower dtype (a cast is element-wise, so done while the update is written it rounds alike) and
@@ -211,16 +222,17 @@ class MuonPartitionOptimizer(OffloadedMuonStep, PartitionOptimizer):
         if self.kept_buffers:
             self._host_fill([grad[lo:hi] for lo, hi, _, _ in pieces], bufs, dsts)
             return
-        grads = [grad[lo:hi] if grad.dtype == dtype else grad[lo:hi].to(dtype) for lo, hi, _, _ in pieces]
+        grads = _in_dtype([grad[lo:hi] for lo, hi, _, _ in pieces], dtype)
         torch._foreach_lerp_(bufs, grads, 1 - mc.momentum)
         if not mc.nesterov:
             torch._foreach_copy_(dsts, bufs)
         elif send.dtype == dtype:
             torch._foreach_copy_(dsts, grads)
             torch._foreach_lerp_(dsts, bufs, mc.momentum)  # = lerp(g, buf, momentum)
-        else:
-            for g, b, d in zip(grads, bufs, dsts, strict=True):
-                torch.lerp(g, b, mc.momentum, out=d)
+        else:  # the update over the gradient's elements (nothing reads them after the step), then rounded into
+            # dsts: two multi-tensor launches where a lerp into each piece's narrower destination took one a piece
+            torch._foreach_lerp_(grads, bufs, mc.momentum)
+            torch._foreach_copy_(dsts, grads)
 
     def _host_fill(self, grads, bufs, dsts) -> None:
         """:meth:`_fill` on the host, piece by piece through a kept scratch buffer of the master's dtype: the

@@ -143,3 +143,17 @@ def test_fp32_round_buffers_with_holes_over_two_ranks_stay_within_the_iterations
             # would add whole updates
             torch.testing.assert_close(last[key], want, rtol=0, atol=1e-6,
                                        msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+
+
+def test_a_16_bit_gradient_takes_the_same_steps_on_the_device_and_the_host_paths():
+    """Under bf16 mixed precision with one micro-step the gradient partition is bf16: the device path widens the
+    pieces in one multi-tensor copy and forms the update over them; the kept buffers' path widens piece by
+    piece through its scratch buffer. The same numbers, bit for bit."""
+    torch.set_num_threads(1)
+    config = _config(1, ns_dtype="bf16")
+    config["bf16"] = {"enabled": True}
+    device = _train(config, torch.float32, 2, kept=False)
+    host = _train(config, torch.float32, 2, kept=True)
+    assert device[0] == host[0]
+    for key, want in host[2].items():
+        assert torch.equal(device[2][key], want), key
