@@ -74,6 +74,10 @@ def orthogonalize_many(us: list[torch.Tensor], head_splits, mcfg) -> list[torch.
     return out
 
 
+def _span(buf: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    return buf[start:start + n]  # (one slice: the step takes one a piece in each direction)
+
+
 def _in_dtype(views: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """``views`` in ``dtype``: themselves, or copies in one new buffer made by one multi-tensor copy (a 16-bit
     gradient's pieces widened for the master's momentum; one conversion a piece was a launch a piece)."""
@@ -218,7 +222,7 @@ class MuonPartitionOptimizer(OffloadedMuonStep, PartitionOptimizer):
             return
         mc, dtype = self.mcfg, self.master.dtype
         bufs = [self.state["exp_avg"][lo:hi] for lo, hi, _, _ in pieces]
-        dsts = [send[m.owner * c + m.offset + elem:][:hi - lo] for lo, hi, m, elem in pieces]
+        dsts = [_span(send, m.owner * c + m.offset + elem, hi - lo) for lo, hi, m, elem in pieces]
         if self.kept_buffers:
             self._host_fill([grad[lo:hi] for lo, hi, _, _ in pieces], bufs, dsts)
             return
@@ -264,7 +268,7 @@ class MuonPartitionOptimizer(OffloadedMuonStep, PartitionOptimizer):
         for lo, hi, m, elem in pieces:
             ps, os_ = apply.setdefault((m.weight_decay, m.lr_scale), ([], []))
             ps.append(self.master[lo:hi])
-            os_.append(full[m.owner * c + m.offset + elem:][:hi - lo])
+            os_.append(_span(full, m.owner * c + m.offset + elem, hi - lo))
         for (wd, scale), (ps, os_) in apply.items():
             if self.kept_buffers and full.dtype != self.master.dtype:  # on the host: through the scratch
                 for p, o in zip(ps, os_, strict=True):
