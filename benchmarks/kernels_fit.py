@@ -30,10 +30,11 @@ import sys
 import time
 
 import torch
+from zero_kernels import KERNELS, apply_liger
+from zero_peers import optimizer_step
 
 SYSTEMS = ("hf", "liger", "polyaccel", "polyaccel+kernels")
 VOCAB = 128256
-KERNELS = {"rms_norm": True, "rope": True, "swiglu": True, "cross_entropy": True}
 
 
 def build(args):
@@ -79,21 +80,9 @@ def make_step(system: str, model, device):
 
         return zero_step, engine.destroy
     if system == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True, model=model)
+        apply_liger(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=device.type == "cuda")
-
-    def torch_step(ids):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return torch_step, lambda: None
+    return optimizer_step(model, opt, device), lambda: None
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -47,6 +47,7 @@ GRANULAR = {"stage3_module_granularity_threshold": 60_000_000}
 # --kernels rows: the model kernels swapped in (polyaccel), Liger's given to FSDP2 (zero_kernels.py)
 from zero_kernels import KERNELS, LIGER, liger_fsdp2_step  # noqa: E402
 from zero_kernels import report as kernels_report  # noqa: E402
+from zero_peers import optimizer_step  # noqa: E402
 
 # --sp1 rows: the same model through AutoSP's layer at sequence-parallel size 1 (no all-to-all, no copy)
 SP1 = {"sequence_parallel": {"autosp_size": 1, "seq_dim": 1}}
@@ -354,16 +355,7 @@ def main() -> int:
         """Baseline: fp32 weights, bf16 autocast, torch's fused AdamW."""
         model = copy.deepcopy(base_model).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-
-        def torch_step(ids):
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return torch_step, lambda: None, None
+        return optimizer_step(model, opt, device), lambda: None, None
 
     def measure(name, make):
         """Run one row; ``make()`` returns (step_fn, close, extra). Device memory an earlier row left

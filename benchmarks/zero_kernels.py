@@ -21,16 +21,23 @@ KERNELS = {"rms_norm": True, "rope": True, "swiglu": True, "cross_entropy": True
 LIGER = "fsdp2+liger"
 
 
+def apply_liger(model) -> None:
+    """Liger's four Llama kernels on ``model`` (RoPE, RMSNorm, SwiGLU, its fused linear cross-entropy); raises
+    ImportError where ``liger_kernel`` is not installed."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=True, model=model)
+
+
 def liger_fsdp2_step(model, zero: dict, device, lr: float, wd: float):
     """FSDP2's step (``zero_peers.fsdp2_step``) on ``model`` after Liger's Llama kernels were applied to it."""
     from zero_peers import PeerUnavailable, fsdp2_step
 
     try:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger(model)
     except ImportError as exc:
         raise PeerUnavailable(f"liger_kernel not importable ({exc})") from None
-    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                fused_linear_cross_entropy=True, model=model)
     return fsdp2_step(model, zero, device, lr, wd)
 
 

@@ -15,6 +15,23 @@ class PeerUnavailable(Exception):
     pass
 
 
+def optimizer_step(model, opt, autocast_device=None):
+    """``step(ids) -> loss`` of a model trained by a torch optimizer: forward (under bf16 autocast on
+    ``autocast_device`` where given), backward, ``opt.step()``, gradients dropped."""
+    import contextlib
+
+    def step(ids):
+        with (torch.autocast(autocast_device.type, dtype=torch.bfloat16) if autocast_device is not None
+              else contextlib.nullcontext()):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def deepspeed_step(model, zero: dict, batch: int, lr: float, wd: float):
     try:
         import deepspeed
@@ -76,12 +93,4 @@ def fsdp2_step(model, zero: dict, device, lr: float, wd: float):
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, fused=True)
     except (RuntimeError, TypeError):
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
-
-    def step(ids):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step, lambda: None
+    return optimizer_step(model, opt), lambda: None
