@@ -9,11 +9,8 @@
 # The compiles the cold run triggers are counted on a CPU by benchmarks/conformance_compiles.py.
 set -u
 OUT=${1:?usage: conformance_cold.sh OUTDIR}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
-  || echo "pip install failed (see install.log)"
+. "$(dirname "$0")/device_common.sh"
+start_call "$OUT"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
       torch.cuda.get_device_name())"
 TRITON_CACHE_DIR=$(mktemp -d)

@@ -1,5 +1,12 @@
-# Sourced by the *_device.sh scripts (OUT set to the output folder first): install polyaccel from this tree (and
-# the wheels under .whl/ when present, e.g. Liger-Kernel), and run(): one step under its own time limit.
+# Sourced by the device scripts: start_call OUTDIR (the output folder made, OUT its absolute path, the device
+# environment set, polyaccel installed from this tree with the wheels under .whl/ when present, e.g. Liger-Kernel),
+# and run(): one step under its own time limit.
+start_call() {
+  mkdir -p "$1"
+  OUT=$(cd "$1" && pwd)
+  export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TORCH_CUDA_ARCH_LIST=9.0
+  install_polyaccel
+}
 install_polyaccel() {
   python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
     || echo "pip install failed (see install.log)"

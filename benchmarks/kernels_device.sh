@@ -16,14 +16,11 @@
 set -u
 OUT=${1:?usage: kernels_device.sh OUTDIR STEP...}
 shift
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
 ROUNDS=${ROUNDS:-2}
 ROUNDS_1B=${ROUNDS_1B:-1}
 SP1_ONLY=${SP1_ONLY:-=stage 1,=stage 3}
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TORCH_CUDA_ARCH_LIST=9.0
 . "$(dirname "$0")/device_common.sh"
-install_polyaccel
+start_call "$OUT"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
   'transformers', transformers.__version__, torch.cuda.get_device_name())"
 for step in "$@"; do

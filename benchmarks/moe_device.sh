@@ -16,12 +16,9 @@
 set -u
 OUT=${1:?usage: moe_device.sh OUTDIR STEP...}
 shift
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
 STEPS=${STEPS:-5}
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
 . "$(dirname "$0")/device_common.sh"
-install_polyaccel
+start_call "$OUT"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 for step in "$@"; do
   case $step in

@@ -13,14 +13,11 @@
 set -u
 OUT=${1:?usage: speed_device.sh OUTDIR STEP...}
 shift
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
 TAIL=${TAIL:-25}
 STEPS=${STEPS:-5}
 ROUNDS=${ROUNDS:-1}
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TORCH_CUDA_ARCH_LIST=9.0
 . "$(dirname "$0")/device_common.sh"
-install_polyaccel
+start_call "$OUT"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(), 'host CPUs', __import__('os').cpu_count())"
 for step in "$@"; do
   case $step in
