@@ -28,6 +28,7 @@ SIZE_KEYS = {"expert": "autoep_size"}
 SCORE_FUNCS = ("auto", "softmax", "sigmoid")
 SCORE_APPLY = ("auto", "pre", "post")
 GROUP_SCORES = ("auto", "max", "top2_sum")
+CAPTURE_GRAPHS = (True, False, "auto")
 
 
 #: why expert weights are not split over the tensor ranks
@@ -70,8 +71,9 @@ class AutoEPConfig:
     top_k_attr: str | None = None  # model.config attribute with top-k
     shared_expert_pattern: str | None = None  # child name of the shared expert(s)
     shared_expert_gate_pattern: str | None = None  # child name of the shared expert's sigmoid gate
-    #: replay each layer's routed experts from device graphs (ep 1; engines/autoep/graphed.py)
-    capture_graphs: bool = False
+    #: replay each layer's routed experts from device graphs: true (ep 1; what a graph cannot do is refused),
+    #: false, or "auto": where they pay, eagerly elsewhere, never an error (engines/autoep/graphed.py)
+    capture_graphs: bool | str = "auto"
 
 
 def _check_sizes(out: dict[str, Any]) -> None:
@@ -80,10 +82,10 @@ def _check_sizes(out: dict[str, Any]) -> None:
     etp = out.get("expert_tensor_parallel_size", 1)
     if etp != 1:
         raise ConfigError(f"config key '{SECTION}.expert_tensor_parallel_size' is {etp}: {ETP_REFUSED}")
-    if out.get("capture_graphs") and out.get("autoep_size", 1) > 1:
+    if out.get("capture_graphs") is True and out.get("autoep_size", 1) > 1:
         raise ConfigError(f"config key '{SECTION}.capture_graphs' needs '{SECTION}.autoep_size' 1 (it is "
                           f"{out['autoep_size']}): a device graph fixes the rows each expert rank receives, "
-                          "which the all-to-all changes every step")
+                          "which the all-to-all changes every step (\"auto\", the default, runs such layers eagerly)")
 
 
 def _check_expert_groups(out: dict[str, Any]) -> None:
@@ -112,7 +114,7 @@ _NAME = Text(optional=True)
 #: parse_config checks the parts and their keys in this order.
 _SCHEMA: tuple[tuple[dict[str, Rule], Callable[[dict[str, Any]], None]], ...] = (
     ({"enabled": Bool(), "autoep_size": Int(1), "expert_tensor_parallel_size": Int(1),
-      "capture_graphs": Bool()}, _check_sizes),
+      "capture_graphs": OneOf(CAPTURE_GRAPHS)}, _check_sizes),
     ({"preset_model": OneOf(("auto", *sorted(PRESETS)), optional=True), "top_k": _OPTIONAL_COUNT,
       "score_func": OneOf(SCORE_FUNCS, optional=True), "score_apply": OneOf(SCORE_APPLY, optional=True),
       "group_score": OneOf(GROUP_SCORES, optional=True), "route_norm": Bool(optional=True),

@@ -78,7 +78,7 @@ class EPPlan:
     layers: list[MoELayerSpec]
     dense: list[tuple[str, str]] = field(default_factory=list)  # (name, class) left alone
     expert_data: int | None = None  # replicas of each expert shard (None: not on a mesh)
-    capture_graphs: bool = False  # the layers replay their routed experts from device graphs
+    capture_graphs: bool | str = "auto"  # the layers replay their routed experts from device graphs (True, "auto")
 
     def expert_range(self, layer: MoELayerSpec, rank: int) -> range:
         return layer.experts_of(self.ep_size, rank)
@@ -96,7 +96,7 @@ class EPPlan:
         mesh = f"ep={self.ep_size}"
         if self.expert_data is not None:
             mesh += f", expert_data={self.expert_data}"
-        if self.capture_graphs:
+        if self.capture_graphs is True:
             mesh += ", routed experts replayed from device graphs"
         lines.append(f"{head}: {mesh}, {len(self.layers)} MoE layer(s), {len(self.dense)} dense layer(s) left alone")
         rows = [("layer", "experts", "per rank", "layout", "routing", "shared")]

@@ -229,9 +229,11 @@ class AutoEPMoE(torch.nn.Module):
         self.fused_experts: bool | None = None
         #: every token to every expert as one dense MLP (see the module docstring); False keeps the routed path
         self.dense_when_all_chosen = True
-        #: replay the routed experts from device graphs (ep 1; see :mod:`.graphed`)
-        self.capture_graphs = False
+        #: replay the routed experts from device graphs: True (ep 1), False, or "auto" (where they pay; see
+        #: :mod:`.graphed`)
+        self.capture_graphs: bool | str = "auto"
         self._graphs: GraphedRoute | None = None
+        self._pad_counts: dict[tuple, torch.Tensor] = {}  # per (top_k, device): 1 for experts 0..k-1 (pad rows)
         self._expert_id_cache: dict[torch.dtype, torch.Tensor] = {}
         self._row_id_cache: torch.Tensor | None = None
         self._graphed_call = False  # within a call of the graphed route (see _captured_route)
@@ -281,16 +283,28 @@ class AutoEPMoE(torch.nn.Module):
                 and self.ep_size == 1 and self.routing.score_apply == "post")
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        if self.capture_graphs and self.ep_size == 1:
-            if self._graphs is None:
-                self._graphs = GraphedRoute(self._captured_route, self.local_experts, self.spec.name or "AutoEP layer")
-            replayed = self._graphs(x, weights, idx)
+        auto = self.capture_graphs == "auto"
+        if auto or (self.capture_graphs and self.ep_size == 1):
+            graphs = self._graphs
+            if graphs is None or graphs.auto != auto or graphs.experts is not self.local_experts:
+                graphs = self._graphs = GraphedRoute(self._captured_route, self.local_experts,
+                                                     self.spec.name or "AutoEP layer", auto=auto, ep_size=self.ep_size)
+            replayed = graphs(x, weights, idx)
             if replayed is not None:
-                y, extras = replayed
-                counts = extras["counts"].clone()
+                y, extras, pad = replayed
+                counts = extras["counts"]
+                counts = torch.sub(counts, self._pad_unit(idx.shape[1], counts), alpha=pad) if pad else counts.clone()
                 self.last_dispatch = DispatchRecord(counts=counts, received=counts, send=None, recv=None)
                 return y
         return self._routed_eagerly(x, weights, idx)
+
+    def _pad_unit(self, k: int, counts: torch.Tensor) -> torch.Tensor:
+        """What one pad row of the graphed route adds to the expert counts: 1 for experts 0..k-1 (its ids)."""
+        unit = self._pad_counts.get((k, counts.device))
+        if unit is None:
+            unit = self._pad_counts[(k, counts.device)] = (torch.arange(counts.numel(), device=counts.device) < k
+                                                           ).to(counts.dtype)
+        return unit
 
     def _captured_route(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor):
         """What :class:`.graphed.GraphedRoute` captures: the eager route, and the expert counts it reports (with

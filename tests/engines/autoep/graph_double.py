@@ -39,9 +39,17 @@ class _Record(TorchDispatchMode):
 
 
 class RecordedAtenGraph:
+    """``pool()`` names its memory pool as a device graph's does: the one it was captured into (``pool=``),
+    else a new one (there is no memory to share here; tests check which pool each capture was given)."""
+
     def __init__(self) -> None:
         self.ops: list | None = None
         self.replays = 0
+        self.given_pool = None
+        self._pool = object()
+
+    def pool(self):
+        return self.given_pool if self.given_pool is not None else self._pool
 
     @contextlib.contextmanager
     def capture(self):
@@ -83,6 +91,7 @@ class CPUWithGraphs:
         return self.graphs[-1]
 
     def capture_to_graph(self, graph: RecordedAtenGraph, pool=None, stream=None):
+        graph.given_pool = pool
         return graph.capture()
 
     def replay_graph(self, graph: RecordedAtenGraph) -> None:

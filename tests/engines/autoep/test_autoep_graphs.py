@@ -81,7 +81,7 @@ def assert_same_training(family, steps=3, model_kw=None, check=None):
     same losses and gradients (the replayed layer against HF itself), and the same expert counts as eager."""
     hf = build(family, **(model_kw or {}))
     eager, graphed_model = copy.deepcopy(hf), copy.deepcopy(hf)
-    apply_autoep(eager, {})
+    apply_autoep(eager, {"capture_graphs": False})
     apply_autoep(graphed_model, {"capture_graphs": True})
     models = (hf, eager, graphed_model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01) for m in models]
@@ -123,7 +123,7 @@ def test_replayed_steps_equal_eager_ones(graphs, family, kw):
 def test_a_second_forward_before_the_backward_runs_eagerly(graphs):
     eager = build("mixtral")
     model = copy.deepcopy(eager)
-    apply_autoep(eager, {})
+    apply_autoep(eager, {"capture_graphs": False})
     apply_autoep(model, {"capture_graphs": True})
     lm_loss(model, batch(9, 0)).backward()  # captured and replayed once
     a, b = batch(0, 0), batch(1, 0)
@@ -194,7 +194,9 @@ def test_a_backend_without_graphs_raises_unsupported():
 
 @pytest.mark.parametrize("section,words", [
     ({"capture_graphs": True, "autoep_size": 2}, "needs 'expert_parallel.autoep_size' 1"),
-    ({"capture_graphs": "yes"}, "must be true or false"),
+    ({"capture_graphs": "yes"}, r"'expert_parallel.capture_graphs' must be one of true, false, auto, got 'yes'"),
+    ({"capture_graphs": 1}, r"'expert_parallel.capture_graphs' must be one of true, false, auto, got 1"),
+    ({"capture_graphs": None}, r"'expert_parallel.capture_graphs' must be one of true, false, auto, got null"),
 ])
 def test_capture_graphs_config_is_checked(section, words):
     given = copy.deepcopy(section)
@@ -202,6 +204,9 @@ def test_capture_graphs_config_is_checked(section, words):
         parse_config(section)
     assert section == given
     assert parse_config({"capture_graphs": True}).capture_graphs is True
+    assert parse_config({}).capture_graphs == "auto"
+    assert parse_config({"capture_graphs": "Auto"}).capture_graphs == "auto"
+    assert parse_config({"capture_graphs": "auto", "autoep_size": 2}).capture_graphs == "auto"  # (eager at ep > 1)
 
 
 def _zero_config(stage: int, graphs: bool) -> dict:
@@ -251,7 +256,7 @@ def test_frozen_experts_replay_and_still_count_as_moved(graphs):
     new storage for them is noticed like for trained ones."""
     eager = build("mixtral")
     model = copy.deepcopy(eager)
-    apply_autoep(eager, {})
+    apply_autoep(eager, {"capture_graphs": False})
     apply_autoep(model, {"capture_graphs": True})
     for m in (eager, model):
         for b in blocks_of(m):
@@ -296,7 +301,7 @@ def test_weight_gradients_are_lent_not_copied_and_accumulate_over_micro_batches(
     optimizer (accumulation) moves the first .grad off the graph's memory, then adds: the same sums as eager."""
     eager = build("mixtral")
     model = copy.deepcopy(eager)
-    apply_autoep(eager, {})
+    apply_autoep(eager, {"capture_graphs": False})
     apply_autoep(model, {"capture_graphs": True})
     lm_loss(model, batch(9, 0)).backward()  # captured
     for m in (eager, model):
@@ -316,7 +321,7 @@ def test_weight_gradients_are_lent_not_copied_and_accumulate_over_micro_batches(
 def test_a_lent_gradient_held_elsewhere_is_never_overwritten(graphs):
     eager = build("mixtral")
     model = copy.deepcopy(eager)
-    apply_autoep(eager, {})
+    apply_autoep(eager, {"capture_graphs": False})
     apply_autoep(model, {"capture_graphs": True})
     lm_loss(model, batch(9, 0)).backward()
     model.zero_grad()
@@ -324,7 +329,7 @@ def test_a_lent_gradient_held_elsewhere_is_never_overwritten(graphs):
     kept = _expert_grads(model)  # a caller keeps the gradients of this step
     snapshot = [g.clone() for g in kept]
     model.zero_grad()
-    lm_loss(model, batch(1, 0)).backward()  # must not write into the kept tensors
+    lm_loss(model, batch(1, 0)).backward()  # must not write into the kept tensors: that forward runs eagerly
     for got, was in zip(kept, snapshot, strict=True):
         assert torch.equal(got, was)
     eager.zero_grad()
@@ -332,7 +337,7 @@ def test_a_lent_gradient_held_elsewhere_is_never_overwritten(graphs):
     want = dict(eager.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
-    assert blocks_of(model)[0]._graphs.stats["backward eagerly: a weight gradient lent out is still held"] == 1
+    assert blocks_of(model)[0]._graphs.stats["eager: a weight gradient lent out is still held"] == 1
 
 
 def _steps_equal(eager, model, batches):
@@ -349,7 +354,7 @@ def _steps_equal(eager, model, batches):
 def _pair(family="mixtral"):
     eager = build(family)
     model = copy.deepcopy(eager)
-    apply_autoep(eager, {})
+    apply_autoep(eager, {"capture_graphs": False})
     apply_autoep(model, {"capture_graphs": True})
     return eager, model
 
