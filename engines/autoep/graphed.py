@@ -374,7 +374,9 @@ class GraphedRoute:
                 raise
             self.uncapturable[key] = "capture failed"
             self._eager(self.uncapturable[key])
-            self._warn_once(f"failed {key[0]}", f"{exc}; that shape runs eagerly")
+            cause = exc.__cause__ or exc
+            self._warn_once(f"failed {key[0]}", f"capturing input {key[0]} failed ({type(cause).__name__}: {cause}); "
+                                                "that shape runs eagerly (capture_graphs \"auto\")")
             return None
         self.entries[key] = entry
         self.device = x.device
