@@ -82,10 +82,11 @@ def _layout_arguments(g, d, stages) -> None:
                    help="sequence-parallel degree (AutoSP, Ulysses attention): each sequence is split over S ranks "
                         "that get the same rows (ranks = data x sequence x tensor); S must divide the ranks --tp "
                         "leaves, --seq-len and the heads of a tensor rank (default 1)")
-    g.add_argument("--capture-graphs", action="store_true",
-                   help="MoE models at --ep 1, --stage 1 or 2, on an accelerator with device graphs: replay each MoE "
-                        "layer's routed experts from graphs captured once per shape (less host time per step where "
-                        "tokens are few; docs/autoep.md)")
+    g.add_argument("--capture-graphs", nargs="?", const="true", default="auto", choices=("auto", "true", "false"),
+                   help="MoE models: replay each MoE layer's routed experts from device graphs captured once per "
+                        "shape (less host time per step where tokens are few; docs/autoep.md). auto (the default): "
+                        "where they pay, eagerly elsewhere; true (the flag alone): always, refused unless --ep 1, "
+                        "--stage 1 or 2 and an accelerator with device graphs; false: never")
     g.add_argument("--offload", action="store_true",
                    help="offload optimizer state to host memory (and parameters too with --stage 3)")
     g.add_argument("--offload-ratio", type=float, default=d.offload_ratio, metavar="R",

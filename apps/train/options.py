@@ -55,7 +55,8 @@ class TrainOptions:
     tp: int = 1  # tensor-parallel degree: ranks = data x tensor
     ep: int = 1  # expert-parallel degree (MoE models): experts over ep ranks, carved out of data
     sp: int = 1  # sequence-parallel degree (AutoSP): each sequence over sp ranks; ranks = data x sequence x tensor
-    capture_graphs: bool = False  # MoE models at ep 1: the routed experts replayed from device graphs
+    #: MoE models: the routed experts replayed from device graphs: True, False or "auto" (AutoEP's default)
+    capture_graphs: bool | str = "auto"
     #: --kernels resolved: auto / all / off (apps/train/kernels.py)
     kernels: str = "off"
     dtype: str = "fp32"
@@ -112,8 +113,8 @@ class TrainOptions:
             cfg["sequence_parallel"] = {"autosp_size": self.sp, "seq_dim": 1}
         if self.model.name in MOE_MODELS:  # AutoEP runs the experts (grouped_mm), at ep 1 too
             cfg["expert_parallel"] = {"autoep_size": self.ep}
-            if self.capture_graphs:
-                cfg["expert_parallel"]["capture_graphs"] = True
+            if self.capture_graphs != "auto":
+                cfg["expert_parallel"]["capture_graphs"] = self.capture_graphs
         if self.kernels != "off":
             cfg["kernels"] = kernels_section(self.kernels)
         if self.dtype == "bf16":
@@ -206,7 +207,7 @@ def options_from_args(args, accelerator) -> TrainOptions:
     check_sp(sp, nproc, tp, args.seq_len, spec.num_heads, spec)
     _check_ep(ep, nproc, tp, spec, sp)
     _check_plans(tp, ep, spec)
-    capture_graphs = getattr(args, "capture_graphs", False)
+    capture_graphs = {"true": True, "false": False}.get(getattr(args, "capture_graphs", "auto"), "auto")
     _check_capture_graphs(capture_graphs, spec, ep, args.stage, accelerator)
     offload_ratio = getattr(args, "offload_ratio", 1.0)
     _check_offload_ratio(offload_ratio, args, optimizer, tp)
@@ -358,10 +359,11 @@ def _check_ep(ep: int, nproc: int, tp: int, spec: ModelSpec, sp: int = 1) -> Non
                           f"{[d for d in range(1, data + 1) if data % d == 0]} or change --nproc/--tp")
 
 
-def _check_capture_graphs(capture_graphs: bool, spec: ModelSpec, ep: int, stage: int, accelerator) -> None:
-    """``--capture-graphs`` where AutoEP can replay its experts: a MoE model at ep 1, ZeRO stage 1 or 2 (stage 3
-    gathers the experts in hooks a replay would skip), an accelerator with device graphs."""
-    if not capture_graphs:
+def _check_capture_graphs(capture_graphs: bool | str, spec: ModelSpec, ep: int, stage: int, accelerator) -> None:
+    """``--capture-graphs true`` where AutoEP can replay its experts: a MoE model at ep 1, ZeRO stage 1 or 2 (stage 3
+    gathers the experts in hooks a replay would skip), an accelerator with device graphs. ``auto`` and ``false``
+    are never refused (auto runs eagerly where graphs cannot serve)."""
+    if capture_graphs is not True:
         return
     if spec.name not in MOE_MODELS:
         raise ConfigError(f"--capture-graphs replays the experts of a MoE layer; model {spec.name!r} has none: use "

@@ -67,6 +67,16 @@ def test_bad_tp_ep_combinations_refused_before_spawning(no_spawn, capsys, argv, 
 def test_capture_graphs_refused_where_it_cannot_serve_before_spawning(no_spawn, capsys, argv, words):
     assert main(["train", *TINY, "--capture-graphs", *argv]) == 2
     assert words in capsys.readouterr().err
+    assert main(["train", *TINY, "--capture-graphs", "true", *argv]) == 2  # the flag alone is "true"
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["auto", "false"])
+def test_capture_graphs_auto_and_false_are_never_refused(value):
+    """auto (the default) runs eagerly where graphs cannot serve: ep 2, stage 3, no graphs on the cpu."""
+    for argv in (["--nproc", "2", "--ep", "2"], ["--nproc", "1", "--stage", "3"], ["--nproc", "1"]):
+        cfg = _opts([*TINY, "--capture-graphs", value, *argv]).engine_config()
+        assert cfg["expert_parallel"].get("capture_graphs", "auto") == {"auto": "auto", "false": False}[value]
 
 
 def test_capture_graphs_reaches_the_expert_parallel_section(monkeypatch):
@@ -74,7 +84,8 @@ def test_capture_graphs_reaches_the_expert_parallel_section(monkeypatch):
     monkeypatch.setattr(type(acc), "has", lambda self, cap: cap == "graphs" or cap in self.capabilities())
     cfg = _opts([*TINY, "--nproc", "1", "--capture-graphs"]).engine_config()
     assert cfg["expert_parallel"] == {"autoep_size": 1, "capture_graphs": True}
-    assert "capture_graphs" not in _opts([*TINY, "--nproc", "1"]).engine_config()["expert_parallel"]
+    assert cfg == _opts([*TINY, "--nproc", "1", "--capture-graphs", "true"]).engine_config()
+    assert "capture_graphs" not in _opts([*TINY, "--nproc", "1"]).engine_config()["expert_parallel"]  # auto
 
 
 def test_init_from_checked_before_spawning(no_spawn, capsys, tmp_path):
