@@ -11,13 +11,15 @@ hidden H, expert width F, random bf16 weights) is built once; AutoEP is applied 
 - tokens/s of forward + backward (loss ``(out * g).sum()``) for the HF block with its eager
   expert loop (``experts_implementation="eager"``: one GEMM chain per expert hit), the HF
   block with transformers' own ``grouped_mm`` experts where it runs, AutoEP as it runs by
-  default (the fused expert ops ``moe_gate_up`` / ``moe_down_combine`` where the registry
-  chooses a plugin's builder of them: on a GPU the cuda plugin's ``torch_moe_*``, the unfused
-  chain's kernels in one autograd node per op) and AutoEP with ``capture_graphs`` (``graphs``
-  line: the routed experts replayed from device graphs,
-  where the accelerator has graphs; the memory the graphs hold between steps is reported
-  beside the step's peak, and the max |difference| of one step's output and expert gradients
-  against the eager AutoEP layer);
+  default (the default config, ``capture_graphs: "auto"``: device graphs where the routed rows
+  are few enough to pay, with the fused expert ops ``moe_gate_up`` / ``moe_down_combine`` where
+  the registry chooses a plugin's builder of them: on a GPU the cuda plugin's ``torch_moe_*``,
+  the unfused chain's kernels in one autograd node per op; the ``default`` line says whether it
+  replayed and gives the layer's ``_graphs.stats``), AutoEP eagerly (``capture_graphs: false``,
+  ``eager`` line) and AutoEP with ``capture_graphs: true`` (``graphs`` line, where the
+  accelerator has graphs). For the default and the graphs lines, the memory the graphs hold
+  between steps is reported, and the max |difference| of one step's output and expert
+  gradients against the eager AutoEP layer;
 - the host's side of a step (``host ms``: the median time until a step's Python returns, the
   device idle at its start, so no wait for a full launch queue is in it) and what the step asks
   of the device (``launches``: aten kernels and Triton launches, counted at the dispatcher by
@@ -115,15 +117,18 @@ def hf_block(E: int, k: int, H: int, F: int, impl: str, device, seed: int = 0):
     return block.to(device=device, dtype=torch.bfloat16)
 
 
-def autoep_block(block, fused: bool | None = None, graphs: bool = False):
+def autoep_block(block, fused: bool | None = None, graphs: bool | str | None = None):
     """AutoEP on a copy of ``block``; ``fused`` sets ``fused_experts`` (None: the fused ops where provided),
-    ``graphs`` sets ``capture_graphs``."""
+    ``graphs`` sets ``capture_graphs`` (None: left out, the default config: "auto")."""
     from polyaccel.engines.autoep import apply_autoep
 
     holder = torch.nn.Module()
     holder.config = None
     holder.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": copy.deepcopy(block)})])
-    apply_autoep(holder, {"preset_model": "mixtral", "capture_graphs": graphs})
+    section = {"preset_model": "mixtral"}
+    if graphs is not None:
+        section["capture_graphs"] = graphs
+    apply_autoep(holder, section)
     ep = holder.layers[0]["mlp"]
     ep.fused_experts = fused
     return ep
@@ -142,9 +147,10 @@ def train_step(block, x, g):
     return fn
 
 
-def graphs_check(graphed, eager, x, g, acc) -> dict:
+def graphs_check(graphed, eager, x, g, acc, prefix: str = "graphs") -> dict:
     """Capture ``graphed`` (one warm step), then one step of each on the same input: max |diff| of the output and
-    of the expert gradients, and the device memory the graphs hold (allocated by the capture, gradients aside)."""
+    of the expert gradients, and the device memory the graphs hold (allocated by the capture, gradients aside);
+    ``{prefix}_stats``: the layer's ``_graphs.stats`` (whether it captured and replayed, or why it ran eagerly)."""
     params = list(graphed.parameters())
     stats = acc.has("memory_stats")
     if stats:
@@ -163,9 +169,10 @@ def graphs_check(graphed, eager, x, g, acc) -> dict:
         out = train_step(block, x, g)()
         outs.append((out.detach().float(), [p.grad.float() for p in block.local_experts.parameters()]))
     (yg, gg), (ye, ge) = outs
-    return {"graphs_max_abs_diff": float((yg - ye).abs().max()),
-            "graphs_grad_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(gg, ge, strict=True)),
-            "graphs_held_bytes": held, "graphs_stats": dict(graphed._graphs.stats)}
+    return {f"{prefix}_max_abs_diff": float((yg - ye).abs().max()),
+            f"{prefix}_grad_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(gg, ge, strict=True)),
+            f"{prefix}_held_bytes": held,
+            f"{prefix}_stats": dict(graphed._graphs.stats) if graphed._graphs is not None else {}}
 
 
 def host_side(step, acc, steps: int) -> dict:
@@ -251,7 +258,8 @@ def gemm_rates(ep_block, x, acc, steps):
 def run_case(E, T, k, args, acc, device) -> dict:
     H, F = args.hidden, args.ffn
     eager = hf_block(E, k, H, F, "eager", device)
-    ours = autoep_block(eager)
+    ours = autoep_block(eager)  # the default config: capture_graphs "auto"
+    ours_eager = autoep_block(eager, graphs=False)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, T, H, generator=g).to(device=device, dtype=torch.bfloat16)
     grad = torch.randn(1, T, H, generator=g).to(device=device)
@@ -267,11 +275,12 @@ def run_case(E, T, k, args, acc, device) -> dict:
 
         row["moe_builders"] = [ops.registry.chosen(op, x.device.type).name for op in ("moe_gate_up",
                                                                                       "moe_down_combine")]
-    impls = {"hf_eager": eager, "autoep": ours}
+    impls = {"hf_eager": eager, "autoep": ours, "autoep_eager": ours_eager}
+    row.update(graphs_check(ours, ours_eager, x, grad, acc, prefix="default"))
     if acc.has("graphs"):
         try:
             graphed = autoep_block(eager, graphs=True)
-            row.update(graphs_check(graphed, ours, x, grad, acc))
+            row.update(graphs_check(graphed, ours_eager, x, grad, acc))
             impls["autoep_graphs"] = graphed
         except Exception as exc:  # noqa: BLE001 - reported in the row; the other columns still run
             row["graphs_error"] = f"{type(exc).__name__}: {exc}"[:400]
@@ -290,8 +299,12 @@ def run_case(E, T, k, args, acc, device) -> dict:
         row[f"{name}_peak_bytes"] = peak_bytes(step, acc)
         row.update({f"{name}_{k}": v for k, v in host_side(step, acc, args.host_steps).items()})
     row["speedup_vs_hf_eager"] = row["autoep_tokens_per_s"] / row["hf_eager_tokens_per_s"]
+    row["default_stats"] = dict(ours._graphs.stats)  # after the timed steps too: replayed, or eager and why
+    row["default_replayed"] = ours._graphs.stats.get("replayed", 0) > 0
+    row["eager_vs_hf_eager"] = row["autoep_eager_tokens_per_s"] / row["hf_eager_tokens_per_s"]
     if "hf_grouped_mm_tokens_per_s" in row:
         row["speedup_vs_hf_grouped_mm"] = row["autoep_tokens_per_s"] / row["hf_grouped_mm_tokens_per_s"]
+        row["eager_vs_hf_grouped_mm"] = row["autoep_eager_tokens_per_s"] / row["hf_grouped_mm_tokens_per_s"]
     if "autoep_graphs_tokens_per_s" in row:
         row["graphs_vs_hf_eager"] = row["autoep_graphs_tokens_per_s"] / row["hf_eager_tokens_per_s"]
         if "hf_grouped_mm_tokens_per_s" in row:
@@ -329,8 +342,14 @@ def _print_row(r: dict) -> None:
           f"{r['max_abs_diff']:>9.2e} {r['max_abs_out']:>8.2e} | {_fmt(r['gemm_tflops'], '>9.2f')} "
           f"{_fmt(r['torch_grouped_mm_tflops'], '>11.2f')} {_fmt(r['gemm_fraction'], '>5.2f')}"
           + (f"  (default path: {' + '.join(r['moe_builders'])})" if r["fused"] else ""), flush=True)
+    print(f"{'':>13}| default (capture_graphs auto): {'replayed' if r['default_replayed'] else 'eager'}, "
+          f"held {_mb(r['default_held_bytes'])} MB, |diff| vs eager out {r['default_max_abs_diff']:.2e} "
+          f"expert grads {r['default_grad_max_abs_diff']:.2e}, {r['default_stats']}", flush=True)
+    print(f"{'':>13}| eager (capture_graphs false): {r['autoep_eager_tokens_per_s']:>13,.0f} tok/s, "
+          f"{r['eager_vs_hf_eager']:.2f}x eager, {_fmt(r.get('eager_vs_hf_grouped_mm'), '.2f')}x gmm, "
+          f"host {r['autoep_eager_host_ms']:.2f} ms, peak {_mb(r['autoep_eager_peak_bytes'])} MB", flush=True)
     if "autoep_graphs_tokens_per_s" in r:
-        print(f"{'':>13}| graphs: {r['autoep_graphs_tokens_per_s']:>13,.0f} tok/s, "
+        print(f"{'':>13}| graphs (capture_graphs true): {r['autoep_graphs_tokens_per_s']:>13,.0f} tok/s, "
               f"{r['graphs_vs_hf_eager']:.2f}x eager, "
               f"{_fmt(r.get('graphs_vs_hf_grouped_mm'), '.2f')}x gmm, "
               f"host {r['autoep_graphs_host_ms']:.2f} ms, "
@@ -349,8 +368,14 @@ def _print_summary(rows: list[dict]) -> None:
     if gg:
         print(f"AutoEP with capture_graphs: min x HF grouped_mm {min(gg):.2f}, min x HF eager "
               f"{min(r['graphs_vs_hf_eager'] for r in rows if 'graphs_vs_hf_eager' in r):.2f}")
-    print(f"AutoEP (default path) min x HF grouped_mm {min(gm):.2f} (target >= 1.3)" if gm
+    print(f"AutoEP (default path: capture_graphs auto) min x HF grouped_mm {min(gm):.2f} (target >= 1.3)" if gm
           else "no HF grouped_mm rows")
+    em = [r["eager_vs_hf_grouped_mm"] for r in rows if "eager_vs_hf_grouped_mm" in r]
+    if em:
+        print(f"AutoEP eager (capture_graphs false) min x HF grouped_mm {min(em):.2f}")
+    print("default path replayed its graphs in rows: "
+          + (", ".join(f"E {r['experts']} T {r['tokens']} k {r['top_k']}" for r in rows if r["default_replayed"])
+             or "none"))
     host = [r["autoep_host_ms"] for r in rows]
     launches = [r["autoep_launches"] for r in rows]
     print(f"AutoEP (default path) host ms a step {min(host):.2f}-{max(host):.2f}, launches a step "

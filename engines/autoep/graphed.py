@@ -269,7 +269,7 @@ class GraphedRoute:
         #: how calls went: replayed, captured, eager (and why)
         self.stats: dict[str, int] = {}
         self._warned: set[str] = set()
-        self._device_reasons: dict[torch.device, str | None] = {}  # auto: why a device runs eagerly, decided once
+        self._device_reasons: dict[torch.device, str | None] = {}  # auto: a device's eager stat key, decided once
         self.pool = None  # the layer's memory pool, shared by all its graphs (None until the first capture)
         self.device: torch.device | None = None
         _ROUTES.add(self)
@@ -301,11 +301,14 @@ class GraphedRoute:
         ``pad``: the pad rows the graphs ran besides the call's tokens, each routed to experts 0..k-1 (the
         extras count them)."""
         if self.auto:
-            why = self._device_reasons.get(x.device, "")
-            if why == "":
-                why = self._device_reasons[x.device] = self._device_reason(x.device)
-            if why is None:
-                why = self._eager_reason(x, weights)
+            eager_key = self._device_reasons.get(x.device, "")
+            if eager_key == "":
+                why = self._device_reason(x.device)
+                eager_key = self._device_reasons[x.device] = None if why is None else f"eager: {why}"
+            if eager_key is not None:  # (the cpu: the one dictionary look-up and count a call)
+                self.stats[eager_key] = self.stats.get(eager_key, 0) + 1
+                return None
+            why = self._eager_reason(x, weights)
             if why is None and self._hooked():
                 why = "expert modules have forward hooks (ZeRO stage 3 gathers parameters there)"
             rows = bucket_tokens(x.shape[0])
