@@ -311,11 +311,14 @@ class AutoEPMoE(torch.nn.Module):
         nothing kept between calls in its graphs' reads: a kept tensor replaced for another shape would be freed
         under a graph still reading it)."""
         self._graphed_call = True
-        try:
+        before = self.last_dispatch  # (the caller records what a call dispatched: warm-up, capture and a
+        try:  # backward's recompute run padded inputs, whose counts include the pad rows)
             y = self._routed_eagerly(x, weights, idx)
+            counts = self.last_dispatch["counts"]
         finally:
             self._graphed_call = False
-        return y, {"counts": self.last_dispatch["counts"]}
+            self.last_dispatch = before
+        return y, {"counts": counts}
 
     def _expert_ids(self, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """``arange(E)`` on ``device`` in ``dtype``, made once per dtype (the values ``_sorted_routes`` searches

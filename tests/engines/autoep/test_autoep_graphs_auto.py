@@ -245,3 +245,28 @@ def test_lent_gradients_are_taken_back_before_any_forward_replay_of_the_layer(gr
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
     assert block._graphs.stats["replayed"] == 4, block._graphs.stats
+
+
+def test_a_backward_that_cannot_take_its_gradients_back_recomputes_padded_rows_exactly(graphs):
+    """A second backward through a retained graph while a caller holds the first one's lent gradients: that
+    backward recomputes eagerly from the padded static inputs; gradients and counts still equal eager."""
+    eager, block = _block_pair("mixtral", {}, torch.float64, {})
+    H = block.spec.hidden_size
+    g = torch.Generator().manual_seed(5)
+    x, probe = (torch.randn(1, 21, H, generator=g, dtype=torch.float64) for _ in range(2))  # bucket 24
+    results = []
+    for b in (eager, block):
+        xx = x.clone().requires_grad_(True)
+        loss = (hidden_of(b(xx)) * probe).sum()
+        loss.backward(retain_graph=True)
+        kept = [p.grad for p in b.local_experts.parameters()]  # held by the caller
+        b.zero_grad()
+        xx.grad = None
+        loss.backward()
+        results.append((xx.grad, [p.grad for p in b.parameters()], b.last_dispatch["counts"], kept))
+    (gx, gp, counts, _), (hx, hp, hcounts, _) = results
+    torch.testing.assert_close(hx, gx, rtol=1e-12, atol=1e-12)
+    for got, want in zip(hp, gp, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(hcounts, counts)
+    assert block._graphs.stats["backward eagerly: a weight gradient lent out is still held"] == 1
