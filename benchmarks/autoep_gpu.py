@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import statistics
@@ -419,6 +420,9 @@ def main(argv=None) -> list[dict]:
                 if k > E:
                     continue
                 rows.append(run_case(E, T, k, args, acc, device))
+                gc.collect()  # the case's blocks and their graphs' pools gone: the next "auto" budget starts empty
+                if acc.has("memory_stats"):
+                    acc.empty_cache()
                 _print_row(rows[-1])
                 if args.out:  # after every row: a run cut short keeps what it measured
                     with open(args.out, "w") as f:

@@ -243,6 +243,22 @@ def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
 _ROUTES: weakref.WeakSet = weakref.WeakSet()
 
 
+class _Weak:
+    """A bound method called through a weak reference: the layer holds its graphs, so its graphs (and their
+    entries) hold the layer's route and the stats counter weakly; dropping the layer then frees its graphs and
+    pool at once, without waiting for the garbage collector (whose delay would also count them in the budget)."""
+
+    def __init__(self, method) -> None:
+        self.ref = weakref.WeakMethod(method)
+
+    def __call__(self, *args):
+        return self.ref()(*args)
+
+
+def _weak(fn: Callable) -> Callable:
+    return _Weak(fn) if hasattr(fn, "__self__") and hasattr(fn, "__func__") else fn
+
+
 def held_bytes(device: torch.device) -> int:
     """The device memory the captures of all layers on ``device`` added (where measured)."""
     return sum(e.held for r in list(_ROUTES) for e in r.entries.values() if r.device == device)
@@ -259,7 +275,7 @@ class GraphedRoute:
 
     def __init__(self, fn: Callable, experts: torch.nn.Module, name: str = "AutoEP layer", *, auto: bool = False,
                  ep_size: int = 1):
-        self.fn = fn
+        self.fn = _weak(fn)
         self.experts = experts
         self.name = name
         self.auto = auto
@@ -279,10 +295,12 @@ class GraphedRoute:
         state = self.__dict__.copy()
         state["entries"], state["stats"], state["uncapturable"], state["_warned"] = {}, {}, {}, set()
         state["_device_reasons"], state["pool"], state["device"] = {}, None, None
+        state["fn"] = self.fn.ref() if isinstance(self.fn, _Weak) else self.fn  # (the copy's own layer's method)
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.fn = _weak(self.fn)
         _ROUTES.add(self)
 
     def _count(self, what: str) -> None:
@@ -442,7 +460,7 @@ class GraphedRoute:
         trained = [p for p in params if p.requires_grad]
         wanted = [t for t in (*static[:2], *trained) if t.requires_grad]
         entry = _Captured(acc=acc, inputs=static, params=params, param_ptrs=tuple(p.data_ptr() for p in params),
-                          trained=tuple(trained), fn=self.fn, count=self._count, rows=rows, filled=x.shape[0],
+                          trained=tuple(trained), fn=self.fn, count=_weak(self._count), rows=rows, filled=x.shape[0],
                           pad_ids=torch.arange(idx.shape[1], device=idx.device, dtype=idx.dtype))
         measured = acc.has("memory_stats")
         try:

@@ -270,3 +270,22 @@ def test_a_backward_that_cannot_take_its_gradients_back_recomputes_padded_rows_e
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert torch.equal(hcounts, counts)
     assert block._graphs.stats["backward eagerly: a weight gradient lent out is still held"] == 1
+
+
+def test_a_dropped_model_frees_its_graphs_without_the_garbage_collector(graphs):
+    """No reference cycle through a layer's graphs: their memory goes with the model and leaves the budget."""
+    import gc
+    import weakref
+
+    _, model = _models()
+    lm_loss(model, batch(0, 0)).backward()
+    block = blocks_of(model)[0]
+    gone = [weakref.ref(x) for x in (block, block._graphs, next(iter(block._graphs.entries.values())))]
+    assert graphed.held_bytes(torch.device("cpu")) == 0  # (the stand-in measures nothing)
+    del block
+    gc.disable()
+    try:
+        del model
+        assert [r() for r in gone] == [None, None, None]
+    finally:
+        gc.enable()
