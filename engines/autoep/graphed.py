@@ -319,6 +319,8 @@ class GraphedRoute:
         ``pad``: the pad rows the graphs ran besides the call's tokens, each routed to experts 0..k-1 (the
         extras count them)."""
         if self.auto:
+            if torch.compiler.is_compiling():  # torch.compile traces the eager layer (and makes its own graphs)
+                return None
             eager_key = self._device_reasons.get(x.device, "")
             if eager_key == "":
                 why = self._device_reason(x.device)
