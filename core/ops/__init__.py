@@ -26,6 +26,8 @@ from .calls import (
     grouped_mm,
     moe_down_combine,
     moe_gate_up,
+    muon_apply,
+    muon_momentum,
     newton_schulz,
     override,
     provides,
@@ -55,6 +57,7 @@ def __getattr__(name: str):
 __all__ = [
     "ANY_DEVICE", "Candidate", "OpBuilder", "OpRegistry", "QuantizedTensor", "dequantize", "entropy", "explain",
     "fused_adam", "fused_lamb", "fused_lion", "fused_muon", "gather_sum", "grouped_mm", "moe_down_combine",
-    "moe_gate_up", "kl", "linear_cross_entropy", "logprobs", "newton_schulz", "override", "provides", "quantize",
+    "moe_gate_up", "kl", "linear_cross_entropy", "logprobs", "muon_apply", "muon_momentum", "newton_schulz",
+    "override", "provides", "quantize",
     "registry", "resolve", "rms_norm", "rope", "swiglu", "weighted_swiglu",
 ]

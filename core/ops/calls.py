@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import current
-from . import contract, contract_muon
+from . import contract, contract_muon, contract_muon_passes
 from .reference import muon as _muon
 from .reference.moe_experts import check_moe_down_combine_shapes, check_moe_gate_up_shapes
 from .reference.quantize import QuantizedTensor, check_dequantize_args, check_quantize_args
@@ -178,6 +178,36 @@ def fused_muon(params, grads, momentum_buffers, *, lr, momentum, weight_decay, n
         params, grads, momentum_buffers, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
         ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), eps=eps, ns_dtype=ns_dtype,
         lr_adjustment=lr_adjustment, head_splits=None if head_splits is None else list(head_splits))
+
+
+def muon_momentum(grad, momentum_buffer, out, *, grad_offsets, buffer_offsets, out_offsets, lengths, momentum,
+                  nesterov=True):
+    """``muon_momentum`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.muon_momentum` (docs/plugin-authoring.md).
+    """
+    contract_muon_passes.check_muon_momentum(grad, momentum_buffer, out, grad_offsets=grad_offsets,
+                                             buffer_offsets=buffer_offsets, out_offsets=out_offsets, lengths=lengths,
+                                             momentum=momentum, nesterov=nesterov)
+    if not lengths:
+        return
+    _RUNTIME.ops.resolve("muon_momentum", grad.device.type)(
+        grad, momentum_buffer, out, grad_offsets=list(grad_offsets), buffer_offsets=list(buffer_offsets),
+        out_offsets=list(out_offsets), lengths=list(lengths), momentum=momentum, nesterov=nesterov)
+
+
+def muon_apply(params, updates, *, param_offsets, update_offsets, lengths, lr, weight_decays, lr_scales):
+    """``muon_apply`` through the best builder for the tensors' device type.
+
+    Semantics and signature: :func:`polyaccel.ops.reference.muon_apply` (docs/plugin-authoring.md).
+    """
+    contract_muon_passes.check_muon_apply(params, updates, param_offsets=param_offsets, update_offsets=update_offsets,
+                                          lengths=lengths, lr=lr, weight_decays=weight_decays, lr_scales=lr_scales)
+    if not lengths:
+        return
+    _RUNTIME.ops.resolve("muon_apply", params.device.type)(
+        params, updates, param_offsets=list(param_offsets), update_offsets=list(update_offsets), lengths=list(lengths),
+        lr=lr, weight_decays=list(weight_decays), lr_scales=list(lr_scales))
 
 
 def provides(op: str, device_type: str) -> bool:

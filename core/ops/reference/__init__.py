@@ -5,6 +5,7 @@ from .gather_sum import gather_sum, gather_sum_backward, gather_sum_forward, mak
 from .grouped_mm import grouped_mm
 from .moe_experts import moe_down_combine, moe_gate_up
 from .muon import fused_muon, newton_schulz
+from .muon_passes import muon_apply, muon_momentum
 from .optimizers import fused_adam, fused_lamb, fused_lion
 from .quantize import QuantizedTensor, dequantize, quantize
 from .rms_norm import make_rms_norm, rms_norm
@@ -35,6 +36,8 @@ REFERENCE_OPS = {
     "moe_down_combine": "moe_down_combine",
     "newton_schulz": "newton_schulz",
     "fused_muon": "fused_muon",
+    "muon_momentum": "muon_momentum",
+    "muon_apply": "muon_apply",
     "rms_norm": "rms_norm",
     "rope": "rope",
     "linear_cross_entropy": "linear_cross_entropy",
@@ -66,6 +69,8 @@ __all__ = [
     "make_weighted_swiglu",
     "moe_down_combine",
     "moe_gate_up",
+    "muon_apply",
+    "muon_momentum",
     "newton_schulz",
     "op_reference_markdown",
     "quantize",

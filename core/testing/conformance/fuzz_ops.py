@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from polyaccel.errors import OpArgumentError
 from polyaccel.ops import reference as ref
 
-from . import fuzz_loss, fuzz_model, fuzz_moe, fuzz_muon
+from . import fuzz_loss, fuzz_model, fuzz_moe, fuzz_muon, fuzz_muon_passes
 from .fuzz_layouts import Buffers, Layout, TensorSpec, draw_layout, draw_shape, draw_specials, dtype_name, host64
 from .fuzz_outcome import COMPARED, REFUSED, attempt, close, fail, pretty_repr, unchanged
 from .opcases import _codes
@@ -697,6 +697,10 @@ def op_fuzzers() -> dict[str, OpFuzz]:
         "gather_sum": OpFuzz(lambda dtypes, fp8: gather_sum_cases(dtypes), run_gather_sum),
         "newton_schulz": OpFuzz(lambda dtypes, fp8: fuzz_muon.newton_schulz_cases(dtypes), fuzz_muon.run_newton_schulz),
         "fused_muon": OpFuzz(lambda dtypes, fp8: fuzz_muon.fused_muon_cases(dtypes), fuzz_muon.run_fused_muon),
+        "muon_momentum": OpFuzz(lambda dtypes, fp8: fuzz_muon_passes.muon_momentum_cases(dtypes),
+                                fuzz_muon_passes.run_muon_momentum),
+        "muon_apply": OpFuzz(lambda dtypes, fp8: fuzz_muon_passes.muon_apply_cases(dtypes),
+                             fuzz_muon_passes.run_muon_apply),
         "moe_gate_up": OpFuzz(lambda dtypes, fp8: fuzz_moe.moe_gate_up_cases(dtypes), fuzz_moe.run_moe),
         "moe_down_combine": OpFuzz(lambda dtypes, fp8: fuzz_moe.moe_down_combine_cases(dtypes), fuzz_moe.run_moe),
         "rms_norm": OpFuzz(lambda dtypes, fp8: fuzz_model.rms_norm_cases(dtypes), fuzz_model.run_rms_norm),

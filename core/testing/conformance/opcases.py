@@ -26,6 +26,8 @@ OP_DTYPES = {
     "gather_sum": FLOATS,
     "newton_schulz": FLOATS,  # checks in opcases_muon
     "fused_muon": FLOATS,
+    "muon_momentum": FLOATS,  # checks in opcases_muon_passes
+    "muon_apply": FLOATS,
     "moe_gate_up": FLOATS,  # checks in opcases_moe
     "moe_down_combine": FLOATS,
     "rms_norm": FLOATS,  # checks in opcases_model

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 from polyaccel.errors import PolyaccelError
-from polyaccel.testing.conformance import opcases, opcases_loss, opcases_model, opcases_moe, opcases_muon
+from polyaccel.testing.conformance import (
+    opcases,
+    opcases_loss,
+    opcases_model,
+    opcases_moe,
+    opcases_muon,
+    opcases_muon_passes,
+)
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,8 @@ def _check(op_case: OpCase, fn, device, fp8: bool) -> None:
         opcases_muon.check_newton_schulz(fn, device, op_case.dtype)
     elif op_case.op == "fused_muon":
         opcases_muon.check_fused_muon(fn, device, op_case.dtype)
+    elif op_case.op in opcases_muon_passes.CHECKS:
+        opcases_muon_passes.CHECKS[op_case.op](fn, device, op_case.dtype)
     elif op_case.op == "moe_gate_up":
         opcases_moe.check_moe_gate_up(fn, device, op_case.dtype)
     elif op_case.op == "moe_down_combine":
