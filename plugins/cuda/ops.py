@@ -173,6 +173,13 @@ _TABLE = (
          TRITON_KERNEL_PRIORITY, triton_compatible,
          "Muon step: torch momentum and update around the Triton Newton-Schulz, one batched call per block "
          "shape"),
+    _Row("muon_momentum", "triton_muon_momentum", ".kernels.muon_passes", "muon_momentum", "triton",
+         TRITON_KERNEL_PRIORITY, triton_compatible,
+         "Triton Muon momentum over pieces of flat buffers: one launch reads each gradient, updates the fp32 "
+         "momentum and writes the (Nesterov) update rounded once; float64 goes to the reference"),
+    _Row("muon_apply", "triton_muon_apply", ".kernels.muon_passes", "muon_apply", "triton", TRITON_KERNEL_PRIORITY,
+         triton_compatible, "Triton Muon apply over pieces of flat buffers: decay and orthogonalized update with "
+                            "per-piece factors in one launch; float64 goes to the reference"),
     _Row("rms_norm", "triton_rms_norm", ".kernels.rms_norm", "rms_norm", "triton", TRITON_KERNEL_PRIORITY,
          triton_compatible, "Triton RMSNorm: one program per row forward (fp32 sums, rstd kept), backward over row "
                             "ranges with the weight gradient as per-program partial sums then one reduce; "
