@@ -78,17 +78,6 @@ def _span(buf: torch.Tensor, start: int, n: int) -> torch.Tensor:
     return buf[start:start + n]  # (one slice: the step takes one a piece in each direction)
 
 
-def _in_dtype(views: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """``views`` in ``dtype``: themselves, or copies in one new buffer made by one multi-tensor copy (a 16-bit
-    gradient's pieces widened for the master's momentum; one conversion a piece was a launch a piece)."""
-    if not views or views[0].dtype == dtype:
-        return views
-    sizes = [v.numel() for v in views]
-    out = list(torch.empty(sum(sizes), dtype=dtype, device=views[0].device).split(sizes))
-    torch._foreach_copy_(out, [v.reshape(-1) for v in views])
-    return out
-
-
 def buffer_dtype(ns_dtype: torch.dtype, master_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the round buffers: ``ns_dtype`` where the iteration's input is a plain cast of the update
     to a narrower dtype (a cast is element-wise, so done while the update is written it rounds alike) and
@@ -220,23 +209,18 @@ class MuonPartitionOptimizer(OffloadedMuonStep, PartitionOptimizer):
         the update is computed in the master's and rounded once, as a cast after it would round it)."""
         if not pieces:
             return
-        mc, dtype = self.mcfg, self.master.dtype
-        bufs = [self.state["exp_avg"][lo:hi] for lo, hi, _, _ in pieces]
-        dsts = [_span(send, m.owner * c + m.offset + elem, hi - lo) for lo, hi, m, elem in pieces]
+        mc = self.mcfg
         if self.kept_buffers:
+            bufs = [self.state["exp_avg"][lo:hi] for lo, hi, _, _ in pieces]
+            dsts = [_span(send, m.owner * c + m.offset + elem, hi - lo) for lo, hi, m, elem in pieces]
             self._host_fill([grad[lo:hi] for lo, hi, _, _ in pieces], bufs, dsts)
             return
-        grads = _in_dtype([grad[lo:hi] for lo, hi, _, _ in pieces], dtype)
-        torch._foreach_lerp_(bufs, grads, 1 - mc.momentum)
-        if not mc.nesterov:
-            torch._foreach_copy_(dsts, bufs)
-        elif send.dtype == dtype:
-            torch._foreach_copy_(dsts, grads)
-            torch._foreach_lerp_(dsts, bufs, mc.momentum)  # = lerp(g, buf, momentum)
-        else:  # the update over the gradient's elements (nothing reads them after the step), then rounded into
-            # dsts: two multi-tensor launches where a lerp into each piece's narrower destination took one a piece
-            torch._foreach_lerp_(grads, bufs, mc.momentum)
-            torch._foreach_copy_(dsts, grads)
+        # one pass over all pieces (the device's builder: one launch reading each gradient once): the momentum and
+        # the update rounded once into the round buffer
+        ops.muon_momentum(grad, self.state["exp_avg"], send, grad_offsets=[lo for lo, _, _, _ in pieces],
+                          buffer_offsets=[lo for lo, _, _, _ in pieces],
+                          out_offsets=[m.owner * c + m.offset + elem for _, _, m, elem in pieces],
+                          lengths=[hi - lo for lo, hi, _, _ in pieces], momentum=mc.momentum, nesterov=mc.nesterov)
 
     def _host_fill(self, grads, bufs, dsts) -> None:
         """:meth:`_fill` on the host, piece by piece through a kept scratch buffer of the master's dtype: the
@@ -264,6 +248,14 @@ class MuonPartitionOptimizer(OffloadedMuonStep, PartitionOptimizer):
         buffers the decay was applied when the pieces were prepared (:meth:`_decay`): the same two roundings
         in the same order, the first one while backward still runs."""
         lr = self.lr
+        if not self.kept_buffers and pieces and full.device == self.master.device:
+            # one pass over all pieces (the device's builder: one launch), each piece's decay and scale in a table
+            ops.muon_apply(self.master, full, param_offsets=[lo for lo, _, _, _ in pieces],
+                           update_offsets=[m.owner * c + m.offset + elem for _, _, m, elem in pieces],
+                           lengths=[hi - lo for lo, hi, _, _ in pieces], lr=lr,
+                           weight_decays=[m.weight_decay for _, _, m, _ in pieces],
+                           lr_scales=[m.lr_scale for _, _, m, _ in pieces])
+            return
         apply: dict[tuple[float, float], tuple[list, list]] = {}
         for lo, hi, m, elem in pieces:
             ps, os_ = apply.setdefault((m.weight_decay, m.lr_scale), ([], []))
