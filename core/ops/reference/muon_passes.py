@@ -42,22 +42,25 @@ def muon_momentum(grad, momentum_buffer, out, *, grad_offsets, buffer_offsets, o
     bufs = _views(momentum_buffer, buffer_offsets, lengths)
     dsts = _views(out, out_offsets, lengths)
     grads = _views(grad, grad_offsets, lengths)
-    if grad.dtype != wide or (nesterov and out.dtype != wide):
-        # the gradient widened (exactly) into one new buffer: the momentum's operand, and where a Nesterov update
-        # of another dtype than out's is formed before its one rounding (the gradient itself is only read)
+    widened = grad.dtype != wide
+    if widened:  # the gradient widened (exactly) into one new buffer
         flat = torch.empty(sum(lengths), dtype=wide, device=grad.device)
-        widened = list(flat.split(list(lengths)))
-        torch._foreach_copy_(widened, grads)
-        grads = widened
+        copies = list(flat.split(list(lengths)))
+        torch._foreach_copy_(copies, grads)
+        grads = copies
     torch._foreach_lerp_(bufs, grads, 1 - momentum)
     if not nesterov:
         torch._foreach_copy_(dsts, bufs)
     elif out.dtype == wide:
         torch._foreach_copy_(dsts, grads)
         torch._foreach_lerp_(dsts, bufs, momentum)  # = lerp(g, buf, momentum)
-    else:
-        torch._foreach_lerp_(grads, bufs, momentum)  # the widened copies: = lerp(g, buf, momentum)
-        torch._foreach_copy_(dsts, grads)
+    else:  # lerp(g, buf, momentum) in the buffer's dtype, then rounded once into out (the gradient is only read)
+        if widened:
+            torch._foreach_lerp_(grads, bufs, momentum)
+            update = grads
+        else:
+            update = torch._foreach_lerp(grads, bufs, momentum)
+        torch._foreach_copy_(dsts, update)
 
 
 def muon_apply(params, updates, *, param_offsets, update_offsets, lengths, lr, weight_decays, lr_scales):
