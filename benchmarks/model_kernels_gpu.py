@@ -247,7 +247,7 @@ def tune_rms_norm(ctx: Ctx, x, w, dy) -> list[Result]:
     _, rstd = kn.rms_norm_forward(x, w, ctx.eps, 0.0)
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
     default = kn.tile_config(block, True)
-    for rows, warps in [default, (1, 8), (1, 16), (2, 8), (4, 16)]:
+    for rows, warps in [default, (1, 16), (2, 8), (2, 16), (4, 16), (8, 16)]:
         for per_sm in (1, 2, 4):
             ms = ctx.time_ms(lambda r=rows, nw=warps, p=per_sm: kn.rms_norm_backward(
                 dy, x, w, rstd, 0.0, programs=p * sms, rows_per_step=r, num_warps=nw))

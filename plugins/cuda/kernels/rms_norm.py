@@ -10,9 +10,10 @@ Backward: as many programs as the GPU holds at once, each walking a contiguous r
 at a time: ``dx = rstd * (g - xhat * mean(g * xhat))`` with ``g = dy * (offset + w)``, stored per
 row, and the weight gradient's partial sums ``dy * xhat`` accumulated in registers over the program's
 rows, stored as one fp32 row per program; a torch sum over those few rows gives ``dw`` (no atomics,
-deterministic). Reads x and dy once, writes dx once. Tiles and warps (:func:`tile_config`) keep each
-thread at 16 elements an array, which compiles to 128 registers without spills on sm_90; two rows a
-step at Llama's width put 32 KiB of loads in flight per program.
+deterministic). Reads x and dy once, writes dx once. Tiles and warps (:func:`tile_config`): the forward
+keeps each thread at 8 elements an array, the backward at 32 (four rows a step at Llama's width, 64 KiB
+of loads in flight per program, one program per SM): on an H100 at H 4096 that backward took 0.293 ms
+against 0.323 ms with two-row steps (benchmarks/RESULTS.md, fourth session of 2026-12-06).
 
 Inputs of any layout: rows of unit column stride and one row stride are read in place; other
 layouts are copied to rows first. :data:`rms_norm` is the autograd-aware op built with the
@@ -33,7 +34,7 @@ MAX_BLOCK = 16384
 #: the same for the backward (more arrays live per element); wider rows take the chunked kernel
 BWD_MAX_BLOCK = 8192
 #: elements of one step's [rows, BLOCK] tile of whole rows, backward and forward; rows per step at most MAX_ROWS
-TILE = 8192
+TILE = 16384
 FWD_TILE = 4096
 MAX_ROWS = 64
 MIN_WARPS, MAX_WARPS = 4, 16
@@ -172,8 +173,7 @@ def tile_config(block: int, backward: bool) -> tuple[int, int]:
     """(rows per step, warps) for rows of ``block`` columns.
 
     A step's tile holds :data:`TILE` elements in the backward, :data:`FWD_TILE` in the forward (several rows
-    when H is small, so each program moves enough bytes), with warps so that each thread holds 16 elements of
-    each array: the backward then compiles to 128 registers without spills on sm_90 (cuobjdump -res-usage).
+    when H is small, so each program moves enough bytes), over up to :data:`MAX_WARPS` warps.
     """
     tile = TILE if backward else FWD_TILE
     rows = max(1, min(MAX_ROWS, tile // block))
