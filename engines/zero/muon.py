@@ -17,6 +17,7 @@ from polyaccel.errors import ConfigError
 from polyaccel.ops.reference import muon as ref_muon
 from polyaccel.parallel import get_layout
 
+from .muon_batches import orthogonalize_batches
 from .muon_offload import OffloadedMuonStep
 from .muon_plan import Matrix, Round, gaps, pieces_of, plan_rounds
 from .muon_transfer import RoundTransfer
@@ -296,8 +297,9 @@ class MuonPartitionOptimizer(OffloadedMuonStep, PartitionOptimizer):
 
     # ------------------------------------------------------------ the owner's part
     def _orthogonalized(self, rnd: Round, send: torch.Tensor) -> torch.Tensor:
-        """The round's matrices to their owners (a reduce-scatter of ``send``), orthogonalized there, and back
-        to every rank (an all-gather into ``send``'s device copy, returned)."""
+        """The round's matrices to their owners (a reduce-scatter of ``send``), orthogonalized there in place
+        (:mod:`.muon_batches`: one call per batch of the plan), and back to every rank (an all-gather into
+        ``send``'s device copy, returned)."""
         world, c = self.coll.world, rnd.chunk
         send = send.to(self.comm_device, non_blocking=True)
         if world > 1:
@@ -305,16 +307,14 @@ class MuonPartitionOptimizer(OffloadedMuonStep, PartitionOptimizer):
             self.coll.reduce_scatter(mine, send)
         else:
             mine = send
-        owned = [m for m in rnd.matrices if m.owner == self.coll.rank]
-        views = [mine[m.offset:m.offset + m.numel].view(m.shape) for m in owned]
-        whole = [(v, m) for v, m in zip(views, owned, strict=True) if m.tp is None]
-        if whole:
-            done = orthogonalize_many([v for v, _ in whole], [m.head_split for _, m in whole], self.mcfg)
-            torch._foreach_copy_([v for v, _ in whole], done)
-        for v, m in zip(views, owned, strict=True):
-            if m.tp is not None:
+        owned = [b for b in rnd.batches if b.owner == self.coll.rank]
+        orthogonalize_batches(mine, [b for b in owned if b.key[0] != "tp"], self.mcfg)
+        for b in owned:
+            if b.key[0] == "tp":
+                (m,) = b.matrices
+                v = mine[m.offset:m.offset + m.numel].view(m.shape)
                 v.copy_(self._tensor_parallel_orthogonalized(v, m))
-        self.orthogonalized += len(owned)
+            self.orthogonalized += len(b.matrices)
         if world > 1:
             self.coll.all_gather(send, mine)
         return send

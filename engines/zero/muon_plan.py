@@ -9,7 +9,7 @@ as soon as its gradient has landed).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .partition import FlatLayout
 
@@ -75,10 +75,42 @@ class Matrix:
         return tuple(s)
 
 
+def ns_batch_key(m: Matrix) -> tuple:
+    """Which of a round's matrices can go to one Newton-Schulz call as one view of the round buffer: those of
+    one key, laid out next to each other in their owner's chunk (:func:`plan_rounds`).
+
+    ``("rows", r, c)``: ``r x c`` row-major blocks (a whole matrix, or a row split into head blocks, which
+    are the same bytes as that many whole ``r x c`` matrices); ``("cols", h, r, c)``: a matrix split by
+    columns into ``h`` blocks of ``r x c`` (strided inside the matrix); ``("tp", index)``: assembled over the
+    tensor group first, alone. The orientation is part of the shape: a tall and a wide matrix differ."""
+    if m.tp is not None:
+        return ("tp", m.index)
+    r, c = m.shape
+    dim, heads = m.head_split or (0, 1)
+    if dim == 0 or heads == 1:
+        return ("rows", r // heads, c)
+    return ("cols", heads, r, c // heads)
+
+
+@dataclass
+class Batch:
+    """Matrices of one :func:`ns_batch_key` next to each other in their owner's chunk, from ``offset``."""
+
+    owner: int
+    offset: int
+    key: tuple
+    matrices: list[Matrix]
+
+    @property
+    def numel(self) -> int:
+        return sum(m.numel for m in self.matrices)
+
+
 @dataclass
 class Round:
     chunk: int  # elements per rank
     matrices: list[Matrix]
+    batches: list[Batch] = field(default_factory=list)  # per owner, in chunk order
 
 
 def _flops(shape) -> int:
@@ -92,7 +124,10 @@ def plan_rounds(matrices: list[Matrix], world: int, cap: int) -> list[Round]:
     Largest matrices (by Newton-Schulz flops of the orthogonalized shape) first; each goes into the first
     round where some owner's chunk still has room, to the owner with the least work so far (ties: lowest
     rank). The decisions use the orthogonalized (full) shapes only, so every rank of the data group and
-    every rank of a tensor group decide alike. A round's chunk is the fullest owner's local elements."""
+    every rank of a tensor group decide alike. A round's chunk is the fullest owner's local elements.
+
+    In an owner's chunk the matrices of one :func:`ns_batch_key` lie next to each other (keys in the order of
+    their first matrix, matrices in layout order), so each :class:`Batch` is one view of the buffer."""
     per_rank = max(1, cap // max(1, world))
     work = [0] * world
     loads: list[list[int]] = []  # per round, per owner: elements (full shapes) placed
@@ -117,9 +152,14 @@ def plan_rounds(matrices: list[Matrix], world: int, cap: int) -> list[Round]:
         rounds[m.round].matrices.append(m)
     for rnd in rounds:
         fill = [0] * world
+        grouped: dict[tuple[int, tuple], list[Matrix]] = {}
         for m in rnd.matrices:
-            m.offset = fill[m.owner]
-            fill[m.owner] += m.numel
+            grouped.setdefault((m.owner, ns_batch_key(m)), []).append(m)
+        for (owner, key), ms in grouped.items():
+            rnd.batches.append(Batch(owner, fill[owner], key, ms))
+            for m in ms:
+                m.offset = fill[owner]
+                fill[owner] += m.numel
         rnd.chunk = max(fill) if fill else 0
     return rounds
 

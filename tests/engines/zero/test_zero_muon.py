@@ -31,15 +31,21 @@ CASES = {
 
 
 def _count_orthogonalizations(monkeypatch_target):
-    """Record the shape of every matrix the engine hands to Newton-Schulz (one list per batched call)."""
+    """Record the shape of every matrix the engine hands to Newton-Schulz: the round buffer's batches
+    (``orthogonalize_batches``) and the matrices orthogonalized alone (``orthogonalize_many``)."""
     calls = []
-    real = monkeypatch_target.orthogonalize_many
+    real = monkeypatch_target.orthogonalize_many, monkeypatch_target.orthogonalize_batches
 
     def counting(us, head_splits, mcfg):
         calls.extend(tuple(u.shape) for u in us)
-        return real(us, head_splits, mcfg)
+        return real[0](us, head_splits, mcfg)
+
+    def counting_batches(chunk, batches, mcfg):
+        calls.extend(m.shape for b in batches for m in b.matrices)
+        return real[1](chunk, batches, mcfg)
 
     monkeypatch_target.orthogonalize_many = counting
+    monkeypatch_target.orthogonalize_batches = counting_batches
     return calls, real
 
 
@@ -56,7 +62,7 @@ def train_cases(rank: int, world: int, names: list[str]) -> dict:
         try:
             losses = train_engine(engine, STEPS, rank, gas=gas)
         finally:
-            muon.orthogonalize_many = real
+            muon.orthogonalize_many, muon.orthogonalize_batches = real
         opt = engine.optimizer
         params = engine.full_state_dict()  # a collective in stage 3
         out[name] = {
