@@ -5,8 +5,8 @@ copied back by ``_foreach_copy_``; written out below as it was), on the cpu plug
 at world 1 and over 2 gloo ranks, with and without per-head blocks (row-split and tall column-split blocks), tall
 and wide matrices, fp32 and bf16 models, on the device path and the kept buffers' (host) path: bit for bit with
 the bf16 and fp16 iterations; within rounding with the fp32 one (see CASES). Around the op calls it makes one
-copy a batch back into the buffer and one into the op's input where the batch's view is strided (tall or
-column-split blocks): the previous path's gathering ``cat`` of the blocks of one wide shape and the per-matrix
+copy a batch back into the buffer and one into the op's input where the blocks are no one view (column-split heads
+of several matrices): the previous path's gathering ``cat`` of the blocks of one wide shape and the per-matrix
 copies back (split, transposed, heads re-joined) are gone; the counts before and after are printed."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from muon_testlib import muon_config
-from polyaccel.engines.zero.muon_batches import wide_blocks
+from polyaccel.engines.zero.muon_batches import blocks_of
 from polyaccel.testing.multiprocess import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 from zero_testlib import build_model, global_batch, loss_of
@@ -98,6 +98,16 @@ class Calls(TorchDispatchMode):
         return counted
 
 
+def _gathered(rnd, batch) -> bool:
+    """Whether ``batch``'s blocks are copied into the op's input (not one view of the round buffer)."""
+    blocks = blocks_of(torch.empty(rnd.chunk, device="meta"), batch)
+    try:
+        blocks.view(-1, *blocks.shape[-2:])
+    except RuntimeError:
+        return True
+    return False
+
+
 def _train(rank: int, world: int, model_dtype, params: dict, kept: bool, legacy: bool):
     import polyaccel
 
@@ -138,10 +148,8 @@ def _train(rank: int, world: int, model_dtype, params: dict, kept: bool, legacy:
         momentum = opt.state["exp_avg"].detach().clone()
         owned = [(r, b) for r in opt.rounds for b in r.batches if b.owner == opt.coll.rank]
         info = {"rounds": len(opt.rounds), "orthogonalized": opt.orthogonalized, **calls, "batches": len(owned),
-                "strided": sum(not wide_blocks(torch.empty(r.chunk, device="meta"), b).is_contiguous()
-                               for r, b in owned), "cast": opt.buffer_dtype != opt.mcfg.ns_dtype,
-                "elements": sum(b.numel * (1 + (not wide_blocks(torch.empty(r.chunk, device="meta"), b)
-                                                .is_contiguous())) for r, b in owned)}
+                "gathered": sum(_gathered(r, b) for r, b in owned), "cast": opt.buffer_dtype != opt.mcfg.ns_dtype,
+                "elements": sum(b.numel * (1 + _gathered(r, b)) for r, b in owned)}
     finally:
         engine.destroy()
     return losses, state, momentum, info
@@ -155,8 +163,9 @@ CASES = {
     "bf16 model, bf16 iteration, per head": (torch.bfloat16, {"ns_dtype": "bf16", "per_head": True}, False, True),
     "fp32 model, bf16 iteration, per head, kept buffers": (torch.float32, {"ns_dtype": "bf16", "per_head": True},
                                                            True, True),
-    # the previous path handed the op a strided view where a tall (or column-split) matrix was alone in its wide
-    # shape, the new one always the contiguous batch: the host's fp32 GEMMs of a transposed operand round apart
+    # the previous path handed the op tall blocks transposed into a contiguous batch (but for a matrix alone in its
+    # wide shape), the new one in their own orientation (the op transposes): the host's fp32 GEMMs of a transposed
+    # operand round apart
     "fp32 model, fp32 iteration, per head": (torch.float32, {"ns_dtype": "fp32", "per_head": True}, False, False),
 }
 
@@ -184,11 +193,11 @@ def _check(results: dict, world: int) -> list[str]:
             torch.testing.assert_close(new[2], old[2], rtol=0, atol=1e-6)
         assert new[3]["rounds"] > 1 and new[3]["orthogonalized"] == old[3]["orthogonalized"] > 0, (name, new[3])
         # one op call a batch of the plan (tall and wide apart: more op calls than one per wide shape) and around
-        # them one copy a batch out and one in where the batch's view is strided (the cast to the iteration's
-        # dtype aside), each element written once or twice: no gathering copy of wide blocks, no split, no
-        # re-joined heads, no per-matrix copies
+        # them one copy a batch out and one in where the blocks are no one view (column-split heads of several
+        # matrices; the cast to the iteration's dtype aside): no gathering copy of row-major blocks, no split, no
+        # transposes, no re-joined heads, no per-matrix copies
         assert new[3]["ns"] == new[3]["batches"] * STEPS >= old[3]["ns"], (world, name, new[3], old[3])
-        copies = (new[3]["batches"] + new[3]["strided"]) * STEPS
+        copies = (new[3]["batches"] + new[3]["gathered"]) * STEPS
         if not new[3]["cast"]:
             assert new[3]["other"] == copies and new[3]["written"] == new[3]["elements"] * STEPS, (world, name, new[3])
         report.append(f"world {world}, {name}: {new[3]['rounds']} rounds x {STEPS} steps; the owner's part: "
