@@ -1,7 +1,7 @@
 """Newton-Schulz orthogonalization as Triton GEMMs (bf16/fp16 operands, fp32 accumulation), and Muon on top.
 
-Per matrix of the batch, in the wide orientation (a tall matrix is transposed once, on the way in
-and out), the iteration of ``polyaccel.ops.reference.newton_schulz`` is three launches:
+Per matrix of the batch, in the wide orientation (a tall matrix as its transposed view, read and
+written column-major), the iteration of ``polyaccel.ops.reference.newton_schulz`` is three launches:
 
 1. ``A = X @ X^T`` (:func:`_gram_kernel`): A is symmetric, so only the tiles on and above the
    diagonal are computed; each off-diagonal tile is stored twice (as itself and transposed).
@@ -15,7 +15,8 @@ iteration instead of ``2 m^2 n + m^3``: the two symmetric products do half the w
 Every product is rounded to the iteration dtype when stored, as the reference rounds each
 ``torch.matmul`` result, and the batch is the grid's second axis (one launch for all matrices).
 The scaling to unit Frobenius norm is one reduction (``torch.linalg.vector_norm`` in fp32) and
-one scaling pass that also writes the wide orientation contiguously.
+one scaling pass. A tall batch is iterated as its transposed view, in its own memory layout (the
+kernels take the strides): no transposing copy in or out.
 
 Inputs in float32 or float64 iterate in their own dtype through the reference (cuBLAS): Triton's
 fp32 dot would use TF32 or a slow path, and those dtypes are there for exactness, not speed.
@@ -192,7 +193,9 @@ def _update_kernel(b_ptr, x_ptr, y_ptr, M, N, coef_a, s_bb, s_bm, s_bk, s_xb, s_
 
 
 def _scaled_wide(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (batch, m, n), m <= n, scaled to unit Frobenius norm per matrix, contiguous, in x's dtype.
+    """x (batch, m, n), m <= n, scaled to unit Frobenius norm per matrix, in x's dtype and memory layout where
+    x's is dense (a tall batch's transposed view stays column-major: the kernels take any strides, so the
+    iteration needs no transposing copy), else contiguous.
 
     float16 scales in fp32 before the cast (as the reference), bf16 scales in its own dtype (the
     reference's rounding: the norm is rounded to bf16 first).
@@ -200,14 +203,15 @@ def _scaled_wide(x: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float16:
         x32 = x.float()
         norm = torch.linalg.vector_norm(x32, dim=(-2, -1), keepdim=True).clamp_(min=eps)
-        return (x32 / norm).to(torch.float16).contiguous()
+        return (x32 / norm).to(torch.float16)
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_(min=eps)
-    return torch.div(x, norm).contiguous()
+    return torch.div(x, norm)
 
 
 def newton_schulz_batched(x: torch.Tensor, *, steps: int, coefficients, eps: float,
                           config: TileConfig | None = None) -> torch.Tensor:
-    """The iteration on a (batch, m, n) bf16/fp16 tensor with m <= n; returns a new (batch, m, n) tensor."""
+    """The iteration on a (batch, m, n) bf16/fp16 tensor with m <= n; returns a new (batch, m, n) tensor, in x's
+    memory layout where that is dense (row-major, or column-major for the transposed view of a tall batch)."""
     a, b, c = (float(v) for v in coefficients)
     batch, m, n = x.shape
     X = _scaled_wide(x, eps)
@@ -217,7 +221,7 @@ def newton_schulz_batched(x: torch.Tensor, *, steps: int, coefficients, eps: flo
     up = _upcast()
     A = torch.empty((batch, m, m), dtype=X.dtype, device=X.device)
     B = torch.empty_like(A)
-    Y = torch.empty_like(X)
+    Y = torch.empty_like(X)  # X's strides (a dense X)
     t = triton.cdiv(m, cfg.bm)
     tri = (t * (t + 1) // 2, batch)
     upd = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), batch)
