@@ -151,14 +151,16 @@ def moe_down_combine(h: torch.Tensor, weight: torch.Tensor, offsets: torch.Tenso
 
 
 def newton_schulz(x: torch.Tensor, *, steps: int = _muon.NS_STEPS, coefficients=_muon.NS_COEFFICIENTS,
-                  eps: float = _muon.NS_EPS) -> torch.Tensor:
+                  eps: float = _muon.NS_EPS, out: torch.Tensor | None = None) -> torch.Tensor:
     """``newton_schulz`` through the best builder for the tensor's device type.
 
     Semantics and signature: :func:`polyaccel.ops.reference.newton_schulz` (docs/plugin-authoring.md).
     """
-    contract_muon.check_newton_schulz(x, steps=steps, coefficients=coefficients, eps=eps)
-    return _RUNTIME.ops.resolve("newton_schulz", x.device.type)(x, steps=steps, coefficients=tuple(coefficients),
-                                                                 eps=eps)
+    contract_muon.check_newton_schulz(x, steps=steps, coefficients=coefficients, eps=eps, out=out)
+    fn = _RUNTIME.ops.resolve("newton_schulz", x.device.type)
+    if out is None:  # (a builder written before ``out`` existed still serves the calls without it)
+        return fn(x, steps=steps, coefficients=tuple(coefficients), eps=eps)
+    return fn(x, steps=steps, coefficients=tuple(coefficients), eps=eps, out=out)
 
 
 def fused_muon(params, grads, momentum_buffers, *, lr, momentum, weight_decay, nesterov=True,

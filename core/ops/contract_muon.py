@@ -6,7 +6,8 @@ with the lists ``params, grads, momentum_buffers`` of which the op writes the fi
 On top of them: every tensor is 2-D (Muon orthogonalizes matrices; other parameters belong to an
 Adam, as ``MuonWithAuxAdam`` does), a gradient and its momentum buffer are both float64 or both not
 (the momentum's one dtype), each head split fits its tensor, and the Newton-Schulz settings
-are an int ``ns_steps`` in [0, 100), three finite coefficients and ``eps > 0``. Every check runs
+are an int ``ns_steps`` in [0, 100), three finite coefficients and ``eps > 0``; ``newton_schulz``'s
+``out`` matches ``x`` and is ``x`` itself or shares no memory with it. Every check runs
 before any tensor is touched, so a refused call changes nothing.
 """
 
@@ -19,7 +20,16 @@ from numbers import Real
 import torch
 
 from ..errors import OpArgumentError
-from .contract import check_beta, check_eps, check_lr, check_optimizer_tensors, check_weight_decay
+from .contract import (
+    _extent_bytes,
+    _internally_overlaps,
+    _shares_memory,
+    check_beta,
+    check_eps,
+    check_lr,
+    check_optimizer_tensors,
+    check_weight_decay,
+)
 from .reference.muon import LR_ADJUSTMENTS, check_split
 
 MUON_LISTS = ("params", "grads", "momentum_buffers")
@@ -46,7 +56,7 @@ def check_ns_settings(op: str, steps, coefficients, eps, steps_name: str = "step
     check_eps(op, eps)
 
 
-def check_newton_schulz(x, *, steps, coefficients, eps) -> None:
+def check_newton_schulz(x, *, steps, coefficients, eps, out=None) -> None:
     op = "newton_schulz"
     if not isinstance(x, torch.Tensor):
         raise OpArgumentError(f"{op}: x must be a tensor, got {type(x).__name__}")
@@ -56,6 +66,32 @@ def check_newton_schulz(x, *, steps, coefficients, eps) -> None:
     if x.dim() < 2:
         raise OpArgumentError(f"{op}: x must be a batch of matrices (..., m, n), got shape {tuple(x.shape)}")
     check_ns_settings(op, steps, coefficients, eps)
+    if out is not None:
+        check_ns_out(op, x, out)
+
+
+def check_ns_out(op: str, x: torch.Tensor, out) -> None:
+    """``out`` a strided tensor of ``x``'s shape, dtype and device, no two of its elements at one memory location,
+    and either ``x`` itself (the same view) or sharing no memory with it."""
+    if not isinstance(out, torch.Tensor) or out.layout != torch.strided:
+        raise OpArgumentError(f"{op}: out must be None or a dense tensor, got "
+                              f"{getattr(out, 'layout', type(out).__name__)}")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise OpArgumentError(f"{op}: out is {out.dtype}{tuple(out.shape)} on {out.device}, x is "
+                              f"{x.dtype}{tuple(x.shape)} on {x.device}; out takes the result, so it must match x "
+                              "in shape, dtype and device (or pass out=None for a new tensor)")
+    if out.numel() == 0:
+        return
+    if not out.is_contiguous() and _internally_overlaps(out):
+        raise OpArgumentError(f"{op}: out (shape {tuple(out.shape)}, strides {out.stride()}) has elements sharing "
+                              "one memory location (an expanded or stride-0 view); pass a tensor that owns its memory")
+    same_view = out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
+    start_x, start_o = x.data_ptr(), out.data_ptr()
+    apart = start_x + _extent_bytes(x) <= start_o or start_o + _extent_bytes(out) <= start_x
+    if not same_view and not apart and _shares_memory(x, out):
+        raise OpArgumentError(f"{op}: out (strides {out.stride()}) shares memory with x (strides {x.stride()}) "
+                              "without being the same view; pass out=x to write the result over x, or a tensor "
+                              "of its own")
 
 
 def check_momentum_dtypes(op: str, grads, momentum_buffers) -> None:
@@ -102,4 +138,4 @@ def check_fused_muon(params, grads, momentum_buffers, *, lr, momentum, weight_de
 
 
 __all__ = ["MUON_LISTS", "NS_DTYPES", "check_fused_muon", "check_momentum_dtypes", "check_newton_schulz",
-           "check_ns_settings"]
+           "check_ns_out", "check_ns_settings"]

@@ -24,13 +24,17 @@ NS_EPS = 1e-7
 LR_ADJUSTMENTS = ("original", "match_rms_adamw", "none")
 
 
-def newton_schulz(x, *, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS):
-    """The approximate orthogonal factor of each matrix in `x`, as a new tensor. Returns it.
+def newton_schulz(x, *, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS, out=None):
+    """The approximate orthogonal factor of each matrix in `x`, as a new tensor, or written into `out`. Returns it.
 
     `x` is a batch of matrices, shape ``(..., m, n)`` with at least 2 dims, in float64,
     float32, bfloat16 or float16; the result has `x`'s shape and dtype, and `x` is only
-    read. Per matrix, with the iteration in `x`'s dtype (matrix products of 16-bit
-    operands accumulate in fp32 and round each product to the dtype):
+    read (but where `out` is `x`). `out` is None (a new, contiguous result) or a tensor of
+    `x`'s shape, dtype and device with any strides that give no two elements one memory
+    location, sharing no memory with `x` or being `x` itself (the same view: the result
+    replaces `x`); the result's values are the same either way. Per matrix, with the
+    iteration in `x`'s dtype (matrix products of 16-bit operands accumulate in fp32 and
+    round each product to the dtype):
 
         X = x.mT if m > n else x                 # iterate on the wide orientation
         X = X / max(norm(X), eps)                # Frobenius norm; float16: computed in fp32 first
@@ -48,7 +52,7 @@ def newton_schulz(x, *, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS
     if x.dim() < 2:
         raise OpArgumentError(f"newton_schulz: x must be a batch of matrices (..., m, n), got shape {tuple(x.shape)}")
     if x.numel() == 0:  # nothing to orthogonalize (and no batch size to infer for the flattening below)
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
+        return torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
     a, b, c = coefficients
     tall = x.shape[-2] > x.shape[-1]
     X = x.mT if tall else x
@@ -65,6 +69,8 @@ def newton_schulz(x, *, steps=NS_STEPS, coefficients=NS_COEFFICIENTS, eps=NS_EPS
         B = mm(A, A, A, beta=b, alpha=c)
         X = mm(X, B, X, beta=a)
     X = X.reshape(*batch, *X.shape[-2:])
+    if out is not None:
+        return out.copy_(X.mT if tall else X)
     return (X.mT if tall else X).contiguous()
 
 

@@ -85,6 +85,46 @@ def check_newton_schulz(fn, device: torch.device, dtype: torch.dtype) -> None:
     assert bool((got[1] == 0).all()), f"{where}: the zero matrix did not stay zero"
     assert bool(got[2].isnan().all()), f"{where}: the matrix holding NaN is not NaN throughout"
     _check_matrices(got[:1], ref.newton_schulz(x[:1].double()), bound, where)
+    _check_newton_schulz_out(fn, device, dtype)
+
+
+#: (shape, steps) of the ``out`` cases: wide, tall, a 4-D batch of tall matrices; an odd and an even step count
+NS_OUT_CASES = [((3, 7, 11), 5), ((2, 13, 5), 4), ((2, 2, 9, 6), 3), ((2, 16, 32), 2)]
+
+
+def _out_layouts(x: torch.Tensor) -> dict:
+    """Fresh ``out`` tensors for ``x``: row-major, and column-major (the matrices transposed in memory)."""
+    col = torch.empty(*x.shape[:-2], x.shape[-1], x.shape[-2], dtype=x.dtype, device=x.device).mT
+    return {"a new row-major out": torch.empty_like(x, memory_format=torch.contiguous_format),
+            "a new column-major out": col}
+
+
+def _check_newton_schulz_out(fn, device: torch.device, dtype: torch.dtype) -> None:
+    """``out``: the result written into a new tensor of either layout, or over ``x`` itself (out=x); the call
+    returns ``out``, the values are the call's without ``out`` and within the bound of the float64 reference."""
+    bound = NS_BOUNDS[dtype]
+    for shape, steps in NS_OUT_CASES:
+        kw = {"steps": steps, "coefficients": ref.muon.NS_COEFFICIENTS, "eps": 1e-7}
+        x = torch.randn(shape).to(dtype)
+        want = ref.newton_schulz(x.double(), **kw)
+        x_dev = _dev(x, device)
+        plain = fn(x_dev, **kw).cpu()
+        outs = _out_layouts(x_dev)
+        for name, out in outs.items():
+            where = f"newton_schulz {dtype} shape {shape} steps {steps} into {name}"
+            got = fn(x_dev, **kw, out=out)
+            assert got is out, f"{where}: the call returned another tensor than out"
+            assert torch.equal(x_dev.cpu(), x), f"{where}: the input was modified"
+            assert torch.equal(out.cpu(), plain), f"{where}: the values differ from the call without out"
+            _check_matrices(out, want, bound, where)
+        for name, y in outs.items():  # out=x: the result replaces x, whatever x's layout
+            where = f"newton_schulz {dtype} shape {shape} steps {steps} out=x, x in {name.removeprefix('a new ')}"
+            y.copy_(x_dev)
+            alone = fn(y.clone(), **kw).cpu()  # the same x, layout included (a layout may round the products apart)
+            got = fn(y, **kw, out=y)
+            assert got is y, f"{where}: the call returned another tensor than out"
+            assert torch.equal(y.cpu(), alone), f"{where}: the values differ from the call without out"
+            _check_matrices(y, want, bound, where)
 
 
 # ------------------------------------------------------------------------------ fused_muon

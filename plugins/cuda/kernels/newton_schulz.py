@@ -192,10 +192,11 @@ def _update_kernel(b_ptr, x_ptr, y_ptr, M, N, coef_a, s_bb, s_bm, s_bk, s_xb, s_
     tl.store(y_ptr + bat * s_yb + rm[:, None] * s_ym + rn[None, :] * s_yn, out, mask=mask)
 
 
-def _scaled_wide(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (batch, m, n), m <= n, scaled to unit Frobenius norm per matrix, in x's dtype and memory layout where
-    x's is dense (a tall batch's transposed view stays column-major: the kernels take any strides, so the
-    iteration needs no transposing copy), else contiguous.
+def _scaled_wide(x: torch.Tensor, eps: float, into: torch.Tensor | None = None) -> torch.Tensor:
+    """x (batch, m, n), m <= n, scaled to unit Frobenius norm per matrix, in x's dtype: into ``into`` (any
+    strides; it may be x itself), else a new tensor in x's memory layout where x's is dense (a tall batch's
+    transposed view stays column-major: the kernels take any strides, so the iteration needs no transposing
+    copy), contiguous otherwise.
 
     float16 scales in fp32 before the cast (as the reference), bf16 scales in its own dtype (the
     reference's rounding: the norm is rounded to bf16 first).
@@ -203,25 +204,29 @@ def _scaled_wide(x: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float16:
         x32 = x.float()
         norm = torch.linalg.vector_norm(x32, dim=(-2, -1), keepdim=True).clamp_(min=eps)
+        if into is not None:
+            return torch.div(x32, norm, out=into)  # computed in fp32, rounded once to fp16 as it is stored
         return (x32 / norm).to(torch.float16)
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_(min=eps)
-    return torch.div(x, norm)
+    return torch.div(x, norm) if into is None else torch.div(x, norm, out=into)
 
 
 def newton_schulz_batched(x: torch.Tensor, *, steps: int, coefficients, eps: float,
-                          config: TileConfig | None = None) -> torch.Tensor:
-    """The iteration on a (batch, m, n) bf16/fp16 tensor with m <= n; returns a new (batch, m, n) tensor, in x's
-    memory layout where that is dense (row-major, or column-major for the transposed view of a tall batch)."""
+                          config: TileConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The iteration on a (batch, m, n) bf16/fp16 tensor with m <= n. Returns a new (batch, m, n) tensor, in x's
+    memory layout where that is dense (row-major, or column-major for the transposed view of a tall batch), or
+    ``out`` (any strides; it may be x itself) with the result written into it: the iteration alternates between
+    ``out`` and one scratch batch so that its last step writes ``out`` (no copy after it)."""
     a, b, c = (float(v) for v in coefficients)
     batch, m, n = x.shape
-    X = _scaled_wide(x, eps)
+    X = _scaled_wide(x, eps, into=out if out is not None and steps % 2 == 0 else None)
     if steps == 0 or X.numel() == 0:
         return X
     cfg = config or default_config(m, n)
     up = _upcast()
     A = torch.empty((batch, m, m), dtype=X.dtype, device=X.device)
     B = torch.empty_like(A)
-    Y = torch.empty_like(X)  # X's strides (a dense X)
+    Y = out if out is not None and X is not out else torch.empty_like(X)  # X's strides (a dense X)
     t = triton.cdiv(m, cfg.bm)
     tri = (t * (t + 1) // 2, batch)
     upd = (triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn), batch)
@@ -238,17 +243,30 @@ def newton_schulz_batched(x: torch.Tensor, *, steps: int, coefficients, eps: flo
 
 
 def newton_schulz(x: torch.Tensor, *, steps=ref.NS_STEPS, coefficients=ref.NS_COEFFICIENTS, eps=ref.NS_EPS,
-                  config: TileConfig | None = None) -> torch.Tensor:
-    """The op ``newton_schulz``: bf16/fp16 batches through the Triton iteration, other dtypes the reference."""
+                  out: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
+    """The op ``newton_schulz``: bf16/fp16 batches through the Triton iteration, other dtypes the reference. With
+    ``out``, the last step writes it directly where its wide orientation is one strided batch (any strides), else
+    the result is copied into it."""
     if x.dtype not in TRITON_DTYPES or x.numel() == 0:
-        return ref.newton_schulz(x, steps=steps, coefficients=coefficients, eps=eps)
+        return ref.newton_schulz(x, steps=steps, coefficients=coefficients, eps=eps, out=out)
     tall = x.shape[-2] > x.shape[-1]
     X = x.mT if tall else x
-    lead = X.shape[:-2]
-    out = newton_schulz_batched(X.reshape(-1, *X.shape[-2:]), steps=steps, coefficients=coefficients, eps=eps,
-                                config=config)
-    out = out.reshape(*lead, *out.shape[-2:])
-    return (out.mT if tall else out).contiguous()
+    lead, shape = X.shape[:-2], X.shape[-2:]
+    into = None
+    if out is not None:
+        wide_out = out.mT if tall else out
+        try:
+            into = wide_out.view(-1, *shape)
+        except RuntimeError:  # no single batch stride: iterate apart, one copy into out
+            into = None
+    res = newton_schulz_batched(X.reshape(-1, *shape), steps=steps, coefficients=coefficients, eps=eps,
+                                config=config, out=into)
+    if out is not None:
+        if into is None:
+            (out.mT if tall else out).copy_(res.view(*lead, *shape))
+        return out
+    res = res.reshape(*lead, *shape)
+    return (res.mT if tall else res).contiguous()
 
 
 def fused_muon(params, grads, momentum_buffers, *, lr, momentum, weight_decay, nesterov=True,

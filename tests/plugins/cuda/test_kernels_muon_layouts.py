@@ -3,7 +3,7 @@ so column-major wide) memory layout, under the interpreter: the kernels get the 
 transposing copy in), the result comes back row-major tall with no copy out. In bf16 it equals, bit for bit, the
 iteration of the transposed batch made contiguous first (the layout the op was given before ZeRO's Muon handed it
 tall blocks as they lie); in fp16 the fp32 norm is summed in the layout's order, so the scale may round apart.
-Both within the 16-bit bounds of the float64 reference."""
+Both within the 16-bit bounds of the float64 reference. With ``out`` the last step's launch writes it."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ class Copies(TorchDispatchMode):
         super().__init__()
         self.elements = 0
         self.gram = []
+        self.written = []  # the address each launch writes
         self._launching = False
         for name in ("_gram_kernel", "_poly_kernel", "_update_kernel"):
             monkeypatch.setattr(kn, name, self._launcher(getattr(kn, name), name == "_gram_kernel"))
@@ -38,6 +39,7 @@ class Copies(TorchDispatchMode):
                 def launch(*args, **kw):
                     if record:
                         mode.gram.append(tuple(args[2:7]))  # M, K and X's strides
+                    mode.written.append(args[2 if len(args) > 12 else 1].data_ptr())  # Y / A / B
                     mode._launching = True
                     try:
                         return real[grid](*args, **kw)
@@ -74,3 +76,25 @@ def test_a_tall_batch_is_iterated_in_its_own_layout(dtype, monkeypatch):
         assert om.relative_errors(got, before.mT).max().item() <= 1e-2
     exact = ref.newton_schulz(tall.double(), steps=KW["steps"])
     assert om.relative_errors(got, exact).max().item() <= om.NS_BOUNDS[dtype]
+
+
+@pytest.mark.parametrize("steps", [5, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_out_is_written_by_the_last_step(dtype, steps, monkeypatch):
+    """With ``out`` (here a tall batch's row-major out, and x itself), the iteration alternates between out and
+    one scratch batch so that its last launch writes out: no copy after it, the values of the call without it."""
+    torch.manual_seed(3)
+    tall = torch.randn(2, 40, 24).to(dtype)
+    kw = {**KW, "steps": steps}
+    alone = kn.newton_schulz(tall, **kw)
+    for name in ("a new out", "out=x"):
+        out = torch.empty_like(tall) if name == "a new out" else tall.clone()
+        x = tall if name == "a new out" else out
+        copies = Copies(monkeypatch)
+        with copies:
+            got = kn.newton_schulz(x, **kw, out=out)
+        assert got is out and torch.equal(out, alone), name
+        assert copies.written[-1] == out.data_ptr(), name  # the last update launch wrote out
+        # the fp16 scaling's casts into fp32 and (into the scratch batch: odd steps) back are the only copies
+        fp16 = tall.numel() * (1 + steps % 2)
+        assert copies.elements == (fp16 if dtype == torch.float16 else 0), (name, copies.elements)
