@@ -2,8 +2,9 @@
 
 :func:`~.muon_plan.plan_rounds` lays out the matrices of one batch key next to each other, so a batch is one
 view of the chunk: no gathering copy for row-major blocks (whole matrices, tall or wide, and row-split heads),
-one for column-split heads; the result is copied back through that view (no split, transposes, re-joined heads
-or per-matrix copies). The operations per matrix are
+one for column-split heads of several matrices; the op writes the result over the blocks (``out=``) where the
+buffer holds the iteration's dtype, else one copy writes it back through the view (no split, transposes,
+re-joined heads or per-matrix copies). The operations per matrix are
 :func:`~polyaccel.ops.reference.muon.orthogonalized_update`'s.
 """
 
@@ -32,14 +33,25 @@ def blocks_of(chunk: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 
 def orthogonalize_batches(chunk: torch.Tensor, batches: list[Batch], mcfg) -> None:
-    """Newton-Schulz of every matrix of ``batches`` (whole or per head block), written back into ``chunk``: per
-    batch the iteration's input (:func:`~polyaccel.ops.reference.muon.ns_input`, a plain cast, none where the
-    chunk holds ``ns_dtype`` already), one ``newton_schulz`` call and one copy into the batch's view. The op
-    gets the blocks in their own orientation (it iterates a tall batch as its transpose, which its builder
-    may do without a transposing copy), column-split blocks gathered by one copy."""
+    """Newton-Schulz of every matrix of ``batches`` (whole or per head block), written back into ``chunk``.
+
+    Per batch one ``newton_schulz`` call on its blocks in their own orientation (the op iterates a tall batch as
+    its transpose; the cuda builder reads and writes it column-major, no transposing copy). Where the chunk holds
+    ``ns_dtype`` already and the blocks are one strided batch, the call is ``out=`` the blocks themselves: the
+    result replaces them (the cuda builder's last launch writes it: no copy). Else the iteration's input
+    (:func:`~polyaccel.ops.reference.muon.ns_input`: a cast, or column-split heads of several matrices
+    gathered by one copy) is iterated and one copy writes the result back through the batch's view."""
     for b in batches:
         view = blocks_of(chunk, b)
         x = ref_muon.ns_input(view, mcfg.ns_dtype, mcfg.eps)
-        x = x.reshape(-1, *x.shape[-2:])  # a view of row-major blocks; column-split ones: one copy
-        out = ops.newton_schulz(x, steps=mcfg.ns_steps, coefficients=mcfg.ns_coefficients, eps=mcfg.eps)
-        view.copy_(out.view(view.shape))
+        kw = {"steps": mcfg.ns_steps, "coefficients": mcfg.ns_coefficients, "eps": mcfg.eps}
+        if x is view:  # no cast: in place where the blocks are one batch
+            try:
+                blocks = view.view(-1, *view.shape[-2:])
+            except RuntimeError:
+                blocks = None
+            if blocks is not None:
+                ops.newton_schulz(blocks, **kw, out=blocks)
+                continue
+        x = x.reshape(-1, *x.shape[-2:])  # a view, or column-split heads of several matrices: one copy
+        view.copy_(ops.newton_schulz(x, **kw).view(view.shape))
