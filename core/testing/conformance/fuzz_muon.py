@@ -2,12 +2,13 @@
 
 Drawn: strided and offset layouts, batches (for ``newton_schulz``), tall and wide matrices down to
 one row or column and zero-size ones, head splits that fit, iteration dtypes, Nesterov or not,
-hyperparameters; now and then a call the contract says must be refused (a bad hyperparameter or
+hyperparameters, ``newton_schulz`` results into a fresh ``out`` of a drawn layout or over ``x``
+itself; now and then a call the contract says must be refused (a bad hyperparameter or
 Newton-Schulz setting, a param with overlapping storage, aliased written tensors, a head split
-that does not divide its dim), for which only an honest refusal passes. The reference runs on
-float64 copies, iterating in float64; results are judged per matrix by the relative Frobenius
-bounds of :mod:`.opcases_muon`, gradients and inputs must come back bitwise unchanged.
-"""
+that does not divide its dim, an ``out`` of another dtype or with overlapping storage), for which
+only an honest refusal passes. The reference runs on float64 copies, iterating in float64; results
+are judged per matrix by the relative Frobenius bounds of :mod:`.opcases_muon`, gradients and
+inputs (``x`` but where it is ``out``) must come back bitwise unchanged."""
 
 from __future__ import annotations
 
@@ -55,6 +56,12 @@ def _check_matrices(got: torch.Tensor, want: torch.Tensor, bound: float, what: s
 
 
 # ============================================================================ newton_schulz
+#: where a drawn call puts its result: a new tensor (no ``out``), a fresh ``out`` of a drawn layout, ``x`` itself
+NS_OUTS = ("none",) * 4 + ("new", "x")
+_OTHER_DTYPE = {torch.float64: torch.float32, torch.float32: torch.float64, torch.bfloat16: torch.float16,
+                torch.float16: torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class NewtonSchulzCase:
     x: TensorSpec
@@ -63,11 +70,15 @@ class NewtonSchulzCase:
     eps: object
     seed: int
     refuse: str = ""
+    out: str = "none"  # one of NS_OUTS
+    out_spec: TensorSpec | None = None  # the fresh out's layout and dtype ("new")
 
     def __repr__(self) -> str:
         must = f" | must refuse: {self.refuse}" if self.refuse else ""
-        return (f"newton_schulz(x, steps={self.steps!r}, coefficients={self.coefficients!r}, eps={self.eps!r}) | "
-                f"{self.x!r} | seed {self.seed}{must}")
+        into = {"none": "", "x": ", out=x", "new": ", out=out"}[self.out]
+        spec = f" | {self.out_spec!r}" if self.out_spec is not None else ""
+        return (f"newton_schulz(x, steps={self.steps!r}, coefficients={self.coefficients!r}, eps={self.eps!r}"
+                f"{into}) | {self.x!r}{spec} | seed {self.seed}{must}")
 
     _repr_pretty_ = pretty_repr
 
@@ -77,28 +88,44 @@ def newton_schulz_cases(draw, dtypes: tuple[torch.dtype, ...]) -> NewtonSchulzCa
     dtype = draw(st.sampled_from(dtypes))
     batch = tuple(draw(st.lists(st.integers(0, 3), max_size=2)))
     shape = batch + (draw(_DIMS), draw(_DIMS))
-    kind = draw(st.sampled_from(("valid",) * 7 + ("bad setting",) + ("valid",) * 7))
+    kind = draw(st.sampled_from(("valid",) * 7 + ("bad setting", "bad out") + ("valid",) * 7))
     hyper = {k: draw(st.sampled_from(v)) for k, v in NS_VALID.items()}
     refuse = ""
     if kind == "bad setting":
         key = draw(st.sampled_from(sorted(NS_BAD)))
         hyper[key] = draw(st.sampled_from(NS_BAD[key]))
         refuse = f"{key}={hyper[key]!r}"
+    out, out_spec = draw(st.sampled_from(NS_OUTS)), None
+    if kind == "bad out":  # an out of another dtype, or expanded (two elements at one memory location)
+        out = "new"
+        if draw(st.booleans()) or not any(n > 1 for n in shape):
+            out_spec = TensorSpec("out", draw_layout(draw, shape), _OTHER_DTYPE[dtype])
+            refuse = f"out of dtype {out_spec.dtype} for x of {dtype}"
+        else:
+            out_spec = TensorSpec("out", draw_layout(draw, shape, overlap=True), dtype)
+            refuse = "an out with elements sharing one memory location"
+    elif out == "new":
+        out_spec = TensorSpec("out", draw_layout(draw, shape), dtype)
     return NewtonSchulzCase(TensorSpec("x", draw_layout(draw, shape), dtype), hyper["steps"],
-                            hyper["coefficients"], hyper["eps"], draw(SEEDS), refuse)
+                            hyper["coefficients"], hyper["eps"], draw(SEEDS), refuse, out, out_spec)
 
 
 def run_newton_schulz(case: NewtonSchulzCase, device: torch.device) -> str:
     bufs = Buffers(device, torch.Generator().manual_seed(case.seed))
     x = bufs.make(case.x)
+    into = {"none": None, "x": x, "new": bufs.make(case.out_spec) if case.out_spec is not None else None}[case.out]
+    x64 = host64(x)
     outcome, out = attempt(lambda: ops.newton_schulz(x, steps=case.steps, coefficients=case.coefficients,
-                                                     eps=case.eps), bufs, case.refuse)
+                                                     eps=case.eps, out=into), bufs, case.refuse)
     if outcome == REFUSED:
         return f"{REFUSED}: {bufs.refusal}"
-    unchanged(bufs, {"x"})
+    if case.out != "x":
+        unchanged(bufs, {"x"})
+    if into is not None and out is not into:
+        fail("the result is not the out passed")
     if out.dtype != case.x.dtype:
         fail(f"result is {out.dtype}, expected {case.x.dtype}")
-    want = ref.newton_schulz(host64(x), steps=case.steps, coefficients=case.coefficients, eps=case.eps)
+    want = ref.newton_schulz(x64, steps=case.steps, coefficients=case.coefficients, eps=case.eps)
     _check_matrices(out, want, NS_BOUNDS[case.x.dtype], "result")
     return COMPARED
 
