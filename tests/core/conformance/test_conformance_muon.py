@@ -78,6 +78,9 @@ def test_wrong_fused_muon_builders_fail(builder, dtype, what):
 
 def test_float16_iterates_in_float16_after_scaling_in_float32():
     """ns_dtype=float16: the update is scaled in fp32 (no overflow at 1e6) and then iterated in fp16, not fp32."""
+    # seeded: the two fp16 iterations round apart, up to the bound on about one draw in five (the test's result
+    # depended on the global generator's state, so on which tests ran before it in the process)
+    torch.manual_seed(0)
     u = torch.randn(8, 12) * 1e6
     got = muon.orthogonalized_update(u, ns_dtype=torch.float16)
     X = (u / u.norm()).half()
