@@ -11,7 +11,7 @@ at a time: ``dx = rstd * (g - xhat * mean(g * xhat))`` with ``g = dy * (offset +
 row, and the weight gradient's partial sums ``dy * xhat`` accumulated in registers over the program's
 rows, stored as one fp32 row per program; a torch sum over those few rows gives ``dw`` (no atomics,
 deterministic). Reads x and dy once, writes dx once. Tiles and warps (:func:`tile_config`): the forward
-keeps each thread at 8 elements an array, the backward at 32 (four rows a step at Llama's width, 64 KiB
+keeps each thread at 16 elements an array, the backward at up to 32 (four rows a step at Llama's width, 64 KiB
 of loads in flight per program, one program per SM): on an H100 at H 4096 that backward took 0.293 ms
 against 0.323 ms with two-row steps (benchmarks/RESULTS.md, fourth session of 2026-12-06).
 
@@ -242,7 +242,7 @@ def rms_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     one_pass = block >= H
     rows, warps = tile_config(block, backward=True) if one_pass else (1, MAX_WARPS)
     rows, warps = rows_per_step or rows, num_warps or warps
-    # CTAs an SM holds at once: 64K registers over 128 a thread (what the tile configuration compiles to)
+    # CTAs an SM holds at once: 64K registers over 128 a thread (one at the 16 warps the backward tiles get)
     resident = max(1, 65536 // (128 * 32 * warps)) if one_pass else 1
     progs = programs or _sm_count(x.device) * resident
     per = triton.cdiv(n, progs)
