@@ -195,10 +195,7 @@ def main(argv=None) -> list[Row]:
             try:
                 fn(args, dev, rows)
             except Exception as exc:  # noqa: BLE001 - one part failing still reports the other
-                rows.append(benchlib.error_row("muon", part, exc))
-                import traceback
-
-                traceback.print_exc()
+                rows.append(benchlib.failed_row("muon", part, exc))
     if args.out:
         benchlib.write_json(rows, args.out)
     return rows

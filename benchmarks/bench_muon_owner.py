@@ -165,10 +165,7 @@ def main(argv=None) -> list[Row]:
             try:
                 bench_model(name, args, dev, rows)
             except Exception as exc:  # noqa: BLE001 - one model failing still reports the other
-                rows.append(benchlib.error_row("muon_owner", name, exc))
-                import traceback
-
-                traceback.print_exc()
+                rows.append(benchlib.failed_row("muon_owner", name, exc))
     if args.out:
         benchlib.write_json(rows, args.out)
     return rows

@@ -223,10 +223,7 @@ def main(argv=None) -> list[Row]:
         try:
             rows.append(fn())
         except Exception as exc:  # noqa: BLE001
-            import traceback
-
-            traceback.print_exc()
-            rows.append(benchlib.error_row("optimizers", "case failed", exc))
+            rows.append(benchlib.failed_row("optimizers", "case failed", exc))
     if args.sweep or os.environ.get("POLYACCEL_BENCH_SWEEP") == "1":
         rows.extend(sweep(many, device, copy))
     return rows

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -51,6 +52,13 @@ class Row:
 def error_row(bench: str, case: str, exc: BaseException) -> Row:
     return Row(bench=bench, case=case, metric="-", baseline_name="-", baseline=None, ours=None, met=False,
                detail=f"ERROR {type(exc).__name__}: {exc}")
+
+
+def failed_row(bench: str, case: str, exc: BaseException) -> Row:
+    """:func:`error_row` for a case that should have run, with the traceback of the exception being handled
+    printed (a benchmark reports the other cases and still shows where this one broke)."""
+    traceback.print_exc()
+    return error_row(bench, case, exc)
 
 
 def require_gpu() -> torch.device:

@@ -16,7 +16,6 @@ import importlib
 import pathlib
 import sys
 import time
-import traceback
 
 HERE = pathlib.Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -69,8 +68,7 @@ def main(argv=None) -> int:
             rows.extend(got)
             benchlib.print_rows(got, title=f"bench_{name}")
         except Exception as exc:  # noqa: BLE001 - one failing bench never hides the others
-            traceback.print_exc()
-            rows.append(benchlib.error_row(name, "module failed", exc))
+            rows.append(benchlib.failed_row(name, "module failed", exc))
         finally:
             gc.collect()
             torch.cuda.empty_cache()

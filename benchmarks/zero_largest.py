@@ -180,6 +180,9 @@ def _fsdp2_step(model, args, device):
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from zero_peers import optimizer_step
+
     if device.type != "cuda":
         raise RuntimeError("skipped: FSDP2's CPUOffloadPolicy needs a CUDA device")
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
@@ -187,16 +190,7 @@ def _fsdp2_step(model, args, device):
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-
-    def step(ids):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    return optimizer_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01))
 
 
 PHASE = "[trial] phase "
