@@ -75,7 +75,8 @@ def main() -> int:
 
         busy = sum(e.self_device_time_total for e in prof.key_averages()
                    if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / len(data[3:])
-        print(f"a step: {wall_ms:.1f} ms wall (under the profiler), GPU kernels {busy:.1f} ms ({busy / wall_ms:.0%} busy)")
+        print(f"a step: {wall_ms:.1f} ms wall (under the profiler), GPU kernels {busy:.1f} ms "
+              f"({busy / wall_ms:.0%} busy)")
     if args.trace:
         prof.export_chrome_trace(args.trace)
     engine.destroy()
