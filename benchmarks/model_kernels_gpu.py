@@ -367,13 +367,7 @@ def tune_linear_cross_entropy(x, w, labels) -> dict[str, Callable]:
     class TwoKernels:
         stats, grad_, scale_ = kce.TritonChunkKernels.stats, kce.TritonChunkKernels.grad_, kce.TritonChunkKernels.scale_
 
-    class OneStream(kce.TritonChunkKernels):
-        weight_grad_ = None  # the grad_weight product in the loop's stream, after the grad_hidden one
-
-    rows = {"two kernels": lambda op=make_linear_cross_entropy(TwoKernels): op(x, w, labels),
-            "one stream": lambda op=make_linear_cross_entropy(OneStream): op(x, w, labels),
-            # what a larger chunk would buy (its peak is above Liger's: not a candidate, a bound)
-            "chunk 2048": lambda: kce.linear_cross_entropy(x, w, labels, chunk_size=2048)}
+    rows = {"two kernels": lambda op=make_linear_cross_entropy(TwoKernels): op(x, w, labels)}
     for block, warps in [(4096, 32), (8192, 16), (16384, 32), (4096, 16)]:
         def run(block=block, warps=warps):
             saved = kce.FUSED_BLOCK, kce.FUSED_WARPS

@@ -26,11 +26,7 @@ plugin passes Triton ones): ``stats(z, target) -> (lse, picked)`` per row and
 or -1 (ignored, or another shard's class). Optional: ``stats_grad_(z, target, scale, z_loss, row_loss)``
 does both (and writes each row's loss term) in one pass over each row when no group has to combine
 the statistics first, and
-``scale_(g, factor)`` scales a stored gradient by the loss's incoming gradient in the backward, and
-``weight_grad_(grad_w, dz, h, beta)`` with ``join_(device)`` runs the chunk's ``grad_weight`` product
-beside its ``grad_hidden`` product (the cuda plugin: on a second stream, so that the accumulating
-product's memory-bound epilogue overlaps the other's compute; the loop joins before the next chunk's
-logits reuse the chunk's memory).
+``scale_(g, factor)`` scales a stored gradient by the loss's incoming gradient in the backward.
 """
 
 from __future__ import annotations
@@ -150,7 +146,6 @@ def _run(kernels, hidden, weight, bias, labels, ignore_index, reduction, z_loss,
     grad_b = torch.zeros(v, dtype=acc, device=weight.device) if want_b else None
     row_loss = torch.empty(n, dtype=acc, device=hidden.device)  # each row's term, 0 where ignored
     fused = group is None and any(want) and hasattr(kernels, "stats_grad_")
-    beside = getattr(kernels, "weight_grad_", None) if want_h and want_w else None
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
         h_c = hidden[s:e]
@@ -160,17 +155,13 @@ def _run(kernels, hidden, weight, bias, labels, ignore_index, reduction, z_loss,
             dz = z
         else:
             dz = _chunk_loss(kernels, z, target[s:e], valid[s:e], scale[s:e], z_loss, group, row_loss[s:e], any(want))
-        if beside is not None:  # enqueued first: it runs beside the grad_hidden product
-            beside(grad_w, dz, h_c, 1 if s else 0)
-        elif want_w:
-            torch.addmm(grad_w, dz.t(), h_c, beta=1 if s else 0, out=grad_w)
         if want_h:
             torch.mm(dz, weight, out=grad_h[s:e])
+        if want_w:
+            torch.addmm(grad_w, dz.t(), h_c, beta=1 if s else 0, out=grad_w)
         if want_b:
             grad_b += dz.sum(0, dtype=acc)
         del z, dz  # before the next chunk's logits exist: one chunk at a time, not two
-        if beside is not None:
-            kernels.join_(hidden.device)
     return row_loss.sum() * inv, grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
 
 

@@ -298,31 +298,3 @@ def test_the_contract_refuses_before_any_builder(monkeypatch):
     ]
     for call, match in cases:
         _refusal(call, match)
-
-
-def test_a_weight_gradient_hook_is_spent_once_a_chunk_and_joined_before_the_next_chunk():
-    """Kernels with ``weight_grad_``/``join_`` (the cuda plugin's second stream) take every chunk's grad_weight
-    product, each joined before the next chunk's logits: the gradients bit for bit the loop's own addmm."""
-    calls: list[tuple] = []
-
-    class Beside(chunked_loss.TorchChunkKernels):
-        @staticmethod
-        def weight_grad_(grad_w, dz, h, beta):
-            calls.append(("grad_w", h.shape[0], beta))
-            torch.addmm(grad_w, dz.t(), h, beta=beta, out=grad_w)
-
-        @staticmethod
-        def join_(device):
-            calls.append(("join", device.type))
-
-    tensors, labels = _inputs(23, 6, 17, torch.float32, seed=9)
-    op = chunked_loss.make_linear_cross_entropy(Beside)
-    loss, grads = _run(op, tensors, labels, chunk_size=8)
-    assert calls == [("grad_w", 8, 0), ("join", "cpu"), ("grad_w", 8, 1), ("join", "cpu"), ("grad_w", 7, 1),
-                     ("join", "cpu")]
-    want, want_grads = _run(chunked_loss.linear_cross_entropy, tensors, labels, chunk_size=8)
-    assert torch.equal(loss, want) and all(torch.equal(g, w) for g, w in zip(grads, want_grads, strict=True))
-    calls.clear()  # a frozen head: the loop's own path, no hook
-    frozen = [tensors[0].clone().requires_grad_(True), tensors[1]]
-    op(frozen[0], frozen[1], labels, chunk_size=8).backward()
-    assert calls == []

@@ -16,10 +16,6 @@ HBM traffic: two passes over the chunk instead of three. The backward's scaling 
 incoming gradient (:func:`scale_`) reads that scalar on the device and returns at once when it
 is exactly 1 (``loss.backward()``), without a host read.
 
-Each chunk's ``grad_weight`` product (:meth:`TritonChunkKernels.weight_grad_`) runs on a second
-stream beside its ``grad_hidden`` product: at 1024-row chunks the accumulating product reads and
-writes the whole weight gradient per chunk, memory traffic that the other product's compute hides.
-
 Compared with torch's chunk math (an fp32 copy of the chunk, logsumexp's temporaries, the
 exp and scatter passes), the chunk needs no memory beyond its logits and three passes instead
 of about eight. 64-bit offsets: a chunk may pass 2**31 elements.
@@ -115,16 +111,6 @@ def _scale_kernel(g_ptr, factor_ptr, n, BLOCK: tl.constexpr):
         tl.store(g_ptr + offs, (g.to(factor.dtype) * factor).to(g_ptr.dtype.element_ty), mask=mask)
 
 
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
-    return _side_streams[index]
-
-
 def _acc(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
@@ -184,23 +170,6 @@ class TritonChunkKernels:
         _stats_grad_kernel[(rows,)](z, target.contiguous(), scale.to(row_loss.dtype).contiguous(), row_loss, v,
                                     z.stride(0), float(z_loss), ACC=_acc(z.dtype),
                                     BLOCK=min(FUSED_BLOCK, triton.next_power_of_2(v)), num_warps=FUSED_WARPS)
-
-    @staticmethod
-    def weight_grad_(grad_w: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, beta: int) -> None:
-        """``grad_w = beta * grad_w + dz.T @ h`` on the side stream, after the work enqueued so far."""
-        if dz.device.type != "cuda":  # (the interpreter's host tensors: one stream)
-            torch.addmm(grad_w, dz.t(), h, beta=beta, out=grad_w)
-            return
-        side = _side_stream(dz.device)
-        side.wait_stream(torch.cuda.current_stream(dz.device))
-        with torch.cuda.stream(side):
-            torch.addmm(grad_w, dz.t(), h, beta=beta, out=grad_w)
-
-    @staticmethod
-    def join_(device: torch.device) -> None:
-        """The current stream waits for the side stream's products (before ``dz``'s memory is reused)."""
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).wait_stream(_side_stream(device))
 
     @staticmethod
     def scale_(g: torch.Tensor, factor: torch.Tensor) -> None:
