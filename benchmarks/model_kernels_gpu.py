@@ -368,7 +368,7 @@ def tune_linear_cross_entropy(x, w, labels) -> dict[str, Callable]:
         stats, grad_, scale_ = kce.TritonChunkKernels.stats, kce.TritonChunkKernels.grad_, kce.TritonChunkKernels.scale_
 
     rows = {"two kernels": lambda op=make_linear_cross_entropy(TwoKernels): op(x, w, labels)}
-    for block, warps in [(4096, 32), (8192, 16), (16384, 32), (4096, 16)]:
+    for block, warps in [(16384, 32), (32768, 32), (8192, 16), (16384, 16)]:
         def run(block=block, warps=warps):
             saved = kce.FUSED_BLOCK, kce.FUSED_WARPS
             kce.FUSED_BLOCK, kce.FUSED_WARPS = block, warps

@@ -12,13 +12,15 @@ chunk's math, and cuBLAS spends the gradient (``dz @ W``, ``dz.T @ h``). Two ker
 Without a vocab-parallel group the two run as one (:func:`stats_grad_`): a program per row makes
 the statistics pass and then the gradient pass over the same row. At :data:`FUSED_WARPS` warps a
 program fills an SM, so the rows in flight fit in L2 and the second read of a row costs no
-HBM traffic: two passes over the chunk instead of three. The backward's scaling by the loss's
+HBM traffic: two passes over the chunk instead of three. An ignored row's gradient is written as
+zeros without reading the row, and the target column is corrected once after the gradient pass
+rather than tested at every element. The backward's scaling by the loss's
 incoming gradient (:func:`scale_`) reads that scalar on the device and returns at once when it
 is exactly 1 (``loss.backward()``), without a host read.
 
 Compared with torch's chunk math (an fp32 copy of the chunk, logsumexp's temporaries, the
 exp and scatter passes), the chunk needs no memory beyond its logits and three passes instead
-of about eight. 64-bit offsets: a chunk may pass 2**31 elements.
+of about eight. 64-bit row offsets: a chunk may pass 2**31 elements (a row may not).
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ SCALE_BLOCK = 8192
 
 @triton.jit
 def _row_logsumexp(base, V, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    """Online logsumexp of one row, a block of columns a step: one exp an element (the running max and sum are
-    scalars, rescaled once a block)."""
-    cols = tl.arange(0, BLOCK).to(tl.int64)
+    """Online logsumexp of one row (``base``: its first element), a block of columns a step: one exp an element
+    (the running max and sum are scalars, rescaled once a block). Column offsets in 32 bits."""
+    cols = tl.arange(0, BLOCK)
     m = tl.full((), float("-inf"), ACC)
     total = tl.zeros((), ACC)
     for start in range(0, V, BLOCK):
@@ -83,22 +85,29 @@ def _grad_kernel(z_ptr, lse_ptr, target_ptr, coef_ptr, scale_ptr, V, stride, BLO
 def _stats_grad_kernel(z_ptr, target_ptr, scale_ptr, loss_ptr, V, stride, z_loss,
                        ACC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    base = z_ptr + row * stride
-    cols = tl.arange(0, BLOCK).to(tl.int64)
-    lse = _row_logsumexp(base, V, ACC, BLOCK)
+    base = z_ptr + row * stride  # 64-bit row offset; the columns (V < 2**31) in 32 bits
+    cols = tl.arange(0, BLOCK)
     t = tl.load(target_ptr + row)
-    picked = tl.load(base + tl.maximum(t, 0)).to(ACC)
-    # the row's loss term; without a group, target -1 means an ignored row
-    tl.store(loss_ptr + row, tl.where(t >= 0, lse - picked + z_loss * lse * lse, 0.0))
-    scale = tl.load(scale_ptr + row).to(ACC)
-    coef = scale * (1.0 + 2.0 * z_loss * lse)
-    for start in range(0, V, BLOCK):
-        offs = start + cols
-        mask = offs < V
-        z = tl.load(base + offs, mask=mask, other=0.0).to(ACC)
-        dz = coef * tl.exp(z - lse)
-        dz = tl.where(offs == t, dz - scale, dz)
-        tl.store(base + offs, dz.to(z_ptr.dtype.element_ty), mask=mask)
+    if t < 0:  # without a group, target -1 is an ignored row: a zero gradient, written without reading the row
+        tl.store(loss_ptr + row, 0.0)
+        for start in range(0, V, BLOCK):
+            offs = start + cols
+            tl.store(base + offs, tl.zeros((BLOCK,), z_ptr.dtype.element_ty), mask=offs < V)
+    else:
+        lse = _row_logsumexp(base, V, ACC, BLOCK)
+        picked = tl.load(base + t).to(ACC)
+        tl.store(loss_ptr + row, lse - picked + z_loss * lse * lse)
+        scale = tl.load(scale_ptr + row).to(ACC)
+        coef = scale * (1.0 + 2.0 * z_loss * lse)
+        for start in range(0, V, BLOCK):
+            offs = start + cols
+            mask = offs < V
+            z = tl.load(base + offs, mask=mask, other=0.0).to(ACC)
+            tl.store(base + offs, (coef * tl.exp(z - lse)).to(z_ptr.dtype.element_ty), mask=mask)
+        # the target column once, from its logit in the math dtype (subtracting after the rounding to z's dtype
+        # would cancel most of its bits as the softmax nears 1); after the loop's stores, hence the barrier
+        tl.debug_barrier()
+        tl.store(base + t, (coef * tl.exp(picked - lse) - scale).to(z_ptr.dtype.element_ty))
 
 
 @triton.jit

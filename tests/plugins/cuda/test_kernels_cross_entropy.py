@@ -37,6 +37,7 @@ def test_the_fused_kernel_equals_stats_then_grad():
     z = torch.randn(5, v, generator=gen, dtype=torch.float64) * 4
     target = torch.tensor([0, -1, v - 1, kce.FUSED_BLOCK, 17])
     scale = torch.rand(5, generator=gen, dtype=torch.float64) + 0.5
+    scale[target < 0] = 0.0  # an ignored row weighs nothing in the loss (the loop's scale)
     want_lse, want_picked = chunked_loss.TorchChunkKernels.stats(z, target)
     for z_loss in (0.0, 1e-2):
         got, row_loss = z.clone(), torch.full((5,), float("nan"), dtype=torch.float64)
@@ -46,13 +47,20 @@ def test_the_fused_kernel_equals_stats_then_grad():
         want_rows = torch.where(target >= 0, want_lse - want_picked + z_loss * want_lse ** 2, 0.0)
         torch.testing.assert_close(row_loss, want_rows, rtol=1e-13, atol=1e-13)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    # an ignored row is written as zeros without being read (an inf or NaN there reaches no gradient)
+    poisoned = z.clone()
+    poisoned[1, ::7] = float("inf")
+    poisoned[1, 3] = float("nan")
+    kce.TritonChunkKernels.stats_grad_(poisoned, target, scale, 0.0, row_loss)
+    assert torch.equal(poisoned[1], torch.zeros(v, dtype=torch.float64)) and float(row_loss[1]) == 0.0
+    want = chunked_loss.TorchChunkKernels.grad_(z.clone(), want_lse, target, scale, scale)  # z_loss 0
+    torch.testing.assert_close(poisoned[[0, 2, 3, 4]], want[[0, 2, 3, 4]], rtol=1e-12, atol=1e-15)
     # a column-strided chunk takes the two-kernel path, still in place
     zt, row_loss = z.t().contiguous().t(), torch.empty(5, dtype=torch.float64)
     kce.TritonChunkKernels.stats_grad_(zt, target, scale, 0.0, row_loss)
     torch.testing.assert_close(row_loss, torch.where(target >= 0, want_lse - want_picked, 0.0), rtol=1e-13,
                                atol=1e-13)
-    torch.testing.assert_close(zt, chunked_loss.TorchChunkKernels.grad_(z.clone(), want_lse, target, scale, scale),
-                               rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(zt, want, rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
