@@ -13,12 +13,17 @@ Overwriting a bucket's parameters while backward runs is safe because a bucket s
 after every one of its parameters' gradient hooks fired, and no kernel reads a parameter
 after its gradient was accumulated — unless backward revisits it (reentrant checkpointing of a
 shared weight): then :class:`OverlapError` stops the step before it is applied twice.
+
+The worker's CPU kernels run on one core fewer than torch's intra-op setting: backward's kernels
+are launched by another thread meanwhile, and an OpenMP team that shares every core with it waits
+at each barrier for whichever member the scheduler preempted.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
 from polyaccel.errors import PolyaccelError
 
 from .split_partition import SplitPartition
@@ -32,6 +37,16 @@ def overlap_message(name: str) -> str:
     return (f"the gradient of {name!r} arrived after its bucket's offloaded optimizer step had started (backward "
             "visited it twice, as reentrant activation checkpointing of a shared weight does); set "
             "zero_optimization.offload_optimizer.overlap_step to false to step after backward instead")
+
+
+def worker_threads() -> int:
+    """Intra-op threads of the host-step worker: one fewer than torch's (at least one)."""
+    return max(1, torch.get_num_threads() - 1)
+
+
+def _start_worker(threads: int) -> None:
+    torch.get_num_threads()  # torch's first use in a thread applies its global setting: done before ours
+    torch.set_num_threads(threads)  # this thread's OpenMP team (and the global setting, put back by the caller)
 
 
 class HostStepper:
@@ -68,8 +83,19 @@ class HostStepper:
                 return
         event = self.transfer.copy_event("down") if self.has_events else None
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyaccel-host-step")
+            self._pool = self._make_pool()
         self._futures.append(self._pool.submit(self._run, ranges, event))
+
+    @staticmethod
+    def _make_pool() -> ThreadPoolExecutor:
+        """The worker, started now: its thread setting applied, then torch's default put back for threads made
+        later (the caller's own team is not touched)."""
+        before = torch.get_num_threads()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyaccel-host-step",
+                                  initializer=_start_worker, initargs=(worker_threads(),))
+        pool.submit(int).result()
+        torch.set_num_threads(before)
+        return pool
 
     def _run(self, ranges, event) -> None:
         if event is not None:

@@ -467,3 +467,25 @@ def test_a_round_waits_for_the_uploads_that_crossed_before_it(monkeypatch):
         assert torch.equal(dev, host)
     transfer.start_upload(6, torch.float32)
     assert acc.syncs == 3
+
+
+def test_the_host_step_worker_leaves_a_core_to_the_thread_running_backward(monkeypatch):
+    """The overlapped host step's CPU kernels run one thread fewer than torch's setting (at least one); the
+    caller's setting is unchanged."""
+    from polyaccel.engines.zero import host_step
+
+    seen = []
+    original = host_step.HostStepper._run
+    monkeypatch.setattr(host_step.HostStepper, "_run",
+                        lambda self, ranges, event: seen.append(torch.get_num_threads()) or original(self, ranges,
+                                                                                                   event))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _train(_model(), {"stage": 1, "offload_optimizer": {"device": "cpu"}})
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+        assert host_step.worker_threads() == 1
+        torch.set_num_threads(1)
+        assert host_step.worker_threads() == 1  # never zero
+    finally:
+        torch.set_num_threads(before)
