@@ -60,6 +60,16 @@ def clear_cache() -> None:
         _tables.clear()
 
 
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without waiting for the device: a copy from pageable memory first waits for the
+    stream's queued work, and with a learning-rate schedule the factor table is new at every step (a round
+    each). Through pinned memory the copy is queued like a kernel (torch's pinned-memory cache keeps the staging
+    buffer until the copy has run)."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def piece_table(offset_lists, lengths, chunk: int, device: torch.device) -> PieceTable | None:
     """The (cached) table of the pieces; None when they hold no element."""
     key = (tuple(map(tuple, offset_lists)), tuple(lengths), chunk, device)
@@ -81,7 +91,7 @@ def piece_table(offset_lists, lengths, chunk: int, device: torch.device) -> Piec
     offs = torch.tensor([o for lst in offset_lists for o in lst], dtype=torch.int64)
     aligned = all(o % _ALIGN == 0 for lst in offset_lists for o in lst)
     host = torch.cat([offs, lens, chunk_piece, chunk_start])
-    dev = host.to(device, non_blocking=False) if device.type != "cpu" else host
+    dev = _upload(host, device)
     parts = torch.split(dev, [len(offs), n, n_chunks, n_chunks])
     table = PieceTable(n, n_chunks, aligned, *parts)
     with _lock:
@@ -246,7 +256,7 @@ def _factor_table(lr: float, weight_decays, lr_scales, device: torch.device) -> 
             _factors.move_to_end(key)
             return got
     pairs = [v for wd, s in zip(weight_decays, lr_scales, strict=True) for v in (1 - lr * wd, -lr * s)]
-    table = torch.tensor(pairs, dtype=torch.float64).to(torch.float32).to(device)
+    table = _upload(torch.tensor(pairs, dtype=torch.float64).to(torch.float32), device)
     with _lock:
         _factors[key] = table
         while len(_factors) > _CACHE_SIZE:

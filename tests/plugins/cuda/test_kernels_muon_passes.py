@@ -72,3 +72,23 @@ def test_a_planted_defect_fails_the_conformance_check():
 
     with pytest.raises(AssertionError, match="muon_apply"):
         cases.check_muon_apply(apply_without_decay, CPU, torch.float32)
+
+
+def test_tables_reach_a_device_through_pinned_memory_without_waiting():
+    """A learning-rate schedule makes muon_apply's factor table new at every step: its upload must be queued
+    (pinned, non-blocking), never a pageable copy that first waits for the device's queued work."""
+    calls = []
+
+    class Host:
+        def pin_memory(self):
+            calls.append("pin_memory")
+            return self
+
+        def to(self, device, non_blocking=False):
+            calls.append(("to", str(device), non_blocking))
+            return "on device"
+
+    assert kn._upload(Host(), torch.device("cuda", 0)) == "on device"
+    assert calls == ["pin_memory", ("to", "cuda:0", True)]
+    host = torch.arange(4.0)
+    assert kn._upload(host, CPU) is host  # (the interpreter's CPU tensors: no copy at all)
