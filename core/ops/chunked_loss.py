@@ -121,7 +121,7 @@ def _denominator(labels_valid: torch.Tensor, reduction: str, num_items, acc: tor
     if num_items is not None:
         if isinstance(num_items, torch.Tensor):
             return num_items.detach().to(labels_valid.device, acc).reshape(())
-        return torch.tensor(float(num_items), dtype=acc, device=labels_valid.device)
+        return torch.full((), float(num_items), dtype=acc, device=labels_valid.device)  # no host-to-device copy
     return labels_valid.sum().clamp(min=1).to(acc)
 
 

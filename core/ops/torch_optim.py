@@ -81,10 +81,11 @@ def _step_float(step) -> float:
 
 
 def _step_tensor(step, device) -> torch.Tensor:
-    """The step as the fp32 0-d tensor torch's fused kernels read (no host sync for tensors)."""
+    """The step as the fp32 0-d tensor torch's fused kernels read, without a host sync: a tensor step is moved
+    as it is, an int is filled in on the device (a copy of a host tensor would first wait for the device)."""
     if isinstance(step, torch.Tensor):
         return step.detach().to(device=device, dtype=torch.float32).reshape(())
-    return torch.tensor(float(step), dtype=torch.float32, device=device)
+    return torch.full((), float(step), dtype=torch.float32, device=device)
 
 
 def fused_adam(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,

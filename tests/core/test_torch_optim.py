@@ -52,3 +52,24 @@ def test_a_strided_narrow_gradient_takes_the_foreach_path(monkeypatch):
     torch_optim.fused_adam([p], [g], [m], [v], adam_w_mode=True, bias_correction=True, **HYPER)
     for got, w in zip((p, m, v), want, strict=True):
         torch.testing.assert_close(got.double(), w, rtol=2e-6, atol=2e-6)
+
+
+def test_an_int_step_is_filled_in_on_the_device_not_copied_from_the_host():
+    """A copy of a host tensor to an accelerator first waits for the device's queued work: the step count (an int
+    every optimizer step) must reach the fused kernel as a fill. Seen at the dispatcher on the meta device."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        step = torch_optim._step_tensor(7, torch.device("meta"))
+    assert step.shape == () and step.dtype == torch.float32 and step.device.type == "meta"
+    assert ops.seen == ["aten.full"], ops.seen  # (torch.tensor(..., device=) builds on the host, unseen here)
+    assert float(torch_optim._step_tensor(7, torch.device("cpu"))) == 7.0
