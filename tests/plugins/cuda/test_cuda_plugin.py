@@ -13,8 +13,7 @@ import polyaccel
 import pytest
 import torch
 from polyaccel import accelerator as core_accelerator
-from polyaccel import host_registration
-from polyaccel import ops, selection
+from polyaccel import host_registration, ops, selection
 from polyaccel.errors import PolyaccelError, Unsupported
 from polyaccel.plugins import cuda as cuda_plugin
 from polyaccel.plugins.cuda import accelerator as cuda_acc
