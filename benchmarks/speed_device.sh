@@ -10,6 +10,7 @@
 #   muonprof   zero_profile.py, 220M stage 1, AdamW then Muon: forward/backward/step apart and where the time goes
 #   muonowner  bench_muon_owner.py, whole and per head: ZeRO Muon's owner's part, previous path vs in-place batches
 #   offload1b  zero_gpu.py --size 1b: stage 3 + offload_optimizer + offload_param vs FSDP2 + CPUOffloadPolicy (<= 0.85x)
+#   offthreads the same polyaccel row (no peer) with the host step's worker on 14 and 12 threads, beside offload1b's
 # STEPS sets autoep_gpu's timed steps (default 5); ROUNDS zero_gpu's rounds (default 1).
 set -u
 OUT=${1:?usage: speed_device.sh OUTDIR STEP...}
@@ -37,6 +38,10 @@ for step in "$@"; do
     offload1b) (cd benchmarks && run offload1b 360 python3 zero_gpu.py --size 1b \
                   --only "=stage 3 + offload_optimizer + offload_param" --no-granular --peers fsdp2 --isolate \
                   --rounds "$ROUNDS" --steps 5 --out "$OUT/offload1b.json") ;;
+    offthreads) (cd benchmarks && for n in 14 12; do
+                   TAIL=3 run "offthreads$n" 240 python3 zero_gpu.py --size 1b --host-threads "$n" \
+                     --only "=stage 3 + offload_optimizer + offload_param" --no-granular --peers "" --isolate \
+                     --rounds "$ROUNDS" --steps 5 --out "$OUT/offthreads$n.json"; done) ;;
     *) echo "unknown step $step" ;;
   esac
 done

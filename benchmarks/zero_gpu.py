@@ -297,6 +297,9 @@ def main() -> int:
                     help="after each offload_optimizer row without offload_param, the same row with "
                          "offload_optimizer.ratio set to each of these comma-separated values (the host's share of "
                          "the optimizer; polyaccel only)")
+    ap.add_argument("--host-threads", type=int, default=None, metavar="N",
+                    help="offload_optimizer.host_threads of the offloaded rows (the overlapped host step's CPU "
+                         "threads; default: one fewer than torch's)")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # --isolate's child: run this row only
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -385,6 +388,8 @@ def main() -> int:
         if not wanted(args, name):
             continue
         zero = {"reduce_bucket_size": args.bucket, **zero}
+        if args.host_threads is not None and "offload_optimizer" in zero:
+            zero["offload_optimizer"] = {**zero["offload_optimizer"], "host_threads": args.host_threads}
         config = {"bf16": {"enabled": True}, "zero_optimization": zero,
                   "optimizer": {"type": "adamw", "params": {"lr": 1e-4, "weight_decay": 0.01}}}
 

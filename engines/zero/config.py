@@ -30,7 +30,7 @@ _ZERO_KEYS = {
     "prefetch_bucket_size", "stage3_param_persistence_threshold", "offload_optimizer", "offload_param",
     "stage3_leaf_modules", "stage3_check_schedule", "stage3_module_granularity_threshold",
 }
-_OFFLOAD_KEYS = {"device", "pin_memory", "overlap_step", "ratio"}
+_OFFLOAD_KEYS = {"device", "pin_memory", "overlap_step", "ratio", "host_threads"}
 #: ``checkpoint.verify``: check every file's checksum when loading (see ``integrity``); false skips it
 _CHECKPOINT_KEYS = {"verify"}
 _BF16_KEYS = {"enabled"}
@@ -77,6 +77,9 @@ class OffloadConfig:
     #: the rest (the parameters whose gradients arrive last in backward) stays on the device (see
     #: :mod:`.split_partition`). Rounded to whole gradient buckets (stages 1, 2) or parameters (stage 3).
     ratio: float = 1.0
+    #: offload_optimizer only: CPU threads of the host step that overlaps backward; None: one fewer than torch's
+    #: intra-op setting (see :mod:`.host_step`)
+    host_threads: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -151,7 +154,10 @@ def _offload(parent: Section, key: str) -> OffloadConfig:
     if ratio != 1 and device != "cpu":
         raise sec.error("ratio", f"({ratio}) needs {sec.key('device')!r} 'cpu'")
     return OffloadConfig(device=device, pin_memory=sec.get("pin_memory", Bool(), True),
-                         overlap_step=sec.get("overlap_step", Bool(), True), ratio=ratio)
+                         overlap_step=sec.get("overlap_step", Bool(), True), ratio=ratio,
+                         host_threads=sec.get("host_threads", Int(1, optional=True), None,
+                                              hint="the overlapped host step's CPU threads; null: one fewer "
+                                                   "than torch's"))
 
 
 def _optimizer(value: Any) -> OptimizerConfig:
@@ -194,6 +200,9 @@ def _check_offload(out: dict[str, Any], stage: int) -> None:
     if out["offload_param"].ratio != 1:
         raise ConfigError("config key 'zero_optimization.offload_param.ratio' is not supported: parameters "
                           "are offloaded whole; the ratio applies to offload_optimizer")
+    if out["offload_param"].host_threads is not None:
+        raise ConfigError("config key 'zero_optimization.offload_param.host_threads' is not supported: the host "
+                          "step's threads are set under offload_optimizer")
     if out["offload_optimizer"].ratio != 1 and out["offload_param"].enabled:
         raise ConfigError("config key 'zero_optimization.offload_optimizer.ratio' below 1 is not supported "
                           "with offload_param (the parameters' shards live on the host there); remove the "

@@ -87,7 +87,7 @@ class ZeroEngine(EngineState):
         self.reduction_stream = self._reduction_stream()
         self.mesh = mesh
         self.transfer = HostTransfer(self.host, self.accelerator, self.device)
-        self.stepper = HostStepper(self.transfer)
+        self.stepper = HostStepper(self.transfer, cfg.offload_optimizer.host_threads)
         self.scaler = LossScaler(cfg.fp16)
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.muon_choices = None  # optimizer.type "muon": {name: Choice}, made from the model's own shapes

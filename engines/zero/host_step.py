@@ -14,9 +14,10 @@ after every one of its parameters' gradient hooks fired, and no kernel reads a p
 after its gradient was accumulated — unless backward revisits it (reentrant checkpointing of a
 shared weight): then :class:`OverlapError` stops the step before it is applied twice.
 
-The worker's CPU kernels run on one core fewer than torch's intra-op setting: backward's kernels
-are launched by another thread meanwhile, and an OpenMP team that shares every core with it waits
-at each barrier for whichever member the scheduler preempted.
+The worker's CPU kernels run on one core fewer than torch's intra-op setting (or on
+``offload_optimizer.host_threads``): backward's kernels are launched by another thread meanwhile,
+and an OpenMP team that shares every core with it waits at each barrier for whichever member the
+scheduler preempted.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def overlap_message(name: str) -> str:
             "zero_optimization.offload_optimizer.overlap_step to false to step after backward instead")
 
 
-def worker_threads() -> int:
-    """Intra-op threads of the host-step worker: one fewer than torch's (at least one)."""
-    return max(1, torch.get_num_threads() - 1)
+def worker_threads(configured: int | None = None) -> int:
+    """Intra-op threads of the host-step worker: ``configured``, else one fewer than torch's (at least one)."""
+    return configured if configured is not None else max(1, torch.get_num_threads() - 1)
 
 
 def _start_worker(threads: int) -> None:
@@ -50,8 +51,9 @@ def _start_worker(threads: int) -> None:
 
 
 class HostStepper:
-    def __init__(self, transfer):
+    def __init__(self, transfer, threads: int | None = None):
         self.transfer = transfer
+        self.threads = threads
         self.accelerator = transfer.accelerator
         self.has_events = transfer.crosses and self.accelerator.has("events")
         #: a bucket's arrival can be waited for alone: an event after its copy, or no copy at all
@@ -83,16 +85,16 @@ class HostStepper:
                 return
         event = self.transfer.copy_event("down") if self.has_events else None
         if self._pool is None:
-            self._pool = self._make_pool()
+            self._pool = self._make_pool(worker_threads(self.threads))
         self._futures.append(self._pool.submit(self._run, ranges, event))
 
     @staticmethod
-    def _make_pool() -> ThreadPoolExecutor:
-        """The worker, started now: its thread setting applied, then torch's default put back for threads made
-        later (the caller's own team is not touched)."""
+    def _make_pool(threads: int) -> ThreadPoolExecutor:
+        """The worker, started now on ``threads``, then torch's default put back for threads made later (the
+        caller's own team is not touched)."""
         before = torch.get_num_threads()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyaccel-host-step",
-                                  initializer=_start_worker, initargs=(worker_threads(),))
+                                  initializer=_start_worker, initargs=(threads,))
         pool.submit(int).result()
         torch.set_num_threads(before)
         return pool

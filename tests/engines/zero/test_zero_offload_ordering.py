@@ -470,8 +470,8 @@ def test_a_round_waits_for_the_uploads_that_crossed_before_it(monkeypatch):
 
 
 def test_the_host_step_worker_leaves_a_core_to_the_thread_running_backward(monkeypatch):
-    """The overlapped host step's CPU kernels run one thread fewer than torch's setting (at least one); the
-    caller's setting is unchanged."""
+    """The overlapped host step's CPU kernels run one thread fewer than torch's setting (at least one), or
+    ``offload_optimizer.host_threads``; the caller's setting is unchanged."""
     from polyaccel.engines.zero import host_step
 
     seen = []
@@ -484,8 +484,31 @@ def test_the_host_step_worker_leaves_a_core_to_the_thread_running_backward(monke
         torch.set_num_threads(2)
         _train(_model(), {"stage": 1, "offload_optimizer": {"device": "cpu"}})
         assert seen and set(seen) == {1} and torch.get_num_threads() == 2
-        assert host_step.worker_threads() == 1
+        seen.clear()
+        _train(_model(), {"stage": 1, "offload_optimizer": {"device": "cpu", "host_threads": 3}})
+        assert seen and set(seen) == {3} and torch.get_num_threads() == 2
+        assert host_step.worker_threads() == 1 and host_step.worker_threads(5) == 5
         torch.set_num_threads(1)
         assert host_step.worker_threads() == 1  # never zero
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("zero", "match"), [
+    ({"stage": 1, "offload_optimizer": {"device": "cpu", "host_threads": 0}}, r"host_threads' must be an integer >= 1"),
+    ({"stage": 1, "offload_optimizer": {"device": "cpu", "host_threads": 2.5}}, "must be an integer >= 1"),
+    ({"stage": 1, "offload_optimizer": {"device": "cpu", "host_threads": True}}, "must be an integer >= 1"),
+    ({"stage": 3, "offload_param": {"device": "cpu", "host_threads": 4}}, "offload_param.host_threads' is not "
+                                                                          "supported.*under offload_optimizer"),
+])
+def test_host_threads_refusals_name_the_key(zero, match):
+    from polyaccel.engines.zero.config import parse_config
+    from polyaccel.errors import ConfigError
+
+    config = {"zero_optimization": zero}
+    snapshot = repr(config)
+    with pytest.raises(ConfigError, match=match):
+        parse_config(config)
+    assert repr(config) == snapshot
+    assert parse_config({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}) \
+        .offload_optimizer.host_threads is None
