@@ -300,13 +300,7 @@ class MuonPartitionOptimizer(OffloadedMuonStep, PartitionOptimizer):
         """The round's matrices to their owners (a reduce-scatter of ``send``), orthogonalized there in place
         (:mod:`.muon_batches`: one call per batch of the plan), and back to every rank (an all-gather into
         ``send``'s device copy, returned)."""
-        world, c = self.coll.world, rnd.chunk
-        send = send.to(self.comm_device, non_blocking=True)
-        if world > 1:
-            mine = torch.empty(c, dtype=send.dtype, device=self.comm_device)
-            self.coll.reduce_scatter(mine, send)
-        else:
-            mine = send
+        send, mine = self._to_owners(rnd, send)
         owned = [b for b in rnd.batches if b.owner == self.coll.rank]
         orthogonalize_batches(mine, [b for b in owned if b.key[0] != "tp"], self.mcfg)
         for b in owned:
@@ -315,9 +309,19 @@ class MuonPartitionOptimizer(OffloadedMuonStep, PartitionOptimizer):
                 v = mine[m.offset:m.offset + m.numel].view(m.shape)
                 v.copy_(self._tensor_parallel_orthogonalized(v, m))
             self.orthogonalized += len(b.matrices)
-        if world > 1:
+        if self.coll.world > 1:
             self.coll.all_gather(send, mine)
         return send
+
+    def _to_owners(self, rnd: Round, send: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``send`` on the comm device, and this rank's chunk of the round summed over the ranks (a
+        reduce-scatter; ``send`` itself at world size 1)."""
+        send = send.to(self.comm_device, non_blocking=True)
+        if self.coll.world == 1:
+            return send, send
+        mine = torch.empty(rnd.chunk, dtype=send.dtype, device=self.comm_device)
+        self.coll.reduce_scatter(mine, send)
+        return send, mine
 
     def _tensor_parallel_orthogonalized(self, u: torch.Tensor, m: Matrix) -> torch.Tensor:
         """The owner's work on a matrix split over the tensor group: assembled there first."""

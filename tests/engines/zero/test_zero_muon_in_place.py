@@ -37,19 +37,13 @@ def legacy_orthogonalized(self, rnd, send):
     """The owner's part before the in-place batches: views per matrix, ``orthogonalize_many``, copied back."""
     from polyaccel.engines.zero import muon as zmuon
 
-    world, c = self.coll.world, rnd.chunk
-    send = send.to(self.comm_device, non_blocking=True)
-    if world > 1:
-        mine = torch.empty(c, dtype=send.dtype, device=self.comm_device)
-        self.coll.reduce_scatter(mine, send)
-    else:
-        mine = send
+    send, mine = self._to_owners(rnd, send)
     owned = [m for m in rnd.matrices if m.owner == self.coll.rank]
     views = [mine[m.offset:m.offset + m.numel].view(m.shape) for m in owned]
     done = zmuon.orthogonalize_many(views, [m.head_split for m in owned], self.mcfg)
     torch._foreach_copy_(views, done)
     self.orthogonalized += len(owned)
-    if world > 1:
+    if self.coll.world > 1:
         self.coll.all_gather(send, mine)
     return send
 
