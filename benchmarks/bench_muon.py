@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 
 import benchlib
@@ -189,16 +190,9 @@ def main(argv=None) -> list[Row]:
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args(argv)
     dev = benchlib.require_gpu()
-    rows: list[Row] = []
-    for part, fn in (("ns", bench_newton_schulz), ("step", bench_step), ("zero", bench_zero_shapes)):
-        if args.only in (None, part):
-            try:
-                fn(args, dev, rows)
-            except Exception as exc:  # noqa: BLE001 - one part failing still reports the other
-                rows.append(benchlib.failed_row("muon", part, exc))
-    if args.out:
-        benchlib.write_json(rows, args.out)
-    return rows
+    parts = {part: functools.partial(fn, args, dev)
+             for part, fn in (("ns", bench_newton_schulz), ("step", bench_step), ("zero", bench_zero_shapes))}
+    return benchlib.run_parts("muon", parts, args.only, args.out)
 
 
 if __name__ == "__main__":

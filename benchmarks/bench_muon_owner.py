@@ -21,6 +21,7 @@ column-major reads of the in-place path against the row-major ones it replaces, 
 from __future__ import annotations
 
 import argparse
+import functools
 from types import SimpleNamespace
 
 import benchlib
@@ -159,16 +160,8 @@ def main(argv=None) -> list[Row]:
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args(argv)
     dev = torch.device("cpu") if args.smoke else benchlib.require_gpu()
-    rows: list[Row] = []
-    for name in MODELS:
-        if args.only in (None, name):
-            try:
-                bench_model(name, args, dev, rows)
-            except Exception as exc:  # noqa: BLE001 - one model failing still reports the other
-                rows.append(benchlib.failed_row("muon_owner", name, exc))
-    if args.out:
-        benchlib.write_json(rows, args.out)
-    return rows
+    parts = {name: functools.partial(bench_model, name, args, dev) for name in MODELS}
+    return benchlib.run_parts("muon_owner", parts, args.only, args.out)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,22 @@ def failed_row(bench: str, case: str, exc: BaseException) -> Row:
     return error_row(bench, case, exc)
 
 
+def run_parts(bench: str, parts: dict[str, Callable[[list[Row]], None]], only: str | None,
+              out: str | None) -> list[Row]:
+    """Each part (or only ``only``) appends its rows; a part that raises becomes a :func:`failed_row` and the
+    others still run. The rows are written to ``out`` as JSON when given."""
+    rows: list[Row] = []
+    for name, part in parts.items():
+        if only in (None, name):
+            try:
+                part(rows)
+            except Exception as exc:  # noqa: BLE001 - one part failing still reports the others
+                rows.append(failed_row(bench, name, exc))
+    if out:
+        write_json(rows, out)
+    return rows
+
+
 def require_gpu() -> torch.device:
     if not torch.cuda.is_available():
         raise SystemExit("these benchmarks need a CUDA/ROCm GPU (torch.cuda.is_available() is False)")
