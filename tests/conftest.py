@@ -39,3 +39,23 @@ def no_spawn(monkeypatch):
         raise AssertionError(f"ranks were spawned for {opts}")
 
     monkeypatch.setattr(launcher, "launch", forbidden)
+
+
+@pytest.fixture
+def count_launches(monkeypatch):
+    """``count_launches(module, name)``: the launch grids of the Triton kernel ``module.name``, appended to the
+    list it returns as the kernel launches (it still runs)."""
+
+    def install(module, name: str) -> list:
+        grids = []
+        real = getattr(module, name)
+
+        class Counted:
+            def __getitem__(self, grid):
+                grids.append(grid)
+                return real[grid]
+
+        monkeypatch.setattr(module, name, Counted())
+        return grids
+
+    return install

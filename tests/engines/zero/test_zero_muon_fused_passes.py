@@ -151,7 +151,7 @@ def test_the_ops_take_the_previous_steps_bit_for_bit_in_no_more_dispatcher_calls
         print("\n" + "\n".join(report))
 
 
-def test_the_triton_builders_launch_once_a_round_a_pass(monkeypatch):
+def test_the_triton_builders_launch_once_a_round_a_pass(count_launches):
     """The engine's step with ``muon_momentum`` / ``muon_apply`` served by the Triton kernels (the registry serves
     them only on cuda: here they are put in the engine's ``ops`` directly, after each call's contract check)."""
     from types import SimpleNamespace
@@ -161,15 +161,7 @@ def test_the_triton_builders_launch_once_a_round_a_pass(monkeypatch):
     from polyaccel.plugins.cuda.kernels import muon_passes as kernels
 
     torch.set_num_threads(1)
-    launches = {"_momentum_kernel": 0, "_apply_kernel": 0}
-    for name in launches:
-        real = getattr(kernels, name)
-
-        class Counted:
-            def __getitem__(self, grid, _real=real, _name=name):
-                launches[_name] += 1
-                return _real[grid]
-        monkeypatch.setattr(kernels, name, Counted())
+    grids = {name: count_launches(kernels, name) for name in ("_momentum_kernel", "_apply_kernel")}
 
     def momentum(*a, **kw):
         contract.check_muon_momentum(*a, **kw)
@@ -187,6 +179,7 @@ def test_the_triton_builders_launch_once_a_round_a_pass(monkeypatch):
     new = _train(torch.float32, False, triton=triton, **params)
     old = _train(torch.float32, True, **params)
     rounds = new[4]
+    launches = {name: len(g) for name, g in grids.items()}
     assert launches == {"_momentum_kernel": rounds * STEPS, "_apply_kernel": rounds * STEPS}, (launches, rounds)
     for key, want in old[1].items():
         torch.testing.assert_close(new[1][key], want, rtol=1e-5, atol=1e-6, msg=key)

@@ -38,15 +38,8 @@ def test_aligned_pieces_take_the_vector_path_and_match_the_reference():
         torch.testing.assert_close(o.double(), o2, rtol=1e-6, atol=1e-7)
 
 
-def test_one_launch_per_call_and_the_table_is_kept(monkeypatch):
-    launches = []
-    real = kn._momentum_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-    monkeypatch.setattr(kn, "_momentum_kernel", Counted())
+def test_one_launch_per_call_and_the_table_is_kept(count_launches):
+    launches = count_launches(kn, "_momentum_kernel")
     kn.clear_cache()
     lengths = [37, 100, 5, 64]
     offsets = [0, 40, 150, 160]

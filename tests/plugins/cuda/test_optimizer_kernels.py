@@ -164,22 +164,14 @@ def test_lamb_trust_ratio_sums_more_chunks_than_one_reduction_block():
     _check([lists[0]], [want[0]], ["params"])
 
 
-def test_many_tensors_one_launch_per_dtype_group(monkeypatch):
+def test_many_tensors_one_launch_per_dtype_group(count_launches):
     sizes = [int(x) for x in torch.randint(0, 90, (60,), generator=torch.Generator().manual_seed(2))]
     lists = _make(sizes, torch.float32, torch.float32, 2, seed=4)
     # mix in bf16 params with fp32 state: a second dtype group, so exactly two launches
     bf = _make([17, 70], torch.bfloat16, torch.float32, 2, seed=9)
     lists = [a + b for a, b in zip(lists, bf, strict=True)]
     want = _f64(lists)
-    launches = []
-    real = K._adam_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(K, "_adam_kernel", Counting())
+    launches = count_launches(K, "_adam_kernel")
     K.fused_adam(*lists, step=4, weight_decay=0.01, **ADAM_HP)
     ref.fused_adam(*want, step=4, weight_decay=0.01, **ADAM_HP)
     assert len(launches) == 2
