@@ -149,26 +149,37 @@ def _check(op: str, lists) -> torch.device:
     return device
 
 
-def _build_group(lists, indices, dtypes, device, config) -> ChunkGroup:
-    n = len(indices)
-    chunk = config[0] * config[1]
-    addr_rows = [[lst[i].data_ptr() for i in indices] for lst in lists]
-    numels = torch.tensor([lists[0][i].numel() for i in indices], dtype=torch.int64)
-    per = (numels + chunk - 1) // chunk
+def chunk_layout(lengths: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Programs of ``chunk`` elements over runs of ``lengths`` (int64, on the host): ``first`` [N+1] (run i owns
+    programs ``first[i] : first[i+1]``), and per program its run and its start within the run."""
+    n = len(lengths)
+    per = (lengths + chunk - 1) // chunk
     first = torch.zeros(n + 1, dtype=torch.int64)
     torch.cumsum(per, 0, out=first[1:])
-    n_chunks = int(first[-1])
-    chunk_tensor = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), per)
-    chunk_start = (torch.arange(n_chunks, dtype=torch.int64) - first[chunk_tensor]) * chunk
+    owner = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), per)
+    start = (torch.arange(int(first[-1]), dtype=torch.int64) - first[owner]) * chunk
+    return first, owner, start
+
+
+def upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``host`` on ``device`` without waiting for the device, and the pinned staging copy (None on the host).
+    A copy from pageable memory would first wait for the stream's queued work; through pinned memory it is
+    queued like a kernel."""
+    if device.type != "cuda":
+        return host, None
+    staging = host.pin_memory()
+    return staging.to(device, non_blocking=True), staging
+
+
+def _build_group(lists, indices, dtypes, device, config) -> ChunkGroup:
+    n = len(indices)
+    addr_rows = [[lst[i].data_ptr() for i in indices] for lst in lists]
+    numels = torch.tensor([lists[0][i].numel() for i in indices], dtype=torch.int64)
+    first, chunk_tensor, chunk_start = chunk_layout(numels, config[0] * config[1])
+    n_chunks = len(chunk_start)
     addrs = torch.tensor(addr_rows, dtype=torch.int64).reshape(-1)
     aligned = all(a % 16 == 0 for row in addr_rows for a in row)
-    host = torch.cat([addrs, numels, first, chunk_start, chunk_tensor])
-    staging = None
-    if device.type == "cuda":
-        staging = host.pin_memory()
-        dev = staging.to(device, non_blocking=True)
-    else:
-        dev = host
+    dev, staging = upload(torch.cat([addrs, numels, first, chunk_start, chunk_tensor]), device)
     parts = torch.split(dev, [len(addrs), n, n + 1, n_chunks, n_chunks])
     return ChunkGroup(indices=list(indices), dtypes=dtypes, config=config, n_tensors=n, n_chunks=n_chunks,
                       aligned=aligned, addrs=parts[0], numels=parts[1], first_chunk=parts[2], chunk_start=parts[3],

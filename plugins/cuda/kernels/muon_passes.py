@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -28,7 +28,7 @@ from polyaccel.errors import OpArgumentError
 from polyaccel.ops.reference import muon_passes as ref
 
 from ..triton_support import interpreting
-from .chunk_table import launch_config
+from .chunk_table import chunk_layout, launch_config, upload
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 #: offsets aligned to this many elements let the kernels load whole vectors
@@ -49,6 +49,7 @@ class PieceTable:
     lengths: torch.Tensor
     chunk_piece: torch.Tensor
     chunk_start: torch.Tensor
+    _staging: torch.Tensor | None = field(default=None, repr=False)
 
 
 _tables: OrderedDict[tuple, PieceTable] = OrderedDict()
@@ -56,18 +57,10 @@ _lock = threading.Lock()
 
 
 def clear_cache() -> None:
+    """Drop the cached piece and factor tables."""
     with _lock:
         _tables.clear()
-
-
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device`` without waiting for the device: a copy from pageable memory first waits for the
-    stream's queued work, and with a learning-rate schedule the factor table is new at every step (a round
-    each). Through pinned memory the copy is queued like a kernel (torch's pinned-memory cache keeps the staging
-    buffer until the copy has run)."""
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+        _factors.clear()
 
 
 def piece_table(offset_lists, lengths, chunk: int, device: torch.device) -> PieceTable | None:
@@ -80,20 +73,15 @@ def piece_table(offset_lists, lengths, chunk: int, device: torch.device) -> Piec
             return table
     n = len(lengths)
     lens = torch.tensor(lengths, dtype=torch.int64)
-    per = (lens + chunk - 1) // chunk
-    first = torch.zeros(n + 1, dtype=torch.int64)
-    torch.cumsum(per, 0, out=first[1:])
-    n_chunks = int(first[-1])
+    _, chunk_piece, chunk_start = chunk_layout(lens, chunk)
+    n_chunks = len(chunk_start)
     if n_chunks == 0:
         return None
-    chunk_piece = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), per)
-    chunk_start = (torch.arange(n_chunks, dtype=torch.int64) - first[chunk_piece]) * chunk
     offs = torch.tensor([o for lst in offset_lists for o in lst], dtype=torch.int64)
     aligned = all(o % _ALIGN == 0 for lst in offset_lists for o in lst)
-    host = torch.cat([offs, lens, chunk_piece, chunk_start])
-    dev = _upload(host, device)
+    dev, staging = upload(torch.cat([offs, lens, chunk_piece, chunk_start]), device)
     parts = torch.split(dev, [len(offs), n, n_chunks, n_chunks])
-    table = PieceTable(n, n_chunks, aligned, *parts)
+    table = PieceTable(n, n_chunks, aligned, *parts, _staging=staging)
     with _lock:
         _tables[key] = table
         while len(_tables) > _CACHE_SIZE:
@@ -256,7 +244,8 @@ def _factor_table(lr: float, weight_decays, lr_scales, device: torch.device) -> 
             _factors.move_to_end(key)
             return got
     pairs = [v for wd, s in zip(weight_decays, lr_scales, strict=True) for v in (1 - lr * wd, -lr * s)]
-    table = _upload(torch.tensor(pairs, dtype=torch.float64).to(torch.float32), device)
+    # uploaded without waiting for the device: with a learning-rate schedule the table is new at every step
+    table, _ = upload(torch.tensor(pairs, dtype=torch.float64).to(torch.float32), device)
     with _lock:
         _factors[key] = table
         while len(_factors) > _CACHE_SIZE:

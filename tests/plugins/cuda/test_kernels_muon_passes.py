@@ -67,9 +67,11 @@ def test_a_planted_defect_fails_the_conformance_check():
         cases.check_muon_apply(apply_without_decay, CPU, torch.float32)
 
 
-def test_tables_reach_a_device_through_pinned_memory_without_waiting():
+def test_tables_reach_a_device_through_pinned_memory_without_waiting(monkeypatch):
     """A learning-rate schedule makes muon_apply's factor table new at every step: its upload must be queued
     (pinned, non-blocking), never a pageable copy that first waits for the device's queued work."""
+    from polyaccel.plugins.cuda.kernels import chunk_table
+
     calls = []
 
     class Host:
@@ -81,7 +83,14 @@ def test_tables_reach_a_device_through_pinned_memory_without_waiting():
             calls.append(("to", str(device), non_blocking))
             return "on device"
 
-    assert kn._upload(Host(), torch.device("cuda", 0)) == "on device"
+    staged = Host()
+    assert chunk_table.upload(staged, torch.device("cuda", 0)) == ("on device", staged)
     assert calls == ["pin_memory", ("to", "cuda:0", True)]
     host = torch.arange(4.0)
-    assert kn._upload(host, CPU) is host  # (the interpreter's CPU tensors: no copy at all)
+    assert chunk_table.upload(host, CPU) == (host, None)  # (the interpreter's CPU tensors: no copy at all)
+    uploaded = []
+    monkeypatch.setattr(kn, "upload", lambda t, device: uploaded.append(device) or chunk_table.upload(t, device))
+    kn.clear_cache()
+    kn._factor_table(0.01, [0.1], [1.0], CPU)
+    kn.piece_table(([0], [0]), [5], 4, CPU)
+    assert uploaded == [CPU, CPU]  # both tables go through it
