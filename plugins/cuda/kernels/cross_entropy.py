@@ -34,7 +34,7 @@ from polyaccel.ops.chunked_loss import make_linear_cross_entropy
 BLOCK_V = 4096
 NUM_WARPS = 8
 #: the fused kernel's columns per step and warps (one program an SM: its rows stay in L2 between the passes;
-#: H100, vocab 128256: 7.5 ms a Llama-3-8B loss at 32768 columns, 8.1 at 16384, 9.1 at 8192)
+#: one H100 call, vocab 128256: 7.5 ms a Llama-3-8B loss at 32768 columns, 8.1 at 16384, 9.1 at 8192)
 FUSED_BLOCK = 32768
 FUSED_WARPS = 32
 #: elements per program of the backward's scaling
