@@ -85,27 +85,61 @@ def main() -> int:
 
 def phase_times(engine, acc, data) -> str:
     """Forward, backward and optimizer step timed apart (synchronised between them, no profiler): the
-    optimizer's share of a step, host work included, for comparing optimizers."""
+    optimizer's share of a step, host work included, for comparing optimizers. Beside each phase: the host's
+    share (until the phase's calls return, before the wait), the time in Python's garbage collector and the
+    device allocator's fresh allocations, retries and whole-device syncs during it (a phase slower after one
+    optimizer than after another with the same kernels is slowed by one of these)."""
+    import gc
     import statistics
     import time
 
-    times = {"forward": [], "backward": [], "step": []}
-    for ids in data:
-        acc.synchronize()
-        t0 = time.perf_counter()
-        loss = engine(input_ids=ids, labels=ids).loss
-        acc.synchronize()
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        acc.synchronize()
-        t2 = time.perf_counter()
-        engine.step()
-        acc.synchronize()
-        t3 = time.perf_counter()
-        for key, ms in zip(times, ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3), strict=True):
-            times[key].append(ms)
-    return "phases (median ms, synchronised apart): " + ", ".join(
-        f"{k} {statistics.median(v):.2f}" for k, v in times.items())
+    gc_ms = [0.0]
+    started = [0.0]
+
+    def on_gc(phase, _info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            gc_ms[0] += (time.perf_counter() - started[0]) * 1e3
+
+    keys = ("num_device_alloc", "num_alloc_retries", "num_sync_all_streams")
+
+    def counters():
+        try:
+            stats = acc.memory_stats()
+        except Exception:  # a plugin without memory statistics
+            return dict.fromkeys(keys, 0)
+        return {k: stats.get(k, 0) for k in keys}
+
+    rows: dict[str, dict[str, list[float]]] = {}
+    phases = {
+        "forward": lambda ids, _: engine(input_ids=ids, labels=ids).loss,
+        "backward": lambda _, loss: engine.backward(loss),
+        "step": lambda _, __: engine.step(),
+    }
+    gc.callbacks.append(on_gc)
+    try:
+        for ids in data:
+            loss = None
+            for name, run in phases.items():
+                acc.synchronize()
+                before, gc_ms[0] = counters(), 0.0
+                t0 = time.perf_counter()
+                out = run(ids, loss)
+                t1 = time.perf_counter()
+                acc.synchronize()
+                t2 = time.perf_counter()
+                loss = out if name == "forward" else loss
+                after = counters()
+                row = rows.setdefault(name, {})
+                for key, value in (("ms", (t2 - t0) * 1e3), ("host ms", (t1 - t0) * 1e3), ("gc ms", gc_ms[0]),
+                                   *((k, after[k] - before[k]) for k in keys)):
+                    row.setdefault(key, []).append(value)
+    finally:
+        gc.callbacks.remove(on_gc)
+    return "phases (median, synchronised apart):\n" + "\n".join(
+        f"  {name:8s} " + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in row.items())
+        for name, row in rows.items())
 
 
 if __name__ == "__main__":
