@@ -119,11 +119,19 @@ def bench_newton_schulz(args, dev, rows: list[Row]) -> None:
 #: engines/zero/muon.py batches it: every block in the wide orientation, one call per wide shape (here all
 #: rounds merged: the fewest, largest calls; a gather_bucket_size below the model's Muon elements splits them)
 ZERO_SHAPES = {"220m": [(48, 1024, 1024), (36, 1024, 2816)], "1b": [(64, 2048, 2048), (48, 2048, 5632)]}
+#: --sweep of the ZeRO shapes: each batch as the engine hands it over (q/k/v/o square; gate and up tall, iterated
+#: as their column-major transposed view; down wide)
+ZERO_SWEEP_SHAPES = {"220m": [(48, 1024, 1024), (24, 2816, 1024), (12, 1024, 2816)],
+                     "1b": [(64, 2048, 2048), (32, 5632, 2048), (16, 2048, 5632)]}
+ZERO_SWEEP = [*SWEEP, (128, 256, 64, 8, 4, 8), (64, 256, 64, 4, 3, 8), (128, 128, 64, 4, 3, 8),
+              (128, 64, 64, 4, 4, 8), (64, 64, 64, 4, 4, 8), (128, 128, 64, 8, 4, 4)]
 
 
 def bench_zero_shapes(args, dev, rows: list[Row]) -> None:
     """The ZeRO Muon step's Newton-Schulz at world size 1: the Triton op and the reference composition (cuBLAS
-    baddbmm) on each wide-shape batch, and their sum: the least a Muon step costs over an AdamW step there."""
+    baddbmm) on each wide-shape batch, and their sum: the least a Muon step costs over an AdamW step there.
+    With ``--sweep``, each batch as the engine hands it over, under every tile configuration of
+    :data:`ZERO_SWEEP` against the default."""
     kns = _kernels()
     for size, shapes in ZERO_SHAPES.items():
         total = {"ours": 0.0, "reference": 0.0}
@@ -143,6 +151,29 @@ def bench_zero_shapes(args, dev, rows: list[Row]) -> None:
                         "reference (torch baddbmm)", total["reference"], total["ours"],
                         detail="the floor of the Muon step's cost over the AdamW step at world size 1"))
         print(f"{size} total: ours {total['ours']:.2f} ms, reference {total['reference']:.2f} ms", flush=True)
+        if args.sweep:
+            _sweep_zero_shapes(kns, size, dev, rows)
+
+
+def _sweep_zero_shapes(kns, size: str, dev, rows: list[Row]) -> None:
+    for b, m, n in ZERO_SWEEP_SHAPES[size]:
+        x = torch.randn(b, m, n, device=dev, dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        default = kns.default_config(min(m, n), max(m, n))
+        base_ms = time_ms(lambda x=x, out=out: kns.newton_schulz(x, out=out))
+        best = (default, base_ms)
+        for cfg in ZERO_SWEEP:
+            tc = kns.TileConfig(*cfg)
+            try:
+                ms = time_ms(lambda tc=tc, x=x, out=out: kns.newton_schulz(x, out=out, config=tc))
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                print(f"  sweep {size} {b}x{m}x{n} {cfg}: failed {type(exc).__name__}", flush=True)
+                continue
+            print(f"  sweep {size} {b}x{m}x{n} {cfg}: {ms:.3f} ms ({base_ms / ms:.2f}x the default)", flush=True)
+            if ms < best[1]:
+                best = (tc, ms)
+        rows.append(Row("muon", f"ZeRO {size} batch {b} x {m}x{n}: best swept tile {best[0]}", "ms",
+                        f"default tile {default}", base_ms, best[1]))
 
 
 def _matrices(layers: int, hidden: int, dev):

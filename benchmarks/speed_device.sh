@@ -9,6 +9,7 @@
 #   muon1b     the same at 1B, stage 1 only (<= 1.15x)
 #   muonprof   zero_profile.py, 220M stage 1, AdamW then Muon: forward/backward/step apart and where the time goes
 #              (host share, GC, allocator counts a phase; a Chrome trace each, gzipped)
+#   nssweep    bench_muon.py --only zero --sweep: the Newton-Schulz of the ZeRO batches under each tile configuration
 #   muonowner  bench_muon_owner.py, whole and per head: ZeRO Muon's owner's part, previous path vs in-place batches
 #   offload1b  zero_gpu.py --size 1b: stage 3 + offload_optimizer + offload_param vs FSDP2 + CPUOffloadPolicy (<= 0.85x)
 #   offthreads the same polyaccel row (no peer) with the host step's worker on 14 and 12 threads, beside offload1b's
@@ -34,6 +35,8 @@ for step in "$@"; do
     muonprof) (cd benchmarks && for opt in "" --muon; do
                  TAIL=2 run "prof${opt:-_adamw}" 150 python3 zero_profile.py --stage 1 $opt --rows 30 \
                    --trace "$OUT/trace${opt:-_adamw}.json"; gzip -f "$OUT/trace${opt:-_adamw}.json"; done) ;;
+    nssweep) (cd benchmarks && TAIL=4 run nssweep 280 python3 bench_muon.py --only zero --sweep \
+                --out "$OUT/nssweep.json") ;;
     muonowner) (cd benchmarks && for heads in "" --per-head; do
                   TAIL=30 run "owner${heads:-_whole}" 200 python3 bench_muon_owner.py $heads \
                     --out "$OUT/owner${heads:-_whole}.json"; done) ;;
