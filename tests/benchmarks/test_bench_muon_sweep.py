@@ -10,10 +10,8 @@ import pathlib
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
-
 
 SHAPES = {"220m": [(2, 48, 32), (2, 32, 48)]}
 TILES = [(32, 32, 32, 4, 3, 8), (16, 32, 16, 4, 3, 8)]
@@ -32,10 +30,7 @@ def bench(monkeypatch):
 def _fake_times(bench, monkeypatch, ms_of_tile):
     """time_ms runs the call once and returns the time given for the tile it was called with."""
     kns = importlib.import_module("polyaccel.plugins.cuda.kernels.newton_schulz")
-    seen = []
-
     def time_ms(fn, **_):
-        seen.append(None)
         fn()
         return 1.0
 
@@ -79,4 +74,4 @@ def test_a_tile_with_a_wrong_result_is_never_the_best(bench, monkeypatch):
     bench._sweep_zero_shapes(kns, "220m", "cpu", rows)
     for r in rows:
         assert str(kns.TileConfig(*TILES[0])) in r.case and r.ours == 2.0, r.case
-    assert torch.isfinite(torch.tensor([r.ours for r in rows])).all()
+    assert len(rows) == len(SHAPES["220m"])
