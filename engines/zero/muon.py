@@ -187,11 +187,13 @@ class MuonPartitionOptimizer(OffloadedMuonStep, PartitionOptimizer):
             self.step_slice(grad, 0, self.master.numel())
             self.finish_step()
             return
-        self._adam_step(grad, self.adam_pieces)
+        # the rounds first: after backward the device waits for the step's first launch, and a round's first
+        # pass is prepared fastest; the Adam pieces (disjoint elements) are prepared while the device orthogonalizes
         for rnd, pieces in zip(self.rounds, self.round_pieces, strict=True):
             send = self._new_buffer(rnd, pieces)
             self._fill(pieces, grad, send, rnd.chunk)
             self._apply(pieces, self._orthogonalized(rnd, send), rnd.chunk)
+        self._adam_step(grad, self.adam_pieces)
 
     # ------------------------------------------------------------ the element-wise passes
     def _adam_step(self, grad: torch.Tensor, adam_pieces) -> None:
