@@ -13,7 +13,9 @@
     ``polyaccel.optim.Muon`` (through ``polyaccel.ops.fused_muon``: the cuda plugin's builder),
     same hyperparameters; the two results after one step are compared too.
 (c) ZeRO Muon's Newton-Schulz a step at world size 1 (220M and 1B Llama, batched by wide shape as the
-    engine does): the Triton op against the reference composition per batch, and the sum.
+    engine does): the Triton op against the reference composition per batch, and the sum. With ``--sweep``,
+    each batch as the engine hands it over (square, tall, wide) under each tile configuration, every tile's
+    result checked against the default tile's.
 """
 
 from __future__ import annotations

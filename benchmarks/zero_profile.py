@@ -93,6 +93,8 @@ def phase_times(engine, acc, data) -> str:
     import statistics
     import time
 
+    from polyaccel.errors import Unsupported
+
     gc_ms = [0.0]
     started = [0.0]
 
@@ -107,7 +109,7 @@ def phase_times(engine, acc, data) -> str:
     def counters():
         try:
             stats = acc.memory_stats()
-        except Exception:  # a plugin without memory statistics
+        except Unsupported:  # a plugin without memory statistics
             return dict.fromkeys(keys, 0)
         return {k: stats.get(k, 0) for k in keys}
 
