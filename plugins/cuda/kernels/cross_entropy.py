@@ -72,7 +72,7 @@ def _stats_kernel(z_ptr, target_ptr, lse_ptr, picked_ptr, V, stride, ACC: tl.con
 @triton.jit
 def _grad_kernel(z_ptr, lse_ptr, target_ptr, coef_ptr, scale_ptr, V, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # columns (V < 2**31) in 32 bits, the row in 64
     mask = offs < V
     ptrs = z_ptr + row * stride + offs
     lse = tl.load(lse_ptr + row)
