@@ -36,9 +36,9 @@ def test_bad_out_is_refused_naming_it_and_nothing_is_written():
     buf = torch.randn(2, 3, 6, 10)
     cases = {
         "a list": ([0.0],),
-        "another shape": (torch.empty(3, 10, 6),),
-        "another dtype": (torch.empty(3, 6, 10, dtype=torch.float64),),
-        "expanded": (torch.empty(1, 6, 10).expand(3, 6, 10),),
+        "another shape": (torch.randn(3, 10, 6),),
+        "another dtype": (torch.randn(3, 6, 10, dtype=torch.float64),),
+        "expanded": (torch.randn(1, 6, 10).expand(3, 6, 10),),
     }
     for name, (out,) in cases.items():
         before = out.clone() if isinstance(out, torch.Tensor) else None
