@@ -27,9 +27,11 @@ def bench(monkeypatch):
     return bench_muon
 
 
-def _fake_times(bench, monkeypatch, ms_of_tile):
-    """time_ms runs the call once and returns the time given for the tile it was called with."""
+def _fake_times(bench, monkeypatch, result_of_tile):
+    """time_ms runs the call once and says 1 ms; newton_schulz counts its calls by tile and hands its result
+    through ``result_of_tile(tile, result)``. Returns the counts."""
     kns = importlib.import_module("polyaccel.plugins.cuda.kernels.newton_schulz")
+
     def time_ms(fn, **_):
         fn()
         return 1.0
@@ -40,7 +42,7 @@ def _fake_times(bench, monkeypatch, ms_of_tile):
     def newton_schulz(x, **kw):
         calls.setdefault(kw.get("config"), 0)
         calls[kw.get("config")] += 1
-        return ms_of_tile(kw.get("config"), real(x, **kw))
+        return result_of_tile(kw.get("config"), real(x, **kw))
 
     monkeypatch.setattr(bench, "time_ms", time_ms)
     monkeypatch.setattr(kns, "newton_schulz", newton_schulz)
