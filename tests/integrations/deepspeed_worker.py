@@ -166,10 +166,11 @@ def main() -> None:
 def exit_before_finalization() -> None:
     """Leave without Python's finalization, once every rank has its results and the group is destroyed.
 
-    DeepSpeed keeps its gloo groups referenced, so their worker threads outlive the interpreter's own state. A worker
-    that finishes the last barrier drops the collectives it held, and with them the last reference to a tensor whose
-    Python object is still alive; that decref takes the GIL, which a finalizing interpreter refuses by ending the
-    thread, and ending a thread inside a C++ destructor aborts the rank ("terminate called without an active
+    DeepSpeed's objects hold its gloo groups in reference cycles that only the interpreter's last collection frees, so
+    the groups' worker threads outlive Python's own state. A worker that finishes the last barrier drops the
+    collectives it held, and with them the last reference to a tensor whose Python object is still alive; that decref
+    takes the GIL, which a finalizing interpreter refuses by ending the thread, and ending a thread inside a C++
+    destructor aborts the rank ("terminate called without an active
     exception"; seen in both modes, mostly on the rank that does not write the results). Nothing under test runs
     after this point."""
     sys.stdout.flush()
