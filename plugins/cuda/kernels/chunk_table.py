@@ -22,7 +22,7 @@ import operator
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from polyaccel.errors import ConfigError, OpArgumentError
@@ -106,7 +106,6 @@ class ChunkGroup:
     first_chunk: torch.Tensor
     chunk_start: torch.Tensor
     chunk_tensor: torch.Tensor
-    _staging: torch.Tensor | None = field(default=None, repr=False)
 
 
 @dataclass(eq=False)
@@ -161,14 +160,13 @@ def chunk_layout(lengths: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch
     return first, owner, start
 
 
-def upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``host`` on ``device`` without waiting for the device, and the pinned staging copy (None on the host).
-    A copy from pageable memory would first wait for the stream's queued work; through pinned memory it is
-    queued like a kernel."""
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without waiting for the device. A copy from pageable memory would first wait for the
+    stream's queued work; through pinned memory it is queued like a kernel, and torch's pinned-memory cache keeps
+    the staging buffer until the copy has run (nobody needs to hold it)."""
     if device.type != "cuda":
-        return host, None
-    staging = host.pin_memory()
-    return staging.to(device, non_blocking=True), staging
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _build_group(lists, indices, dtypes, device, config) -> ChunkGroup:
@@ -179,11 +177,11 @@ def _build_group(lists, indices, dtypes, device, config) -> ChunkGroup:
     n_chunks = len(chunk_start)
     addrs = torch.tensor(addr_rows, dtype=torch.int64).reshape(-1)
     aligned = all(a % 16 == 0 for row in addr_rows for a in row)
-    dev, staging = upload(torch.cat([addrs, numels, first, chunk_start, chunk_tensor]), device)
+    dev = upload(torch.cat([addrs, numels, first, chunk_start, chunk_tensor]), device)
     parts = torch.split(dev, [len(addrs), n, n + 1, n_chunks, n_chunks])
     return ChunkGroup(indices=list(indices), dtypes=dtypes, config=config, n_tensors=n, n_chunks=n_chunks,
                       aligned=aligned, addrs=parts[0], numels=parts[1], first_chunk=parts[2], chunk_start=parts[3],
-                      chunk_tensor=parts[4], _staging=staging)
+                      chunk_tensor=parts[4])
 
 
 def table_for(op: str, lists) -> ChunkTable | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -49,7 +49,6 @@ class PieceTable:
     lengths: torch.Tensor
     chunk_piece: torch.Tensor
     chunk_start: torch.Tensor
-    _staging: torch.Tensor | None = field(default=None, repr=False)
 
 
 _tables: OrderedDict[tuple, PieceTable] = OrderedDict()
@@ -79,9 +78,9 @@ def piece_table(offset_lists, lengths, chunk: int, device: torch.device) -> Piec
         return None
     offs = torch.tensor([o for lst in offset_lists for o in lst], dtype=torch.int64)
     aligned = all(o % _ALIGN == 0 for lst in offset_lists for o in lst)
-    dev, staging = upload(torch.cat([offs, lens, chunk_piece, chunk_start]), device)
+    dev = upload(torch.cat([offs, lens, chunk_piece, chunk_start]), device)
     parts = torch.split(dev, [len(offs), n, n_chunks, n_chunks])
-    table = PieceTable(n, n_chunks, aligned, *parts, _staging=staging)
+    table = PieceTable(n, n_chunks, aligned, *parts)
     with _lock:
         _tables[key] = table
         while len(_tables) > _CACHE_SIZE:
@@ -245,7 +244,7 @@ def _factor_table(lr: float, weight_decays, lr_scales, device: torch.device) -> 
             return got
     pairs = [v for wd, s in zip(weight_decays, lr_scales, strict=True) for v in (1 - lr * wd, -lr * s)]
     # uploaded without waiting for the device: with a learning-rate schedule the table is new at every step
-    table, _ = upload(torch.tensor(pairs, dtype=torch.float64).to(torch.float32), device)
+    table = upload(torch.tensor(pairs, dtype=torch.float64).to(torch.float32), device)
     with _lock:
         _factors[key] = table
         while len(_factors) > _CACHE_SIZE:

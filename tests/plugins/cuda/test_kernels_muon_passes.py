@@ -84,10 +84,10 @@ def test_tables_reach_a_device_through_pinned_memory_without_waiting(monkeypatch
             return "on device"
 
     staged = Host()
-    assert chunk_table.upload(staged, torch.device("cuda", 0)) == ("on device", staged)
+    assert chunk_table.upload(staged, torch.device("cuda", 0)) == "on device"
     assert calls == ["pin_memory", ("to", "cuda:0", True)]
     host = torch.arange(4.0)
-    assert chunk_table.upload(host, CPU) == (host, None)  # (the interpreter's CPU tensors: no copy at all)
+    assert chunk_table.upload(host, CPU) is host  # (the interpreter's CPU tensors: no copy at all)
     uploaded = []
     monkeypatch.setattr(kn, "upload", lambda t, device: uploaded.append(device) or chunk_table.upload(t, device))
     kn.clear_cache()
